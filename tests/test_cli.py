@@ -1,0 +1,73 @@
+"""The `elm` command line, run as a real subprocess (exit codes, stderr, JSON)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def elm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "elm_memory.cli", *args], capture_output=True, text=True, timeout=timeout
+    )
+
+
+def test_help_lists_the_commands():
+    r = elm("--help")
+    assert r.returncode == 0
+    for command in ("solve", "demo", "model", "config"):
+        assert command in r.stdout
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["solve", "   ", "--preset", "cpu-tiny"], "error: question is empty"),
+        (["solve", "hi", "--preset", "nope"], "error: unknown preset 'nope'"),
+        (["solve", "hi", "--set", "training.stepz=3"], "error: invalid config: unknown config key 'training.stepz'"),
+        (["solve", "hi", "--config", "/nonexistent.yaml"], "error: cannot read config file"),
+        (["solve", "hi", "--set", "model.name_or_path=packaged:nope"], "error: unknown packaged model 'packaged:nope'"),
+        (["solve", "hi", "--set", "model.name_or_path=/tmp/definitely-missing.gguf"], "error: GGUF file not found"),
+    ],
+)
+def test_bad_input_is_one_line_no_traceback(args, message):
+    r = elm(*args)
+    assert r.returncode == 2
+    assert r.stderr.strip().startswith(message), r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_config_show_prints_effective_yaml():
+    import yaml
+
+    r = elm("config", "show", "--preset", "cpu-tiny", "--set", "training.steps=4")
+    assert r.returncode == 0, r.stderr
+    data = yaml.safe_load(r.stdout)
+    assert data["model"]["name_or_path"] == "packaged:smollm2-135m" and data["training"]["steps"] == 4
+    assert "cpu-demo" in elm("config", "presets").stdout
+
+
+def test_model_list_shows_both_packaged_models():
+    r = elm("model", "list")
+    assert r.returncode == 0
+    assert "packaged:qwen2.5-coder-0.5b" in r.stdout and "packaged:smollm2-135m" in r.stdout
+
+
+@pytest.mark.model
+def test_solve_json_on_the_real_tiny_model():
+    r = elm("solve", "What is 2+3?", "--preset", "cpu-tiny", "--json", "--namespace", "t")
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert {"answer", "response", "route", "memory_id", "timings"} <= out.keys()
+    assert out["route"] == "zero_shot" and out["memory_id"] is None
+    assert isinstance(out["response"], str) and out["response"]
+    assert out["timings"]["total"] > 0
+
+
+@pytest.mark.model
+def test_over_long_question_is_refused_by_the_cli():
+    r = elm("solve", "word " * 9000, "--preset", "cpu-tiny")
+    assert r.returncode == 2 and "question too long" in r.stderr
