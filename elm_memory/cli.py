@@ -94,6 +94,55 @@ def solve(
 
 @app.command()
 @_handle_errors
+def learn(
+    question: Annotated[str, typer.Argument(help="The question to learn a memory from (no answer needed).")],
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    namespace: NamespaceOpt = None,
+    json_out: JsonOpt = False,
+    set_: SetOpt = None,
+    save: Annotated[Optional[Path], typer.Option(help="Also write the memory to this .safetensors file.")] = None,
+) -> None:
+    """Learn a latent memory from one question: GRPO on a soft prompt with majority-vote rewards."""
+    from elm_memory.elm import ELM
+
+    cfg = _load_config(config, preset, namespace, set_)
+    elm = ELM(cfg)
+    memory = elm.learn(question, namespace=cfg.namespace)
+    if save is not None:
+        memory.save(save)
+    s = memory.meta.stats
+    summary = {
+        "memory_id": memory.id,
+        "namespace": memory.meta.namespace,
+        "engine": s.engine,
+        "objective": s.objective,
+        "steps": s.steps,
+        "mean_reward": s.mean_reward,
+        "kl": s.kl,
+        "loss": s.loss,
+        "skipped_backward": s.skipped_backward,
+        "majority_answer": s.majority_answer,
+        "majority_share": s.majority_share,
+        "no_consensus": s.no_consensus,
+        "seconds": round(s.seconds, 2),
+        "saved_to": str(save) if save else None,
+    }
+    if json_out:
+        typer.echo(json.dumps(summary, ensure_ascii=False))
+        return
+    typer.echo(f"memory {memory.id} ({s.engine}/{s.objective}, {s.steps} steps, {s.seconds:.1f} s)")
+    rewards = ", ".join(f"{r:.2f}" for r in s.mean_reward) or "-"
+    typer.echo(f"  mean reward per step: {rewards}")
+    typer.echo(f"  majority answer: {s.majority_answer} (share {s.majority_share:.2f})")
+    if s.no_consensus:
+        typer.echo("  no rollout produced an answer: memory flagged no_consensus")
+    if save:
+        typer.echo(f"  saved to {save}")
+
+
+@app.command()
+@_handle_errors
 def demo(
     dataset: Annotated[str, typer.Option(help="Vendored dataset: gsm8k, math500, amc23, aime24.")] = "gsm8k",
     limit: Annotated[int, typer.Option(min=1, help="Number of questions from the start of the stream.")] = 3,

@@ -116,6 +116,13 @@ class TrainingConfig(_Section):
     loss_type: Literal["dr_grpo", "grpo", "bnpo"] = Field(
         "dr_grpo", description="`dr_grpo` (paper): token-sum / max_completion_length, no std scaling."
     )
+    reference_policy: Literal["initial_prompt", "base_model"] = Field(
+        "initial_prompt",
+        description=(
+            "KL reference: the frozen model with the memory's *initial* soft prompt, or the bare base model "
+            "(what TRL + PEFT prompt tuning uses, since it disables the adapter for the reference)."
+        ),
+    )
     scale_rewards: bool = Field(False, description="Divide advantages by the group std (off for Dr.GRPO).")
     temperature: float | None = Field(
         None,
@@ -131,6 +138,9 @@ class TrainingConfig(_Section):
     )
     skip_uniform_rewards: bool = Field(
         True, description="Skip the backward when all rewards in the group are equal (zero advantage)."
+    )
+    micro_batch_size: int | None = Field(
+        None, ge=1, description="Rollouts per forward/backward (gradient accumulation inside a step); None: all G."
     )
     seed: int | None = Field(42, description="Seed for rollouts and init; None for nondeterministic.")
 

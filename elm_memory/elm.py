@@ -10,6 +10,7 @@ from typing import Any
 from elm_memory.answers import extract_answer
 from elm_memory.backends.base import GenerationBackend, PromptInput, SamplingParams
 from elm_memory.config import ELMConfig
+from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import LoadedModel, load_model
 from elm_memory.models.prompting import BuiltPrompt, PromptBuilder, validate_question
 from elm_memory.registry import backends
@@ -95,6 +96,21 @@ class ELM:
         )
 
     # -- API -------------------------------------------------------------------------
+    def learn(self, question: Any, *, namespace: str | None = None, progress: bool | None = None) -> LatentMemory:
+        """Learn a memory from ``question`` (GRPO on a soft prompt with majority-vote rewards)."""
+        from elm_memory.training.learn import learn_memory
+
+        question = validate_question(question)
+        return learn_memory(
+            question,
+            config=self.config,
+            loaded=self.loaded,
+            backend=self.backend,
+            prompts=self.prompts,
+            namespace=namespace,
+            progress=progress,
+        )
+
     def answer(self, question: Any, *, namespace: str | None = None) -> AnswerResult:
         """Answer one question. Zero-shot for now; retrieval and routing arrive with the graph."""
         t0 = time.perf_counter()

@@ -1,0 +1,78 @@
+"""Learn one memory: pick the engine, initialise from the question, train, package.
+
+This is the only place that knows both engines; both return a soft prompt and
+:class:`~elm_memory.memory.TrainingStats`, so their memories have the same format.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+from elm_memory.backends.base import GenerationBackend
+from elm_memory.config import ELMConfig
+from elm_memory.memory import LatentMemory
+from elm_memory.models.loading import LoadedModel
+from elm_memory.models.prompting import PromptBuilder, validate_question
+from elm_memory.training.init import init_soft_prompt
+from elm_memory.training.native import NativeTrainer, TrainResult
+
+
+class Trainer(Protocol):
+    engine: str
+
+    def train(
+        self, prompt_ids: Any, init: torch.Tensor, *, at: int = 0, objective: str | None = None,
+        progress: bool | None = None,
+    ) -> TrainResult: ...  # fmt: skip
+
+
+def build_trainer(config: ELMConfig, loaded: LoadedModel, backend: GenerationBackend) -> Trainer:
+    if config.training.engine == "native":
+        return NativeTrainer(loaded, backend, config.training)
+    from elm_memory.training.trl_engine import TRLTrainer
+
+    return TRLTrainer(loaded, config.training)
+
+
+def learn_memory(
+    question: str,
+    *,
+    config: ELMConfig,
+    loaded: LoadedModel,
+    backend: GenerationBackend,
+    prompts: PromptBuilder,
+    namespace: str | None = None,
+    trainer: Trainer | None = None,
+    progress: bool | None = None,
+) -> LatentMemory:
+    """Train a soft prompt on ``question`` (no ground truth) and return it as a LatentMemory.
+
+    Nothing is written anywhere: storing is the caller's (store's) job, so an interrupted
+    or failed training leaves no trace.
+    """
+    question = validate_question(question)
+    k = config.memory.num_tokens
+    built = prompts.build(question, reserve=k + 1)
+    question_ids = loaded.tokenizer(question, add_special_tokens=False)["input_ids"]
+    init = init_soft_prompt(
+        loaded.model.get_input_embeddings(), question_ids, k, config.memory.init, config.training.seed
+    )
+    at = built.memory_position(config.prompt.soft_prompt_position)
+    trainer = trainer or build_trainer(config, loaded, backend)
+    result = trainer.train(built.token_ids, init, at=at, progress=progress)
+    recipe = {
+        "training": config.training.model_dump(mode="json"),
+        "memory": config.memory.model_dump(mode="json"),
+        "soft_prompt_position": config.prompt.soft_prompt_position,
+        "prompt_template": config.prompt.template,
+    }
+    return LatentMemory.create(
+        result.soft_prompt,
+        question=question,
+        namespace=namespace or config.namespace,
+        model=loaded.info,
+        config=recipe,
+        stats=result.stats,
+    )
