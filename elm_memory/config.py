@@ -171,6 +171,16 @@ class VerifierConfig(_Section):
     name: str = Field("prm", description="`prm` (paper), `self_certainty` (CPU default), `logprob`, or a plugin.")
     model: str = Field("Qwen/Qwen2.5-Math-PRM-7B", description="PRM model id or path (for `prm`).")
     aggregate: Literal["min", "last", "product", "mean"] = Field("min", description="PRM step-score aggregation.")
+    trust_remote_code: bool | None = Field(
+        None, description="Run the PRM's own modelling code. None: only for the official Qwen2.5-Math-PRM ids."
+    )
+    conditioning: Literal["plain", "own"] = Field(
+        "plain",
+        description=(
+            "Policy-model verifiers score both answers under the same plain prompt (`plain`, comparable scores) "
+            "or each under the prompt it was generated from, memory included (`own`)."
+        ),
+    )
 
 
 class StoreConfig(_Section):

@@ -156,7 +156,7 @@ class PolicyVerifier:
 
     @classmethod
     def from_config(cls, cfg: ELMConfig, backend: Any = None) -> PolicyVerifier:
-        return cls(backend, prompt_config=cfg.prompt)
+        return cls(backend, prompt_config=cfg.prompt, conditioning=cfg.verifier.conditioning)
 
     # -- scoring -------------------------------------------------------------------
     def score(self, question: str, responses: Sequence[Candidate]) -> list[float]:

@@ -208,7 +208,7 @@ class PRMVerifier:
             aggregate=cfg.verifier.aggregate,
             device=cfg.model.device,
             dtype=cfg.model.dtype,
-            trust_remote_code=getattr(cfg.verifier, "trust_remote_code", None),
+            trust_remote_code=cfg.verifier.trust_remote_code,
         )
 
     # -- loading -------------------------------------------------------------------
