@@ -78,18 +78,24 @@ def solve(
     namespace: NamespaceOpt = None,
     json_out: JsonOpt = False,
     set_: SetOpt = None,
+    no_learn: Annotated[bool, typer.Option("--no-learn", help="Answer only; do not learn a memory afterwards.")] = False,
 ) -> None:
-    """Answer one question (zero-shot until the ELM graph lands)."""
+    """Answer one question: retrieve a memory, dual-generate, route; then learn a memory from it."""
     from elm_memory.elm import ELM
+    from elm_memory.models.prompting import validate_question
 
+    validate_question(question)
     cfg = _load_config(config, preset, namespace, set_)
-    elm = ELM(cfg)
-    result = elm.answer(question, namespace=cfg.namespace)
+    with ELM(cfg) as elm:
+        result = elm.answer(question, namespace=cfg.namespace, learn=not no_learn)
     if json_out:
         typer.echo(json.dumps(result.to_dict(), ensure_ascii=False))
-    else:
-        typer.echo(result.response.strip())
-        typer.echo(f"\nanswer: {result.answer}   (route: {result.route}, {result.timings['total']:.1f} s)")
+        return
+    typer.echo(result.response.strip())
+    memory = f", memory {result.memory_id[:8]} (sim {result.similarity:.3f})" if result.memory_id else ""
+    typer.echo(f"\nanswer: {result.answer}   (route: {result.route}{memory}, {result.timings['total']:.1f} s)")
+    for w in result.warnings:
+        typer.echo(f"warning: {w}", err=True)
 
 
 @app.command()
@@ -152,7 +158,13 @@ def demo(
     json_out: JsonOpt = False,
     set_: SetOpt = None,
 ) -> None:
-    """The main job on the embedded defaults: answer a short stream of benchmark questions."""
+    """The main job on the embedded defaults: ELM on a short stream of benchmark questions.
+
+    Each question is answered (retrieve, dual-generate, route) and then learned from; with the
+    default sync learner, memory i exists before question i+1 is answered (the paper's protocol).
+    """
+    import time
+
     from rich.console import Console
 
     from elm_memory.answers import equivalent
@@ -161,26 +173,31 @@ def demo(
 
     cfg = _load_config(config, preset, namespace, set_)
     problems = load_dataset(dataset, limit=limit)
-    elm = ELM(cfg)
     console = Console(stderr=True)
     rows = []
-    with console.status("loading model...") as status:
-        _ = elm.backend
+    with ELM(cfg) as elm, console.status("loading model...") as status:
+        _ = elm.context()
         for i, p in enumerate(problems, 1):
-            status.update(f"question {i}/{len(problems)} ({p.id})")
+            status.update(f"question {i}/{len(problems)} ({p.id}): answering, then learning a memory")
+            t0 = time.perf_counter()
             r = elm.answer(p.question)
+            elapsed = time.perf_counter() - t0
             ok = equivalent(r.answer, p.answer)
             rows.append({"id": p.id, "answer": r.answer, "gold": p.answer, "correct": ok, "route": r.route,
-                         "seconds": round(r.timings["total"], 2)})  # fmt: skip
+                         "memory_id": r.memory_id, "similarity": r.similarity,
+                         "answer_seconds": round(r.timings.get("total", 0.0), 2),
+                         "seconds_with_learning": round(elapsed, 2)})  # fmt: skip
             if not json_out:
-                console.print(f"{p.id}: answer={r.answer!s:>10}  gold={p.answer:>10}  {'✓' if ok else '✗'}  "
-                              f"{r.timings['total']:.1f}s")  # fmt: skip
+                mem = f"memory {r.memory_id[:8]} sim {r.similarity:.2f}" if r.memory_id else "no memory"
+                console.print(f"{p.id}: {r.answer!s:>8} (gold {p.answer}) {'✓' if ok else '✗'}  route={r.route:<9} "
+                              f"{mem}  answer {r.timings.get('total', 0):.0f}s, +learning {elapsed:.0f}s")  # fmt: skip
     correct = sum(r["correct"] for r in rows)
     summary = {"dataset": dataset, "n": len(rows), "correct": correct, "accuracy": correct / len(rows), "rows": rows}
     if json_out:
         typer.echo(json.dumps(summary))
     else:
-        typer.echo(f"{dataset}: {correct}/{len(rows)} correct (model {cfg.model.name_or_path})")
+        typer.echo(f"{dataset}: {correct}/{len(rows)} correct with ELM (model {cfg.model.name_or_path}, "
+                   f"store {cfg.store.path})")  # fmt: skip
 
 
 @model_app.command("list")

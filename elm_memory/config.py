@@ -186,7 +186,7 @@ class VerifierConfig(_Section):
 class StoreConfig(_Section):
     """Where memories live."""
 
-    kind: str = Field("chroma", description="Memory store implementation.")
+    kind: str = Field("chroma", description="Memory store implementation (`none`: answer zero-shot, keep nothing).")
     path: str = Field("~/.elm-memory/store", description="Folder of the embedded store (Chroma + blobs).")
     url: str | None = Field(None, description="Chroma server URL (http://host:port); overrides `path` for rows.")
 
@@ -202,8 +202,15 @@ class LearnerConfig(_Section):
     """When memories are learned relative to answering."""
 
     mode: Literal["sync", "background", "off"] = Field(
-        "sync", description="`sync`: memory i exists before question i+1 (paper's online protocol)."
+        "sync",
+        description=(
+            "`sync`: memory i exists before question i+1 is answered (paper's online protocol); "
+            "`background`: a worker thread learns from a durable queue, answers never wait; `off`."
+        ),
     )
+    max_attempts: int = Field(3, ge=1, description="A job failing this many times is marked failed.")
+    poll_interval: float = Field(1.0, gt=0, description="Seconds between queue checks for jobs added by others.")
+    queue_path: str | None = Field(None, description="SQLite job queue; default: `<store.path>/learner.sqlite3`.")
 
 
 class ELMConfig(_Section):

@@ -113,9 +113,10 @@ class LatentMemory:
         model: ModelInfo,
         config: dict[str, Any] | None = None,
         stats: TrainingStats | None = None,
+        memory_id: str | None = None,
     ) -> LatentMemory:
         meta = MemoryMeta(
-            id=uuid.uuid4().hex,
+            id=memory_id or uuid.uuid4().hex,
             namespace=namespace,
             question=question,
             question_hash=question_hash(question),

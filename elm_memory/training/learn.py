@@ -46,6 +46,7 @@ def learn_memory(
     namespace: str | None = None,
     trainer: Trainer | None = None,
     progress: bool | None = None,
+    memory_id: str | None = None,
 ) -> LatentMemory:
     """Train a soft prompt on ``question`` (no ground truth) and return it as a LatentMemory.
 
@@ -75,4 +76,5 @@ def learn_memory(
         model=loaded.info,
         config=recipe,
         stats=result.stats,
+        memory_id=memory_id,
     )
