@@ -42,3 +42,30 @@ class ELMContext:
         memory = self.retriever.store.get(memory_id)
         self.remember(memory)
         return memory
+
+
+# -- serving entry points ------------------------------------------------------------------
+# `langgraph dev` / LangGraph Server cannot send live objects (models, stores) in a request,
+# so a served graph registers a factory that builds them once per process. Library users
+# pass `context=` explicitly and never touch this.
+_default_factory: Any = None
+_default_context: ELMContext | None = None
+
+
+def set_default_context_factory(factory: Any) -> None:
+    global _default_factory, _default_context
+    _default_factory, _default_context = factory, None
+
+
+def resolve_context(context: ELMContext | None) -> ELMContext:
+    """The run's injected context, else the served graph's process-wide default."""
+    global _default_context
+    if context is not None:
+        return context
+    if _default_factory is None:
+        from elm_memory.errors import ConfigError
+
+        raise ConfigError("the ELM graph needs context=ELMContext(...) (see ELM.context())")
+    if _default_context is None:
+        _default_context = _default_factory()
+    return _default_context

@@ -15,7 +15,7 @@ from langgraph.runtime import Runtime
 
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import PromptInput, SamplingParams
-from elm_memory.graph.context import ELMContext
+from elm_memory.graph.context import ELMContext, resolve_context
 from elm_memory.graph.state import CandidateState, ELMState
 from elm_memory.models.prompting import validate_question
 
@@ -34,7 +34,7 @@ def _warn(state: ELMState, message: str) -> list[str]:
 def retrieve(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, Any]:
     """Top-1 memory of the request's namespace, or none (empty pool, below threshold, failure)."""
     t0 = time.perf_counter()
-    ctx = runtime.context
+    ctx = resolve_context(runtime.context)
     question = validate_question(state["question"])
     namespace = state.get("namespace") or ctx.config.namespace
     update: dict[str, Any] = {"question": question, "namespace": namespace, "memory_id": None, "similarity": None}
@@ -57,7 +57,7 @@ def retrieve(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, Any]:
 def dual_generate(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, Any]:
     """Zero-shot and memory-conditioned answers in ONE batched backend call (greedy by default)."""
     t0 = time.perf_counter()
-    ctx = runtime.context
+    ctx = resolve_context(runtime.context)
     cfg = ctx.config
     k = cfg.memory.num_tokens
     built = ctx.prompts.build(state["question"], reserve=k + 1)
@@ -108,7 +108,7 @@ def dual_generate(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, An
 def route(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, Any]:
     """Agreeing answers win outright; otherwise the verifier's higher score (ties: zero-shot)."""
     t0 = time.perf_counter()
-    ctx = runtime.context
+    ctx = resolve_context(runtime.context)
     candidates = [dict(c) for c in state["candidates"]]
     zero = candidates[0]
     if len(candidates) == 1:
@@ -158,7 +158,7 @@ def respond(state: ELMState) -> dict[str, Any]:
 
 def learn_memory(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, Any]:
     """Hand the question to the memory learner and return at once (sync mode waits: paper protocol)."""
-    ctx = runtime.context
+    ctx = resolve_context(runtime.context)
     if ctx.learner is None or not state.get("learn", True):
         return {"learn_job": None}
     try:
