@@ -1,0 +1,172 @@
+"""Benchmark: time per memory-training step, native engine vs TRL + PEFT, in one run.
+
+Each configuration runs in its own subprocess (clean peak-RSS, no warm caches shared),
+on the same model, dtype, question, seed, G and completion length:
+
+- ``native-faithful``: the paper's procedure (no early stop, every group back-propagated)
+- ``native-fast``: speed levers on (stop a rollout once its \\boxed{} closes, skip the
+  backward when all rewards are equal)
+- ``trl``: TRL GRPOTrainer + PEFT prompt tuning in its fastest configuration
+  (gradient checkpointing off; TRL's default turns it on and is ~4x slower here)
+- ``floor``: one batched generation of the G rollouts + one forward/backward on them
+  (the least a step can cost with this backend)
+
+    .venv/bin/python benchmarks/learn_step.py                    # default model, G=4, 160 tokens, 2 steps
+    .venv/bin/python benchmarks/learn_step.py --quick            # SmolLM2 plumbing run
+
+Writes ``benchmarks/results/learn_step.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
+RESULTS = Path(__file__).parent / "results" / "learn_step.json"
+
+
+def _config(args: argparse.Namespace, **training):
+    from elm_memory.config import ELMConfig
+
+    base = {
+        "steps": args.steps,
+        "num_generations": args.generations,
+        "max_completion_length": args.max_len,
+        "seed": 0,
+    }
+    base.update(training)
+    return ELMConfig.load(
+        overrides={"model": {"name_or_path": args.model, "dtype": args.dtype, "device": "cpu"}, "training": base}
+    )
+
+
+def worker(name: str, args: argparse.Namespace) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+
+    from elm_memory.backends.hf import HFBackend
+    from elm_memory.models.loading import load_model
+    from elm_memory.models.prompting import PromptBuilder
+    from elm_memory.training.learn import learn_memory
+
+    variants = {
+        "native-faithful": dict(engine="native", stop_at_answer=False, skip_uniform_rewards=False),
+        "native-fast": dict(engine="native", stop_at_answer=True, skip_uniform_rewards=True),
+        "trl": dict(engine="trl", stop_at_answer=False, skip_uniform_rewards=False),
+        "floor": dict(engine="native", stop_at_answer=False, skip_uniform_rewards=False),
+    }
+    cfg = _config(args, **variants[name])
+    loaded = load_model(cfg.model)
+    backend = HFBackend(loaded)
+    prompts = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)
+    out: dict = {"variant": name}
+    if name == "floor":
+        from elm_memory.training.init import init_soft_prompt
+        from elm_memory.training.native import NativeTrainer
+
+        built = prompts.build(QUESTION)
+        q_ids = loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+        init = init_soft_prompt(loaded.model.get_input_embeddings(), q_ids, cfg.memory.num_tokens)
+        trainer = NativeTrainer(loaded, backend, cfg.training)
+        t0 = time.perf_counter()
+        rollouts = trainer._rollouts(built.token_ids, init, 0, seed=0)
+        t1 = time.perf_counter()
+        soft = torch.nn.Parameter(init.clone())
+        logps, mask = trainer.completion_logps(built.token_ids, soft, 0, [g.token_ids for g in rollouts])
+        (-(logps * mask).sum()).backward()
+        t2 = time.perf_counter()
+        out.update(generation_s=t1 - t0, forward_backward_s=t2 - t1, step_s=t2 - t0,
+                   completion_tokens=sum(len(g.token_ids) for g in rollouts))  # fmt: skip
+    else:
+        t0 = time.perf_counter()
+        memory = learn_memory(QUESTION, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
+        total = time.perf_counter() - t0
+        s = memory.meta.stats
+        out.update(
+            memory_s=total,
+            step_s=total / max(1, cfg.training.steps),
+            generation_s=s.generation_seconds,
+            backward_s=s.backward_seconds,
+            mean_reward=s.mean_reward,
+            skipped_backward=s.skipped_backward,
+            completion_tokens=s.completion_tokens,
+        )
+    out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="packaged:qwen2.5-coder-0.5b")
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--generations", type=int, default=4)
+    parser.add_argument("--max-len", type=int, default=160)
+    parser.add_argument("--steps", type=int, default=2)
+    parser.add_argument("--variants", default="floor,native-faithful,native-fast,trl")
+    parser.add_argument("--quick", action="store_true", help="SmolLM2, G=2, 32 tokens, 1 step")
+    parser.add_argument("--out", type=Path, default=RESULTS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.quick:
+        args.model, args.generations, args.max_len, args.steps = "packaged:smollm2-135m", 2, 32, 1
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args.worker, args)))
+        return
+
+    rows = []
+    for name in args.variants.split(","):
+        cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--dtype", args.dtype,
+               "--generations", str(args.generations), "--max-len", str(args.max_len), "--steps", str(args.steps)]  # fmt: skip
+        print(f"running {name} ...", file=sys.stderr, flush=True)
+        proc = subprocess.run(cmd, capture_output=True, text=True)
+        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+        if proc.returncode != 0 or not line:
+            rows.append({"variant": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]})
+        else:
+            rows.append(json.loads(line[0][7:]))
+        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
+
+    by = {r["variant"]: r for r in rows if "error" not in r}
+    ratios = {}
+    if "trl" in by and "native-faithful" in by:
+        ratios["trl_over_native_faithful_step"] = by["trl"]["step_s"] / by["native-faithful"]["step_s"]
+    if "trl" in by and "native-fast" in by:
+        ratios["trl_over_native_fast_step"] = by["trl"]["step_s"] / by["native-fast"]["step_s"]
+    if "floor" in by:
+        for v in ("native-faithful", "native-fast"):
+            if v in by:
+                ratios[f"{v}_over_floor"] = by[v]["step_s"] / by["floor"]["step_s"]
+    result = {
+        "benchmark": "learn_step",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": os.getloadavg()},
+        "settings": {"model": args.model, "dtype": args.dtype, "G": args.generations, "max_completion_length":
+                     args.max_len, "steps": args.steps, "question": QUESTION},  # fmt: skip
+        "rows": rows,
+        "ratios": ratios,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=2))
+    print(f"\n{'variant':18} {'s/step':>8} {'gen s':>8} {'bwd s':>8} {'tokens':>7} {'RSS MB':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:18} error: {r['error']}")
+            continue
+        bwd = r.get("backward_s", r.get("forward_backward_s", 0.0))
+        print(f"{r['variant']:18} {r['step_s']:8.1f} {r['generation_s']:8.1f} {bwd:8.1f} "
+              f"{r['completion_tokens']:7d} {r['peak_rss_mb']:7.0f}")  # fmt: skip
+    for k, v in ratios.items():
+        print(f"{k}: {v:.2f}")
+    print(f"written to {args.out}")
+
+
+if __name__ == "__main__":
+    main()
