@@ -17,6 +17,7 @@ from typing import Annotated, Any, Callable, Optional
 import typer
 
 from elm_memory.errors import ELMError
+from elm_memory.store.cli import memories_app
 
 app = typer.Typer(
     name="elm",
@@ -29,6 +30,7 @@ model_app = typer.Typer(help="Packaged models: list and prepare (GGUF -> safeten
 config_app = typer.Typer(help="Show the effective configuration and the presets.", no_args_is_help=True)
 app.add_typer(model_app, name="model")
 app.add_typer(config_app, name="config")
+app.add_typer(memories_app, name="memories")
 
 ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
 PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="Named preset, e.g. cpu-demo, cpu-tiny.")]

@@ -1,0 +1,229 @@
+"""Retrieval keys: the vectors a memory is filed under and a new question is looked up by.
+
+Three builders, all from the paper (Sec. "Memory Key Construction / Memory Retrieval"):
+
+``input``
+    query = mean over the question's tokens of the input embeddings, ``mean_t E(x)``;
+    memory key = the same function of the *memory's own question* tokens. Retrieval is
+    then question-to-question similarity in the embedding space ("constructed
+    analogously at memory creation").
+``soft_prompt_mean``
+    query as for ``input``; memory key = mean of the k learned soft-prompt vectors (the
+    paper's "pooling directly over the learnable token embeddings"). The soft prompt is
+    initialised from the question's embeddings, so both sides live in the same space,
+    and the key follows what training did to the prompt.
+``kv``
+    per decoder layer l, the query side pools the attention *query* projections of the
+    question, the memory side pools the attention *key* projections of the soft prompt
+    passed through the model (alone: as a prefix under causal attention its activations
+    do not depend on what follows). Pooling is a mean over positions and heads, so with
+    grouped-query attention both sides are ``head_dim`` vectors. Projections are read
+    before RoPE (rotating by position and then averaging over positions would mix the
+    phases). The score is ``mean_l cos(q_l, k_l)``; we store the concatenation of the
+    per-layer L2-normalised vectors, whose cosine is exactly that mean (each side has
+    norm sqrt(L)), so an ordinary cosine index ranks by the paper's score.
+
+Questions are keyed *without* the prompt template or chat markup: those tokens are the
+same for every question and would pull all keys towards one direction.
+
+Every builder needs one forward pass at most (hooks on the frozen model, no copy of
+it), runs under ``torch.no_grad`` and always removes its hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from elm_memory.errors import ConfigError, MemoryFormatError
+
+if TYPE_CHECKING:
+    from elm_memory.models.loading import LoadedModel, ModelInfo
+
+QuestionIds = Sequence[int] | torch.Tensor
+
+
+@runtime_checkable
+class KeyBuilder(Protocol):
+    """Turns a question (query side) or a memory (memory side) into a 1-D float32 key.
+
+    ``memory_key`` receives both the soft prompt and the memory's question ids because
+    builders differ in which one they use; ``memory_keys`` is the batched form (one
+    forward for many soft prompts where the builder runs the model).
+    """
+
+    kind: str
+
+    def dim(self, info: ModelInfo) -> int: ...
+
+    def query_key(self, loaded: LoadedModel, question_ids: QuestionIds) -> torch.Tensor: ...
+
+    def memory_key(self, loaded: LoadedModel, soft_prompt: torch.Tensor, question_ids: QuestionIds) -> torch.Tensor: ...
+
+    def memory_keys(
+        self, loaded: LoadedModel, soft_prompts: Sequence[torch.Tensor], question_ids: Sequence[QuestionIds]
+    ) -> torch.Tensor: ...
+
+
+# ---- helpers --------------------------------------------------------------------------
+
+
+def _ids_tensor(question_ids: QuestionIds, device: Any) -> torch.Tensor:
+    ids = torch.as_tensor(question_ids, dtype=torch.long).reshape(-1)
+    if ids.numel() == 0:
+        raise ConfigError("cannot build a retrieval key from an empty question (no tokens)")
+    return ids.to(device)
+
+
+def _embedding(loaded: LoadedModel) -> torch.nn.Module:
+    return loaded.model.get_input_embeddings()
+
+
+def mean_input_embedding(loaded: LoadedModel, question_ids: QuestionIds) -> torch.Tensor:
+    """``mean_t E(x)`` in float32 (a table lookup; the model is not run)."""
+    emb = _embedding(loaded)
+    with torch.no_grad():
+        ids = _ids_tensor(question_ids, emb.weight.device)
+        return emb(ids).to(torch.float32).mean(dim=0).cpu()
+
+
+def _check_soft_prompt(loaded: LoadedModel, soft_prompt: torch.Tensor) -> None:
+    if soft_prompt.dim() != 2 or soft_prompt.shape[1] != loaded.info.hidden_size:
+        raise MemoryFormatError(
+            f"soft prompt of shape {tuple(soft_prompt.shape)} does not fit hidden size {loaded.info.hidden_size}"
+        )
+
+
+class _MeanEmbeddingQuery:
+    """Shared query side of the ``input`` and ``soft_prompt_mean`` keys."""
+
+    kind = ""
+
+    def dim(self, info: ModelInfo) -> int:
+        return info.hidden_size
+
+    def query_key(self, loaded: LoadedModel, question_ids: QuestionIds) -> torch.Tensor:
+        return mean_input_embedding(loaded, question_ids)
+
+    def memory_keys(
+        self, loaded: LoadedModel, soft_prompts: Sequence[torch.Tensor], question_ids: Sequence[QuestionIds]
+    ) -> torch.Tensor:
+        # Lookups and means only: a loop costs nothing next to a forward pass.
+        return torch.stack([self.memory_key(loaded, sp, q) for sp, q in zip(soft_prompts, question_ids, strict=True)])
+
+    def memory_key(self, loaded: LoadedModel, soft_prompt: torch.Tensor, question_ids: QuestionIds) -> torch.Tensor:
+        raise NotImplementedError
+
+
+class InputKeyBuilder(_MeanEmbeddingQuery):
+    """``input``: memory key = mean input embedding of the memory's question tokens."""
+
+    kind = "input"
+
+    def memory_key(self, loaded: LoadedModel, soft_prompt: torch.Tensor, question_ids: QuestionIds) -> torch.Tensor:
+        return mean_input_embedding(loaded, question_ids)
+
+
+class SoftPromptMeanKeyBuilder(_MeanEmbeddingQuery):
+    """``soft_prompt_mean``: memory key = mean of the learned soft-prompt vectors."""
+
+    kind = "soft_prompt_mean"
+
+    def memory_key(self, loaded: LoadedModel, soft_prompt: torch.Tensor, question_ids: QuestionIds) -> torch.Tensor:
+        _check_soft_prompt(loaded, soft_prompt)
+        return soft_prompt.detach().to("cpu", torch.float32).mean(dim=0)
+
+
+# ---- KV keys --------------------------------------------------------------------------
+
+
+def attention_modules(model: Any) -> list[Any]:
+    """The decoder layers' ``self_attn`` modules, in layer order (must expose q_proj and k_proj)."""
+    found = [
+        module.self_attn
+        for _, module in model.named_modules()
+        if hasattr(getattr(module, "self_attn", None), "q_proj") and hasattr(module.self_attn, "k_proj")
+    ]
+    return found
+
+
+def _decoder(model: Any) -> Any:
+    """The transformer body without the LM head: the vocabulary projection is not needed for keys."""
+    get = getattr(model, "get_decoder", None)
+    body = get() if callable(get) else None
+    return body if body is not None else model
+
+
+class KVKeyBuilder:
+    """``kv``: per-layer pooled attention queries (question) vs keys (memory), see the module doc."""
+
+    kind = "kv"
+
+    def dim(self, info: ModelInfo) -> int:
+        return info.num_layers * info.head_dim
+
+    def query_key(self, loaded: LoadedModel, question_ids: QuestionIds) -> torch.Tensor:
+        ids = _ids_tensor(question_ids, _embedding(loaded).weight.device).unsqueeze(0)
+        return self._run(loaded, "q_proj", loaded.info.num_attention_heads, input_ids=ids)[0]
+
+    def memory_key(self, loaded: LoadedModel, soft_prompt: torch.Tensor, question_ids: QuestionIds) -> torch.Tensor:
+        return self.memory_keys(loaded, [soft_prompt], [question_ids])[0]
+
+    def memory_keys(
+        self,
+        loaded: LoadedModel,
+        soft_prompts: Sequence[torch.Tensor],
+        question_ids: Sequence[QuestionIds] | None = None,
+    ) -> torch.Tensor:
+        """One forward for all soft prompts of equal length (grouped by length otherwise)."""
+        prompts = list(soft_prompts)
+        if not prompts:
+            return torch.empty(0, self.dim(loaded.info))
+        for sp in prompts:
+            _check_soft_prompt(loaded, sp)
+        out = torch.empty(len(prompts), self.dim(loaded.info))
+        by_len: dict[int, list[int]] = {}
+        for i, sp in enumerate(prompts):
+            by_len.setdefault(int(sp.shape[0]), []).append(i)
+        weight = _embedding(loaded).weight
+        for idx in by_len.values():
+            batch = torch.stack([prompts[i].detach() for i in idx]).to(weight.device, weight.dtype)
+            out[idx] = self._run(loaded, "k_proj", loaded.info.num_key_value_heads, inputs_embeds=batch)
+        return out
+
+    def _run(self, loaded: LoadedModel, proj: str, n_heads: int, **inputs: torch.Tensor) -> torch.Tensor:
+        """Forward once with a hook on every layer's ``proj``; return (batch, L*head_dim) keys."""
+        info = loaded.info
+        layers = attention_modules(loaded.model)
+        if len(layers) != info.num_layers:
+            raise ConfigError(
+                f"retrieval.key=kv needs separate q_proj/k_proj in each of the {info.num_layers} attention layers of "
+                f"{info.name} (found {len(layers)}); use retrieval.key=input"
+            )
+        pooled: list[torch.Tensor | None] = [None] * len(layers)
+
+        def make_hook(layer: int) -> Any:
+            def hook(_module: Any, _args: Any, output: torch.Tensor) -> None:
+                b, t, _ = output.shape
+                heads = output.detach().to(torch.float32).view(b, t, n_heads, info.head_dim)
+                pooled[layer] = heads.mean(dim=(1, 2))  # over positions and heads -> (b, head_dim)
+
+            return hook
+
+        handles = []
+        try:
+            for i, attn in enumerate(layers):
+                handles.append(getattr(attn, proj).register_forward_hook(make_hook(i)))
+            with torch.no_grad():
+                _decoder(loaded.model)(**inputs, use_cache=False)
+        finally:
+            for h in handles:
+                h.remove()
+        if any(p is None for p in pooled):
+            raise ConfigError(f"the {proj} hooks of {info.name} did not all fire; use retrieval.key=input")
+        per_layer = torch.stack([p for p in pooled if p is not None], dim=1)  # (b, L, head_dim)
+        return F.normalize(per_layer, dim=-1).flatten(1).cpu()
+

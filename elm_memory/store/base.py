@@ -1,0 +1,134 @@
+"""The :class:`MemoryStore` protocol and the plain records it returns.
+
+A store keeps two things per memory: the memory itself (soft prompt, keys, metadata; a
+safetensors blob) and one index row per key kind (the key vector plus a small metadata
+record). The blob is the source of truth: an index row is only a way to find it, and
+can always be rebuilt from it (``check(repair=True)``).
+
+Namespaces are hard boundaries: a query names exactly one namespace and can never see
+a memory filed under another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from elm_memory.errors import StoreError
+from elm_memory.memory import LatentMemory
+
+
+class MemoryNotFoundError(StoreError):
+    """No memory with that id in the store (or in the given namespace)."""
+
+
+@dataclass(frozen=True)
+class MemoryRecord:
+    """What the index knows about a memory without opening its blob."""
+
+    id: str
+    namespace: str
+    model_fingerprint: str
+    kinds: tuple[str, ...]
+    blob: str  # sha256 of the safetensors bytes
+    question: str  # preview (first characters) of the question
+    question_hash: str
+    created_at: float
+    usage: int  # times retrieved, summed over key kinds
+    last_used_at: float
+    no_consensus: bool
+    stats: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class StoreHit:
+    """One nearest-neighbour result: cosine similarity and the row it came from."""
+
+    record: MemoryRecord
+    score: float
+
+
+@dataclass
+class CheckReport:
+    """Inconsistencies between blobs and index rows, and what ``repair`` did about them.
+
+    ``reindexed``: memories whose blob had missing/stale rows (an interrupted put): rows
+    rebuilt from the blob. ``orphan_rows``: rows whose blob is gone (an interrupted
+    delete, or a lost file): rows removed. ``superseded_blobs``: older versions of a
+    memory that a newer blob replaced. ``corrupt_blobs``: unreadable or hash-mismatched
+    files. ``errors``: memories a repair could not fix (e.g. a key that no longer fits its index).
+    """
+
+    blobs: int = 0
+    rows: int = 0
+    memories: int = 0
+    reindexed: list[str] = field(default_factory=list)  # memory ids
+    orphan_rows: list[str] = field(default_factory=list)  # "collection/id"
+    superseded_blobs: list[str] = field(default_factory=list)  # sha256
+    corrupt_blobs: list[str] = field(default_factory=list)  # sha256
+    temp_files: list[str] = field(default_factory=list)  # paths
+    errors: list[str] = field(default_factory=list)  # "id: message" for memories a repair could not fix
+    repaired: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return not (
+            self.reindexed
+            or self.orphan_rows
+            or self.superseded_blobs
+            or self.corrupt_blobs
+            or self.temp_files
+            or self.errors
+        )
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "ok": self.ok}
+
+
+@runtime_checkable
+class MemoryStore(Protocol):
+    """Persistent memories with per-namespace nearest-neighbour search over their keys."""
+
+    def put(self, memory: LatentMemory) -> str:
+        """Store the memory and index every key in ``memory.keys``; returns the blob name."""
+        ...
+
+    def put_many(self, memories: Sequence[LatentMemory]) -> list[str]: ...
+
+    def get(self, memory_id: str, namespace: str | None = None) -> LatentMemory:
+        """The validated memory, or :class:`MemoryNotFoundError`."""
+        ...
+
+    def record(self, memory_id: str, namespace: str | None = None) -> MemoryRecord:
+        """The index record (no blob read), or :class:`MemoryNotFoundError`."""
+        ...
+
+    def load(self, record: MemoryRecord) -> LatentMemory:
+        """The memory a record (e.g. a query hit) points to, validated against the record."""
+        ...
+
+    def delete(self, memory_id: str, namespace: str | None = None) -> bool: ...
+
+    def list(
+        self, namespace: str | None = None, *, kind: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> list[MemoryRecord]: ...
+
+    def namespaces(self) -> list[str]: ...
+
+    def count(self, namespace: str | None = None, *, kind: str | None = None) -> int: ...
+
+    def query(self, kind: str, vector: torch.Tensor, namespace: str, k: int = 1) -> list[StoreHit]:
+        """Top-``k`` rows of ``namespace`` by cosine similarity to ``vector`` (best first)."""
+        ...
+
+    def record_usage(self, kind: str, namespace: str, memory_ids: Sequence[str]) -> None:
+        """Count one retrieval for each memory (its usage counter and last-used time)."""
+        ...
+
+    def check(self, repair: bool = False) -> CheckReport: ...

@@ -1,0 +1,643 @@
+"""Chroma-backed :class:`~elm_memory.store.base.MemoryStore`.
+
+Layout under ``StoreConfig.path`` (``~`` expanded)::
+
+    chroma/   embedded Chroma (PersistentClient); unused when ``StoreConfig.url`` is set
+    blobs/    content-addressed safetensors memories (see ``blobs.py``)
+
+With ``url`` the index rows live in a Chroma server (``chroma run``; the scale-out
+path) and the blobs stay in the local/shared folder.
+
+**One collection per (model fingerprint, key kind, namespace)**, cosine space. A
+namespace is therefore a structural boundary, not a ``where`` filter: on chromadb 1.5.9
+a metadata filter made a top-1 query ~20x slower even when every row matched (measured
+in ``benchmarks/retrieval.py``, section ``namespace_isolation``), while a query on a
+collection of its own costs what an unfiltered one does. A Chroma *database* per
+namespace isolates as well, but a client is bound to one database at a time, so a
+process serving several namespaces would need one client each; collections need
+nothing but a name and also work unchanged against a server.
+
+Collection names are ``elm-<fp8>-<kind>-<hash12>`` (Chroma allows 3-63 chars of
+``[a-zA-Z0-9._-]``); the exact fingerprint, kind, namespace, hidden size and key
+dimension are in the collection metadata and verified on open.
+
+Rows: id = memory id, embedding = the key, metadata = namespace, created time,
+question hash and preview, the blob's sha256, training statistics, and the usage
+counter (times retrieved) with the last-used time.
+
+Write order (crash safety): blob (temp, fsync, rename) -> index rows -> removal of the
+superseded blob. Delete order: blob -> rows. So after any crash the blob is right and
+``check(repair=True)`` rebuilds or drops rows to match it. Embedded Chroma is
+single-process: open one store per folder per process (use a server to share it).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
+
+import numpy as np
+import torch
+
+from elm_memory.errors import ELMError, IncompatibleMemoryError, MemoryFormatError, StoreError
+from elm_memory.memory import LatentMemory, MemoryMeta
+from elm_memory.store.base import CheckReport, MemoryNotFoundError, MemoryRecord, StoreHit
+from elm_memory.store.blobs import BlobStore, MissingBlobError
+
+if TYPE_CHECKING:
+    from elm_memory.config import StoreConfig
+    from elm_memory.models.loading import ModelInfo
+
+#: HNSW settings of new collections (chromadb's own defaults, cosine space) ...
+DEFAULT_HNSW: dict[str, Any] = {"space": "cosine", "ef_construction": 100, "max_neighbors": 16, "ef_search": 100}
+#: ... and per key kind, tuned with benchmarks/retrieval.py. KV queries (attention queries)
+#: sit far from every memory key (attention keys): mean cosine ~0.07 against ~0.95 between
+#: memories, the hard case for a graph search, so it needs a wider search for recall@1 >= 0.99.
+KIND_HNSW: dict[str, dict[str, Any]] = {"kv": {"max_neighbors": 32, "ef_search": 400}}
+#: Settings chromadb lets us change on an existing collection (the rest are fixed at creation).
+MUTABLE_HNSW = ("ef_search", "num_threads", "batch_size", "sync_threshold", "resize_factor")
+SCHEMA = 1
+QUESTION_PREVIEW = 200
+_PAGE = 5000
+
+
+def _slug(text: str, n: int) -> str:
+    s = re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-")
+    return s[:n].strip("-") or "k"
+
+
+def collection_name(fingerprint: str, kind: str, namespace: str) -> str:
+    """Deterministic Chroma collection name for one (model, key kind, namespace)."""
+    digest = hashlib.sha256(f"{fingerprint}\x00{kind}\x00{namespace}".encode()).hexdigest()[:12]
+    return f"elm-{_slug(fingerprint, 8)}-{_slug(kind, 16)}-{digest}"
+
+
+def validate_namespace(namespace: Any) -> str:
+    if not isinstance(namespace, str) or not namespace or len(namespace) > 256 or "\x00" in namespace:
+        raise StoreError(f"invalid namespace {namespace!r}: use 1-256 characters of text")
+    return namespace
+
+
+@contextmanager
+def _chroma_errors(action: str) -> Iterator[None]:
+    """Chroma/HTTP exceptions -> one-line StoreError; our own typed errors pass through."""
+    try:
+        yield
+    except ELMError:
+        raise
+    except Exception as exc:  # chromadb raises its own, httpx and ValueError types
+        msg = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise StoreError(f"memory store: {action} failed: {msg}") from None
+
+
+@dataclass(frozen=True)
+class _CollInfo:
+    name: str
+    fingerprint: str
+    kind: str
+    namespace: str
+    hidden_size: int
+    dim: int
+
+
+@dataclass(frozen=True)
+class _Row:
+    coll: _CollInfo
+    id: str
+    meta: Mapping[str, Any]
+
+
+def _row_metadata(memory: LatentMemory, blob: str, usage: int = 0, last_used_at: float = 0.0) -> dict[str, Any]:
+    m, s = memory.meta, memory.meta.stats
+    meta: dict[str, Any] = {
+        "namespace": m.namespace,
+        "created_at": float(m.created_at),
+        "question_hash": m.question_hash,
+        "question": m.question[:QUESTION_PREVIEW],
+        "blob": blob,
+        "num_tokens": int(m.num_tokens),
+        "usage": int(usage),
+        "last_used_at": float(last_used_at),
+        "no_consensus": bool(s.no_consensus),
+        "train_engine": s.engine,
+        "train_objective": s.objective,
+        "train_steps": int(s.steps),
+        "train_seconds": float(s.seconds),
+        "train_reward": float(s.mean_reward[-1]) if s.mean_reward else 0.0,
+        "majority_share": float(s.majority_share),
+    }
+    if s.majority_answer is not None:
+        meta["majority_answer"] = str(s.majority_answer)[:QUESTION_PREVIEW]
+    return meta
+
+
+def _record(rows: Sequence[_Row]) -> MemoryRecord:
+    """Merge one memory's rows (one per key kind) into a record."""
+    first = rows[0].meta
+    stats = {k: v for k, v in first.items() if k.startswith("train_") or k in ("majority_share", "majority_answer")}
+    return MemoryRecord(
+        id=rows[0].id,
+        namespace=rows[0].coll.namespace,
+        model_fingerprint=rows[0].coll.fingerprint,
+        kinds=tuple(sorted(r.coll.kind for r in rows)),
+        blob=str(first.get("blob", "")),
+        question=str(first.get("question", "")),
+        question_hash=str(first.get("question_hash", "")),
+        created_at=float(first.get("created_at", 0.0)),
+        usage=sum(int(r.meta.get("usage", 0)) for r in rows),
+        last_used_at=max(float(r.meta.get("last_used_at", 0.0)) for r in rows),
+        no_consensus=bool(first.get("no_consensus", False)),
+        stats=stats,
+    )
+
+
+def _usage_by_kind(rows: Sequence[_Row]) -> dict[str, tuple[int, float]]:
+    """Usage counters to carry over when rows are rewritten."""
+    return {r.coll.kind: (int(r.meta.get("usage", 0)), float(r.meta.get("last_used_at", 0.0))) for r in rows}
+
+
+def _blob_meta(header: Mapping[str, Any]) -> tuple[MemoryMeta, list[str]]:
+    """Memory metadata and key kinds from a blob's safetensors header."""
+    raw = (header.get("__metadata__") or {}).get("elm_memory")
+    if raw is None:
+        raise MemoryFormatError("blob has no elm_memory metadata")
+    kinds = sorted(name[4:] for name in header if name.startswith("key."))
+    return MemoryMeta.from_json(raw), kinds
+
+
+class ChromaMemoryStore:
+    """Memories in a blob folder, their keys in Chroma collections (one per model/kind/namespace).
+
+    ``model`` binds the store to one model: ``put`` refuses memories made for another
+    model (:class:`IncompatibleMemoryError`), and list/count/get/query only see that
+    model's memories. Unbound (``model=None``, e.g. the CLI) the store spans all models
+    and cannot ``query``.
+    """
+
+    def __init__(
+        self,
+        path: str | Path = "~/.elm-memory/store",
+        *,
+        url: str | None = None,
+        model: ModelInfo | None = None,
+        hnsw: Mapping[str, Any] | None = None,
+        client: Any = None,
+    ):
+        self.root = Path(path).expanduser()
+        self.url = url
+        self.model = model
+        self.hnsw = dict(hnsw or {})
+        if self.hnsw.get("space", "cosine") != "cosine":
+            raise StoreError("memory keys are compared by cosine similarity: hnsw.space must be 'cosine'")
+        self.blobs = BlobStore(self.root / "blobs")
+        self.client = client if client is not None else self._connect()
+        self._cols: dict[str, tuple[_CollInfo, Any]] = {}
+
+    @classmethod
+    def from_config(cls, cfg: StoreConfig, model: ModelInfo | None = None, **kwargs: Any) -> ChromaMemoryStore:
+        return cls(cfg.path, url=cfg.url, model=model, **kwargs)
+
+    def _connect(self) -> Any:
+        import chromadb
+        from chromadb.config import Settings
+
+        settings = Settings(anonymized_telemetry=False)
+        if self.url:
+            parts = urlsplit(self.url if "://" in self.url else f"http://{self.url}")
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise StoreError(f"store.url {self.url!r} is not an http(s)://host:port URL")
+            port = parts.port or (443 if parts.scheme == "https" else 8000)
+            with _chroma_errors(f"connecting to the Chroma server at {self.url}"):
+                client = chromadb.HttpClient(
+                    host=parts.hostname, port=port, ssl=parts.scheme == "https", settings=settings
+                )
+                client.heartbeat()
+            return client
+        try:
+            (self.root / "chroma").mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreError(f"cannot create the memory store at {self.root}: {exc.strerror or exc}") from None
+        with _chroma_errors(f"opening the store at {self.root}"):
+            return chromadb.PersistentClient(path=str(self.root / "chroma"), settings=settings)
+
+    # ---- collections -------------------------------------------------------------------
+    @staticmethod
+    def _info(col: Any) -> _CollInfo | None:
+        m = col.metadata or {}
+        if m.get("elm_schema") != SCHEMA:
+            return None
+        return _CollInfo(
+            col.name, m["model_fingerprint"], m["kind"], m["namespace"], int(m["hidden_size"]), int(m["dim"])
+        )
+
+    def _open(self, fingerprint: str, kind: str, namespace: str) -> tuple[_CollInfo, Any] | None:
+        """The collection for (fingerprint, kind, namespace) if it exists."""
+        name = collection_name(fingerprint, kind, namespace)
+        if name in self._cols:
+            return self._cols[name]
+        import chromadb.errors
+
+        try:
+            with _chroma_errors(f"opening collection {name}"):
+                try:
+                    col = self.client.get_collection(name, embedding_function=None)
+                except chromadb.errors.NotFoundError:
+                    return None
+        except StoreError as exc:  # older servers report a missing collection as a ValueError
+            if "does not exist" in str(exc):
+                return None
+            raise
+        return self._remember(col, fingerprint, kind, namespace)
+
+    def hnsw_settings(self, kind: str) -> dict[str, Any]:
+        """HNSW configuration for a new collection of ``kind``: defaults, per-kind tuning, then overrides."""
+        return {**DEFAULT_HNSW, **KIND_HNSW.get(kind, {}), **self.hnsw}
+
+    def _remember(self, col: Any, fingerprint: str, kind: str, namespace: str) -> tuple[_CollInfo, Any]:
+        info = self._info(col)
+        if info is None or (info.fingerprint, info.kind, info.namespace) != (fingerprint, kind, namespace):
+            raise StoreError(f"Chroma collection {col.name} does not belong to this memory store")
+        self._apply_mutable_hnsw(col)
+        self._cols[col.name] = (info, col)
+        return info, col
+
+    def _apply_mutable_hnsw(self, col: Any) -> None:
+        """Bring e.g. ``ef_search`` of an existing collection to an explicitly configured value.
+
+        Only explicit ``hnsw=`` overrides are applied (never the defaults), so a process with
+        default settings, like the CLI, does not undo another's tuning. chromadb 1.5.9
+        (embedded) reads the value when it first loads the index in a process: the change
+        applies from this open on, not to an index this process already searched.
+        """
+        have = (getattr(col, "configuration", None) or {}).get("hnsw") or {}
+        change = {k: self.hnsw[k] for k in MUTABLE_HNSW if k in self.hnsw and k in have and have[k] != self.hnsw[k]}
+        if change:
+            with _chroma_errors(f"updating the HNSW settings of {col.name}"):
+                col.modify(configuration={"hnsw": change})
+
+    def _create(self, fingerprint: str, kind: str, namespace: str, hidden_size: int, dim: int) -> tuple[_CollInfo, Any]:
+        found = self._open(fingerprint, kind, namespace)
+        if found is None:
+            name = collection_name(fingerprint, kind, namespace)
+            meta = {
+                "elm_schema": SCHEMA,
+                "model_fingerprint": fingerprint,
+                "kind": kind,
+                "namespace": namespace,
+                "hidden_size": int(hidden_size),
+                "dim": int(dim),
+                "created_at": time.time(),
+            }
+            with _chroma_errors(f"creating collection {name}"):
+                col = self.client.get_or_create_collection(
+                    name, configuration={"hnsw": self.hnsw_settings(kind)}, metadata=meta, embedding_function=None
+                )
+            found = self._remember(col, fingerprint, kind, namespace)
+        info = found[0]
+        if info.hidden_size != hidden_size:
+            raise IncompatibleMemoryError(
+                f"hidden size {hidden_size} does not match the store's {info.hidden_size} for model {fingerprint}"
+            )
+        if info.dim != dim:
+            raise StoreError(f"{kind!r} key has {dim} dimensions; the index for model {fingerprint} expects {info.dim}")
+        return found
+
+    def _collections(
+        self,
+        *,
+        fingerprint: str | None = None,
+        kind: str | None = None,
+        namespace: str | None = None,
+        all_models: bool = False,
+    ) -> list[tuple[_CollInfo, Any]]:
+        """ELM collections matching the filters (only the bound model's unless ``all_models``)."""
+        fp = fingerprint if fingerprint is not None else (self.model.fingerprint if self.model else None)
+        if all_models:
+            fp = None
+        with _chroma_errors("listing collections"):
+            cols = self.client.list_collections()
+        out = []
+        for col in cols:
+            info = self._info(col)
+            if info is None:
+                continue
+            if (fp and info.fingerprint != fp) or (kind and info.kind != kind):
+                continue
+            if namespace is not None and info.namespace != namespace:
+                continue
+            if info.name not in self._cols:
+                self._apply_mutable_hnsw(col)
+                self._cols[info.name] = (info, col)
+            out.append(self._cols[info.name])
+        return out
+
+    def _forget(self, name: str) -> None:
+        self._cols.pop(name, None)
+
+    # ---- rows --------------------------------------------------------------------------
+    def _rows(self, col: tuple[_CollInfo, Any], ids: Sequence[str] | None = None) -> list[_Row]:
+        info, c = col
+        out: list[_Row] = []
+        with _chroma_errors(f"reading {info.name}"):
+            if ids is not None:
+                res = c.get(ids=list(ids), include=["metadatas"])
+                return [_Row(info, i, m or {}) for i, m in zip(res["ids"], res["metadatas"], strict=True)]
+            offset = 0
+            while True:
+                res = c.get(include=["metadatas"], limit=_PAGE, offset=offset)
+                out.extend(_Row(info, i, m or {}) for i, m in zip(res["ids"], res["metadatas"], strict=True))
+                if len(res["ids"]) < _PAGE:
+                    return out
+                offset += _PAGE
+
+    def _upsert_rows(self, col: tuple[_CollInfo, Any], ids: list[str], vectors: np.ndarray, metas: list[dict]) -> None:
+        """Write index rows (a crash test hook: everything before it is the blob write)."""
+        with _chroma_errors(f"writing to {col[0].name}"):
+            col[1].upsert(ids=ids, embeddings=vectors, metadatas=metas)
+
+    def _delete_rows(self, col: tuple[_CollInfo, Any], ids: list[str]) -> None:
+        with _chroma_errors(f"deleting from {col[0].name}"):
+            col[1].delete(ids=ids)
+
+    # ---- MemoryStore: writes --------------------------------------------------------------
+    def put(self, memory: LatentMemory) -> str:
+        return self.put_many([memory])[0]
+
+    def put_many(self, memories: Sequence[LatentMemory]) -> list[str]:
+        """Blobs first (atomic), then one batched upsert per collection, then superseded blobs.
+
+        Every check that can refuse a memory (model, namespace, key dimensions) runs before
+        the first byte is written, so a refused put leaves nothing behind.
+        """
+        for m in memories:
+            self._check_writable(m)
+            for kind, key in m.keys.items():
+                self._create(m.meta.model_fingerprint, kind, m.meta.namespace, m.meta.hidden_size, key.numel())
+        shas = [self.blobs.put(m.to_bytes()) for m in memories]
+        batches: dict[str, tuple[tuple[_CollInfo, Any], list[str], list[np.ndarray], list[dict]]] = {}
+        stale_blobs: set[str] = set()
+        stale_rows: dict[str, tuple[tuple[_CollInfo, Any], list[str]]] = {}
+        for m, sha in zip(memories, shas, strict=True):
+            meta = m.meta
+            previous = self._existing_rows(meta.model_fingerprint, meta.namespace, meta.id, list(m.keys))
+            usage = _usage_by_kind(previous)
+            for r in previous:
+                if r.meta.get("blob") and r.meta.get("blob") != sha:
+                    stale_blobs.add(str(r.meta["blob"]))
+                if r.coll.kind not in m.keys:
+                    stale_rows.setdefault(r.coll.name, (self._cols[r.coll.name], []))[1].append(r.id)
+            for kind, key in m.keys.items():
+                col = self._create(meta.model_fingerprint, kind, meta.namespace, meta.hidden_size, key.numel())
+                b = batches.setdefault(col[0].name, (col, [], [], []))
+                b[1].append(meta.id)
+                b[2].append(key.numpy())
+                b[3].append(_row_metadata(m, sha, *usage.get(kind, (0, 0.0))))
+        for col, ids, vecs, metas in batches.values():
+            self._upsert_rows(col, ids, np.stack(vecs).astype(np.float32), metas)
+        for col, ids in stale_rows.values():
+            self._delete_rows(col, ids)
+        for sha in stale_blobs - set(shas):
+            self.blobs.delete(sha)
+        return shas
+
+    def _check_writable(self, memory: LatentMemory) -> None:
+        if not isinstance(memory, LatentMemory):
+            raise StoreError(f"can only store LatentMemory objects, got {type(memory).__name__}")
+        if self.model is not None:
+            memory.check_compatible(self.model)
+        validate_namespace(memory.meta.namespace)
+        if not memory.keys:
+            raise StoreError(f"memory {memory.id[:8]} has no retrieval keys; index it with Retriever.index_memory")
+
+    def _existing_rows(self, fingerprint: str, namespace: str, memory_id: str, kinds: Sequence[str]) -> list[_Row]:
+        """Rows of a memory being re-put, looked up by collection name (no listing of all collections).
+
+        Kinds checked: the memory's own, the registered ones and any seen by this process; a
+        stale row of another kind is caught by ``check`` (its blob is gone after the put).
+        """
+        from elm_memory.registry import key_builders
+
+        seen = {info.kind for info, _ in self._cols.values()}
+        rows: list[_Row] = []
+        for kind in sorted(set(kinds) | set(key_builders.names()) | seen):
+            col = self._open(fingerprint, kind, namespace)
+            if col is not None:
+                rows.extend(self._rows(col, [memory_id]))
+        return rows
+
+    def delete(self, memory_id: str, namespace: str | None = None) -> bool:
+        """Blob first, then rows: a crash in between leaves only rows, which ``check`` drops."""
+        rows = self._find(memory_id, namespace)
+        if not rows:
+            return False
+        for sha in {str(r.meta.get("blob", "")) for r in rows if r.meta.get("blob")}:
+            self.blobs.delete(sha)
+        for r in rows:
+            self._delete_rows(self._cols[r.coll.name], [r.id])
+        return True
+
+    def record_usage(self, kind: str, namespace: str, memory_ids: Sequence[str]) -> None:
+        """Increment usage counters (read-modify-write: concurrent retrievals may undercount)."""
+        found = self._open(self._bound().fingerprint, kind, namespace)
+        if found is None or not memory_ids:
+            return
+        rows = self._rows(found, list(dict.fromkeys(memory_ids)))
+        now = time.time()
+        metas = [{"usage": int(r.meta.get("usage", 0)) + 1, "last_used_at": now} for r in rows]
+        if rows:
+            with _chroma_errors(f"updating usage in {found[0].name}"):
+                found[1].update(ids=[r.id for r in rows], metadatas=metas)
+
+    # ---- MemoryStore: reads ---------------------------------------------------------------
+    def _bound(self) -> ModelInfo:
+        if self.model is None:
+            raise StoreError("this memory store is not bound to a model; open it with model=<ModelInfo> to query")
+        return self.model
+
+    def _find(self, memory_id: str, namespace: str | None) -> list[_Row]:
+        rows: list[_Row] = []
+        for col in self._collections(namespace=namespace):
+            rows.extend(self._rows(col, [memory_id]))
+        return rows
+
+    def record(self, memory_id: str, namespace: str | None = None) -> MemoryRecord:
+        """The index record of one memory (all its key kinds), without opening the blob."""
+        rows = self._find(memory_id, namespace)
+        if not rows:
+            where = f" in namespace {namespace!r}" if namespace is not None else ""
+            raise MemoryNotFoundError(f"no memory {memory_id!r}{where} in {self.url or self.root}")
+        return _record(rows)
+
+    def get(self, memory_id: str, namespace: str | None = None) -> LatentMemory:
+        return self.load(self.record(memory_id, namespace))
+
+    def load(self, record: MemoryRecord) -> LatentMemory:
+        """Read and validate the blob a record points to; it must be the memory the row says."""
+        memory = LatentMemory.from_bytes(self.blobs.get(record.blob))
+        if (memory.id, memory.meta.namespace, memory.meta.model_fingerprint) != (
+            record.id,
+            record.namespace,
+            record.model_fingerprint,
+        ):
+            raise MemoryFormatError(
+                f"blob {record.blob[:12]} does not hold memory {record.id[:8]} of namespace {record.namespace!r}"
+            )
+        if self.model is not None:
+            memory.check_compatible(self.model)
+        return memory
+
+    def list(
+        self, namespace: str | None = None, *, kind: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> list[MemoryRecord]:
+        """Records sorted by creation time (oldest first); reads index rows only."""
+        by_id: dict[str, list[_Row]] = {}
+        for col in self._collections(namespace=namespace, kind=kind):
+            for r in self._rows(col):
+                by_id.setdefault(r.id, []).append(r)
+        records = sorted((_record(rows) for rows in by_id.values()), key=lambda r: (r.created_at, r.id))
+        return records[offset : None if limit is None else offset + limit]
+
+    def namespaces(self) -> list[str]:
+        return sorted({info.namespace for info, _ in self._collections()})
+
+    def count(self, namespace: str | None = None, *, kind: str | None = None) -> int:
+        """Rows of one kind (fast), or distinct memories over all kinds."""
+        cols = self._collections(namespace=namespace, kind=kind)
+        if kind is not None:
+            with _chroma_errors("counting"):
+                return sum(c.count() for _, c in cols)
+        ids: set[str] = set()
+        for info, c in cols:
+            with _chroma_errors(f"reading {info.name}"):
+                ids.update(c.get(include=[])["ids"])
+        return len(ids)
+
+    def query(self, kind: str, vector: torch.Tensor | np.ndarray, namespace: str, k: int = 1) -> list[StoreHit]:
+        """Top-``k`` by cosine similarity inside one namespace's own collection (no filter)."""
+        model = self._bound()
+        validate_namespace(namespace)
+        if k < 1:
+            return []
+        vec = torch.as_tensor(vector).detach().to("cpu", torch.float32).reshape(-1).numpy()
+        for attempt in (0, 1):
+            found = self._open(model.fingerprint, kind, namespace)
+            if found is None:
+                return []
+            info, col = found
+            if vec.shape[0] != info.dim:
+                raise StoreError(f"{kind!r} query key has {vec.shape[0]} dimensions; the index expects {info.dim}")
+            try:
+                with _chroma_errors(f"querying {info.name}"):
+                    res = col.query(query_embeddings=vec[None, :], n_results=k, include=["distances", "metadatas"])
+                break
+            except StoreError as exc:  # collection deleted behind our cached handle
+                if attempt or "does not exist" not in str(exc):
+                    raise
+                self._forget(info.name)
+        hits = []
+        for mid, dist, meta in zip(res["ids"][0], res["distances"][0], res["metadatas"][0], strict=True):
+            hits.append(StoreHit(record=_record([_Row(info, mid, meta or {})]), score=1.0 - float(dist)))
+        return hits
+
+    # ---- consistency -----------------------------------------------------------------------
+    def check(self, repair: bool = False, *, deep: bool = False, temp_grace_seconds: float = 600.0) -> CheckReport:
+        """Find (and with ``repair`` fix) disagreements between blobs and rows, over the whole store.
+
+        The blob is authoritative: missing or stale rows are rebuilt from it (this finishes
+        an interrupted put), rows without a blob are dropped (this finishes an interrupted
+        delete), older blobs of a re-put memory are removed. ``deep`` re-hashes every blob.
+        Temp files younger than ``temp_grace_seconds`` may belong to a live writer and are kept.
+        """
+        report = CheckReport(repaired=repair)
+        rows_by_id: dict[str, list[_Row]] = {}
+        for col in self._collections(all_models=True):
+            for r in self._rows(col):
+                rows_by_id.setdefault(r.id, []).append(r)
+                report.rows += 1
+        blobs_by_id: dict[str, list[tuple[str, MemoryMeta, list[str], float]]] = {}
+        for sha in list(self.blobs):
+            report.blobs += 1
+            try:
+                meta, kinds = _blob_meta(self.blobs.read_header(sha))
+                if deep:
+                    self.blobs.get(sha)
+                mtime = self.blobs.path(sha).stat().st_mtime
+            except (MemoryFormatError, MissingBlobError, OSError, ValueError, KeyError):
+                report.corrupt_blobs.append(sha)
+                if repair:
+                    self.blobs.delete(sha)
+                continue
+            blobs_by_id.setdefault(meta.id, []).append((sha, meta, kinds, mtime))
+        report.temp_files = [str(p) for p in self.blobs.temp_files(older_than=temp_grace_seconds)]
+        if repair:
+            for p in report.temp_files:
+                Path(p).unlink(missing_ok=True)
+
+        for mid in sorted(set(rows_by_id) | set(blobs_by_id)):
+            report.memories += 1
+            rows, blobs = rows_by_id.get(mid, []), blobs_by_id.get(mid, [])
+            if not blobs:
+                report.orphan_rows.extend(f"{r.coll.name}/{r.id}" for r in rows)
+                if repair:
+                    for r in rows:
+                        self._delete_rows(self._open_info(r.coll), [r.id])
+                continue
+            # canonical blob: the one most rows point to, then the newest
+            refs = {sha: sum(1 for r in rows if r.meta.get("blob") == sha) for sha, *_ in blobs}
+            sha, meta, kinds, _ = max(blobs, key=lambda b: (refs[b[0]], b[3]))
+            for other, *_ in blobs:
+                if other != sha:
+                    report.superseded_blobs.append(other)
+                    if repair:
+                        self.blobs.delete(other)
+            good = {
+                r.coll.kind
+                for r in rows
+                if r.meta.get("blob") == sha
+                and r.coll.kind in kinds
+                and (r.coll.fingerprint, r.coll.namespace) == (meta.model_fingerprint, meta.namespace)
+            }
+            bad = [
+                r
+                for r in rows
+                if r.coll.kind not in good
+                or (r.coll.fingerprint, r.coll.namespace) != (meta.model_fingerprint, meta.namespace)
+            ]
+            report.orphan_rows.extend(f"{r.coll.name}/{r.id}" for r in bad)
+            missing = [k for k in kinds if k not in good]
+            if missing:
+                report.reindexed.append(mid)
+            if repair:
+                try:
+                    for r in bad:
+                        self._delete_rows(self._open_info(r.coll), [r.id])
+                    if missing:
+                        self._reindex(sha, missing, rows)
+                except (StoreError, MemoryFormatError) as exc:  # keep repairing the others
+                    report.errors.append(f"{mid}: {exc}")
+        return report
+
+    def _open_info(self, info: _CollInfo) -> tuple[_CollInfo, Any]:
+        found = self._open(info.fingerprint, info.kind, info.namespace)
+        if found is None:
+            raise StoreError(f"collection {info.name} disappeared during the check")
+        return found
+
+    def _reindex(self, sha: str, kinds: Sequence[str], old_rows: Sequence[_Row]) -> None:
+        """Rebuild the rows of ``kinds`` from blob ``sha``, keeping usage counters."""
+        memory = LatentMemory.from_bytes(self.blobs.get(sha))
+        meta = memory.meta
+        usage = _usage_by_kind(old_rows)
+        for kind in kinds:
+            key = memory.keys[kind]
+            col = self._create(meta.model_fingerprint, kind, meta.namespace, meta.hidden_size, key.numel())
+            row = _row_metadata(memory, sha, *usage.get(kind, (0, 0.0)))
+            self._upsert_rows(col, [meta.id], key.numpy()[None, :].astype(np.float32), [row])
+

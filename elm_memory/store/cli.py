@@ -1,0 +1,227 @@
+"""``elm memories ...``: inspect and maintain a memory store without loading a model.
+
+Register in the main CLI with ``app.add_typer(memories_app, name="memories")``. Commands
+raise typed :class:`~elm_memory.errors.ELMError` subclasses; each command is also
+wrapped here so it prints one ``error: ...`` line when used on its own.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from functools import wraps
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
+
+import typer
+
+from elm_memory.config import StoreConfig
+from elm_memory.errors import ELMError, StoreError
+from elm_memory.store.base import MemoryNotFoundError, MemoryRecord
+
+if TYPE_CHECKING:
+    from elm_memory.memory import LatentMemory
+    from elm_memory.store.chroma import ChromaMemoryStore
+
+memories_app = typer.Typer(
+    help="Stored memories: list, show, delete, export, import, check (and repair).", no_args_is_help=True
+)
+
+StoreOpt = Annotated[
+    Optional[Path], typer.Option("--store", help=f"Store folder (default {StoreConfig().path}).", show_default=False)
+]
+UrlOpt = Annotated[Optional[str], typer.Option("--url", help="Chroma server URL (index rows there, blobs in --store).")]
+NamespaceOpt = Annotated[Optional[str], typer.Option("--namespace", "-n", help="Only this namespace.")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """Typed errors -> one line on stderr and their exit code (``ELM_DEBUG=1``: traceback)."""
+
+    @wraps(fn)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return fn(*args, **kwargs)
+        except ELMError as exc:
+            if os.environ.get("ELM_DEBUG"):
+                raise
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(exc.exit_code) from None
+
+    return wrapper
+
+
+def _open(store: Path | None, url: str | None, *, create: bool = False) -> ChromaMemoryStore:
+    from elm_memory.store.chroma import ChromaMemoryStore
+
+    path = store if store is not None else Path(StoreConfig().path).expanduser()
+    if url is None and not create and not (path / "chroma").is_dir():
+        raise StoreError(f"no memory store at {path} (use --store PATH)")
+    return ChromaMemoryStore(path, url=url)
+
+
+def _when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "never"
+
+
+def _memory_view(record: MemoryRecord, memory: LatentMemory) -> dict[str, Any]:
+    from dataclasses import asdict
+
+    sp = memory.soft_prompt
+    return {
+        "record": record.to_dict(),
+        "meta": asdict(memory.meta),
+        "soft_prompt": {"shape": list(sp.shape), "dtype": str(sp.dtype).removeprefix("torch."),
+                        "norm_mean": float(sp.norm(dim=1).mean())},  # fmt: skip
+        "keys": {k: {"dim": int(v.numel()), "norm": float(v.norm())} for k, v in memory.keys.items()},
+    }
+
+
+@memories_app.command("list")
+@_errors
+def list_(
+    store: StoreOpt = None,
+    url: UrlOpt = None,
+    namespace: NamespaceOpt = None,
+    kind: Annotated[Optional[str], typer.Option(help="Only memories indexed by this key kind.")] = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="At most this many (oldest first).")] = None,
+    offset: Annotated[int, typer.Option(min=0)] = 0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Memories in the store, oldest first (index rows only; no blob is opened)."""
+    records = _open(store, url).list(namespace, kind=kind, limit=limit, offset=offset)
+    if json_out:
+        typer.echo(json.dumps([r.to_dict() for r in records], ensure_ascii=False))
+        return
+    for r in records:
+        flag = " no-consensus" if r.no_consensus else ""
+        question = r.question.replace("\n", " ")
+        typer.echo(f"{r.id}  {r.namespace:<12} {','.join(r.kinds):<22} used {r.usage:>4}  {_when(r.created_at)}"
+                   f"{flag}  {question[:60]}")  # fmt: skip
+    typer.echo(f"{len(records)} memories", err=True)
+
+
+@memories_app.command("show")
+@_errors
+def show(
+    memory_id: Annotated[str, typer.Argument(help="Memory id.")],
+    store: StoreOpt = None,
+    url: UrlOpt = None,
+    namespace: NamespaceOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """One memory: metadata, training statistics, usage, soft-prompt and key shapes (blob validated)."""
+    s = _open(store, url)
+    record = s.record(memory_id, namespace)
+    view = _memory_view(record, s.load(record))
+    if json_out:
+        typer.echo(json.dumps(view, ensure_ascii=False))
+        return
+    m, r = view["meta"], view["record"]
+    typer.echo(f"id:         {m['id']}\nnamespace:  {m['namespace']}\nmodel:      {m['model_name']} "
+               f"(fingerprint {m['model_fingerprint']}, hidden {m['hidden_size']})\n"
+               f"created:    {_when(m['created_at'])}\nusage:      {r['usage']} (last {_when(r['last_used_at'])})\n"
+               f"blob:       {r['blob']}\nsoft prompt: {view['soft_prompt']}\nkeys:       {view['keys']}\n"
+               f"stats:      steps={m['stats']['steps']} majority={m['stats']['majority_answer']!r} "
+               f"share={m['stats']['majority_share']:.2f} no_consensus={m['stats']['no_consensus']}\n"
+               f"question:   {m['question']}")  # fmt: skip
+
+
+@memories_app.command("delete")
+@_errors
+def delete(
+    memory_ids: Annotated[list[str], typer.Argument(help="Memory ids.")],
+    store: StoreOpt = None,
+    url: UrlOpt = None,
+    namespace: NamespaceOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Delete memories (blob and index rows)."""
+    s = _open(store, url)
+    missing = [m for m in memory_ids if not s.delete(m, namespace)]
+    if json_out:
+        typer.echo(json.dumps({"deleted": [m for m in memory_ids if m not in missing], "missing": missing}))
+    else:
+        typer.echo(f"deleted {len(memory_ids) - len(missing)} memories")
+    if missing:
+        more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
+        raise MemoryNotFoundError(f"no memory {missing[0]!r} in the store{more}")
+
+
+@memories_app.command("export")
+@_errors
+def export(
+    out: Annotated[Path, typer.Argument(help="Folder (one <id>.safetensors per memory) or, for one id, a file.")],
+    memory_ids: Annotated[Optional[list[str]], typer.Option("--id", help="Memory id (repeatable).")] = None,
+    store: StoreOpt = None,
+    url: UrlOpt = None,
+    namespace: NamespaceOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Write memories as standalone safetensors files (what `elm memories import` reads)."""
+    s = _open(store, url)
+    records = s.list(namespace)
+    if memory_ids:
+        wanted = set(memory_ids)
+        records = [r for r in records if r.id in wanted]
+        missing = wanted - {r.id for r in records}
+        if missing:
+            raise MemoryNotFoundError(f"no memory {sorted(missing)[0]!r} in the store")
+    single_file = len(records) == 1 and memory_ids and out.suffix == ".safetensors"
+    written = []
+    for r in records:
+        path = out if single_file else out / f"{r.id}.safetensors"
+        s.load(r).save(path)
+        written.append(str(path))
+    typer.echo(json.dumps({"written": written}) if json_out else f"exported {len(written)} memories to {out}")
+
+
+@memories_app.command("import")
+@_errors
+def import_(
+    files: Annotated[list[Path], typer.Argument(help="Memory .safetensors files (with their keys).")],
+    store: StoreOpt = None,
+    url: UrlOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Add exported memory files to the store (validated; filed under their own model and namespace)."""
+    from elm_memory.memory import LatentMemory
+
+    s = _open(store, url, create=True)
+    memories = [LatentMemory.load(f) for f in files]
+    s.put_many(memories)
+    ids = [m.id for m in memories]
+    typer.echo(json.dumps({"imported": ids}) if json_out else f"imported {len(ids)} memories")
+
+
+@memories_app.command("check")
+@_errors
+def check(
+    store: StoreOpt = None,
+    url: UrlOpt = None,
+    repair: Annotated[bool, typer.Option("--repair", help="Fix what is found (rebuild/drop rows, remove junk).")] = False,
+    deep: Annotated[bool, typer.Option("--deep", help="Also re-hash every blob.")] = False,
+    grace: Annotated[float, typer.Option(help="Keep temp files younger than this many seconds.")] = 600.0,
+    json_out: JsonOpt = False,
+) -> None:
+    """Find blobs without index rows, rows without blobs, stale and corrupt files; exit 1 if any remain unfixed."""
+    report = _open(store, url).check(repair=repair, deep=deep, temp_grace_seconds=grace)
+    if json_out:
+        typer.echo(json.dumps(report.to_dict()))
+    else:
+        typer.echo(f"{report.memories} memories, {report.blobs} blobs, {report.rows} index rows")
+        for name in ("reindexed", "orphan_rows", "superseded_blobs", "corrupt_blobs", "temp_files", "errors"):
+            items = getattr(report, name)
+            if items:
+                verb = "fixed" if repair else "found"
+                typer.echo(f"  {name.replace('_', ' ')}: {len(items)} {verb}  ({', '.join(map(str, items[:3]))}"
+                           f"{', ...' if len(items) > 3 else ''})")  # fmt: skip
+        if report.ok:
+            typer.echo("ok")
+        elif repair:
+            typer.echo("repair incomplete (see errors)" if report.errors else "repaired")
+        else:
+            typer.echo("problems found; run with --repair")
+    if not report.ok and (not repair or report.errors):
+        raise typer.Exit(1)
