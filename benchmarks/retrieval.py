@@ -177,7 +177,9 @@ def row_meta(i: int, now: float, extra: dict[str, Any] | None = None) -> dict[st
     }  # fmt: skip
 
 
-def insert(col: Any, vectors: np.ndarray, start: int = 0, extra=None, deadline: float | None = None) -> tuple[int, float]:
+def insert(
+    col: Any, vectors: np.ndarray, start: int = 0, extra=None, deadline: float | None = None
+) -> tuple[int, float]:
     """Add rows ``start..`` in batches of BATCH until done or ``deadline``; return (rows added, seconds)."""
     now = time.time()
     t0 = time.perf_counter()
@@ -295,7 +297,8 @@ def run_cell(
 
         r = recall_and_latency(via_store, mem, qry)
         result["by_ef_search"][str(ef)] = r
-        print(f"    ef_search={ef}: p50 {r['p50_ms']} ms  p95 {r['p95_ms']} ms  recall@1 {r['recall_at_1']}", flush=True)
+        print(f"    ef_search={ef}: p50 {r['p50_ms']} ms  p95 {r['p95_ms']} ms  recall@1 {r['recall_at_1']}",
+              flush=True)  # fmt: skip
     return result
 
 
@@ -333,9 +336,10 @@ def namespace_isolation(work: Path, profile: str, kind: str, size: int, n_querie
         part = quarter[j : j + BATCH]
         own.add(ids=[f"m{i}" for i in part], embeddings=mem[part], metadatas=[row_meta(int(i), 0.0) for i in part])
     out["collection_per_namespace_quarter"] = recall_and_latency(q(own), q_unit, qry, ids_q)
-    settings = Settings(anonymized_telemetry=False, is_persistent=True, persist_directory=str(work / "namespaces" / "chroma"))
+    chroma_dir = str(work / "namespaces" / "chroma")
+    settings = Settings(anonymized_telemetry=False, is_persistent=True, persist_directory=chroma_dir)
     chromadb.AdminClient(settings).create_database("ns0")
-    db_client = chromadb.PersistentClient(path=str(work / "namespaces" / "chroma"), settings=settings, database="ns0")
+    db_client = chromadb.PersistentClient(path=chroma_dir, settings=settings, database="ns0")
     db_col = db_client.create_collection(
         "bench-ns0", configuration={"hnsw": store.hnsw_settings(kind)}, embedding_function=None
     )

@@ -192,7 +192,7 @@ def demo(
             if not json_out:
                 mem = f"memory {r.memory_id[:8]} sim {r.similarity:.2f}" if r.memory_id else "no memory"
                 console.print(f"{p.id}: {r.answer!s:>8} (gold {p.answer}) {'✓' if ok else '✗'}  route={r.route:<9} "
-                              f"{mem}  answer {r.timings.get('total', 0):.0f}s, +learning {elapsed:.0f}s")  # fmt: skip
+                              f"{mem}  answer {r.timings.get('total', 0):.0f}s, with learning {elapsed:.0f}s")  # fmt: skip
     correct = sum(r["correct"] for r in rows)
     summary = {"dataset": dataset, "n": len(rows), "correct": correct, "accuracy": correct / len(rows), "rows": rows}
     if json_out:

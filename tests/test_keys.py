@@ -23,7 +23,7 @@ from elm_memory.retrieval.keys import (
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def tiny_loaded(seed: int = 0) -> LoadedModel:
+def random_tiny_model(seed: int = 0) -> LoadedModel:
     """A randomly initialised 2-layer Qwen2 with grouped-query attention (4 heads, 2 KV heads)."""
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
@@ -43,18 +43,17 @@ def tiny_loaded(seed: int = 0) -> LoadedModel:
 
 @pytest.fixture(scope="module")
 def tiny() -> LoadedModel:
-    return tiny_loaded()
+    return random_tiny_model()
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from elm_memory.config import ModelConfig
-    from elm_memory.models.loading import load_model
-
+def smol(tiny_loaded):
+    """The session's SmolLM2-135M (conftest), run on one thread: 2 threads on a busy 2-core box
+    were measured 8x slower than 1."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 threads on a busy 2-core box were measured 8x slower than 1
+    torch.set_num_threads(1)
     try:
-        yield load_model(ModelConfig(name_or_path="packaged:smollm2-135m", dtype="float32"))
+        yield tiny_loaded
     finally:
         torch.set_num_threads(threads)
 
@@ -173,7 +172,7 @@ def test_kv_refuses_model_without_separate_projections() -> None:
         def get_input_embeddings(self):
             return self.emb
 
-    loaded = LoadedModel(model=NoAttn(), tokenizer=None, info=tiny_loaded().info, load_seconds=0)
+    loaded = LoadedModel(model=NoAttn(), tokenizer=None, info=random_tiny_model().info, load_seconds=0)
     with pytest.raises(ConfigError, match="retrieval.key=input"):
         KVKeyBuilder().query_key(loaded, [1, 2])
 

@@ -34,14 +34,13 @@ QUESTIONS = [
 
 
 @pytest.fixture(scope="module")
-def smol():
-    from elm_memory.config import ModelConfig
-    from elm_memory.models.loading import load_model
-
+def smol(tiny_loaded):
+    """The session's SmolLM2-135M (conftest), run on one thread: 2 threads on a busy 2-core box
+    were measured 8x slower than 1."""
     threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # 2 threads on a busy 2-core box were measured 8x slower than 1
+    torch.set_num_threads(1)
     try:
-        yield load_model(ModelConfig(name_or_path="packaged:smollm2-135m", dtype="float32"))
+        yield tiny_loaded
     finally:
         torch.set_num_threads(threads)
 

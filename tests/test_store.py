@@ -122,7 +122,7 @@ def test_collection_layout_and_hnsw_config(store: ChromaMemoryStore, info: Model
     assert 3 <= len(name) <= 63
     store.put(make_memory(info, keys={"kv": torch.randn(8)}, seed=5))
     kv = store.client.get_collection(collection_name(info.fingerprint, "kv", "default"), embedding_function=None)
-    assert kv.configuration["hnsw"]["max_neighbors"] == 32 and kv.configuration["hnsw"]["ef_search"] == 400
+    assert kv.configuration["hnsw"]["max_neighbors"] == 32 and kv.configuration["hnsw"]["ef_search"] == 800
 
 
 def test_reopen_applies_mutable_hnsw_settings(tmp_path: Path, info: ModelInfo) -> None:

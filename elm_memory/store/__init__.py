@@ -1,29 +1,26 @@
 """Memory stores: the protocol, the blob directory and the Chroma implementation.
 
-``ChromaMemoryStore`` is imported lazily: chromadb is slow to import and not every
-user of the records needs it.
+Names are imported lazily, so ``elm --help`` (which imports the ``memories`` CLI) pays
+for neither torch nor chromadb.
 """
 
+from importlib import import_module
 from typing import Any
 
-from elm_memory.store.base import CheckReport, MemoryNotFoundError, MemoryRecord, MemoryStore, StoreHit
-from elm_memory.store.blobs import BlobStore, MissingBlobError
-
-__all__ = [
-    "BlobStore",
-    "CheckReport",
-    "ChromaMemoryStore",
-    "MemoryNotFoundError",
-    "MemoryRecord",
-    "MemoryStore",
-    "MissingBlobError",
-    "StoreHit",
-]
+_WHERE = {
+    "CheckReport": "elm_memory.store.base",
+    "MemoryNotFoundError": "elm_memory.store.base",
+    "MemoryRecord": "elm_memory.store.base",
+    "MemoryStore": "elm_memory.store.base",
+    "StoreHit": "elm_memory.store.base",
+    "BlobStore": "elm_memory.store.blobs",
+    "MissingBlobError": "elm_memory.store.blobs",
+    "ChromaMemoryStore": "elm_memory.store.chroma",
+}
+__all__ = sorted(_WHERE)
 
 
 def __getattr__(name: str) -> Any:
-    if name == "ChromaMemoryStore":
-        from elm_memory.store.chroma import ChromaMemoryStore
-
-        return ChromaMemoryStore
-    raise AttributeError(name)
+    if name in _WHERE:
+        return getattr(import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

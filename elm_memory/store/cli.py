@@ -18,10 +18,10 @@ import typer
 
 from elm_memory.config import StoreConfig
 from elm_memory.errors import ELMError, StoreError
-from elm_memory.store.base import MemoryNotFoundError, MemoryRecord
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # torch and chromadb load only when a command runs
     from elm_memory.memory import LatentMemory
+    from elm_memory.store.base import MemoryRecord
     from elm_memory.store.chroma import ChromaMemoryStore
 
 memories_app = typer.Typer(
@@ -138,6 +138,8 @@ def delete(
     json_out: JsonOpt = False,
 ) -> None:
     """Delete memories (blob and index rows)."""
+    from elm_memory.store.base import MemoryNotFoundError
+
     s = _open(store, url)
     missing = [m for m in memory_ids if not s.delete(m, namespace)]
     if json_out:
@@ -160,6 +162,8 @@ def export(
     json_out: JsonOpt = False,
 ) -> None:
     """Write memories as standalone safetensors files (what `elm memories import` reads)."""
+    from elm_memory.store.base import MemoryNotFoundError
+
     s = _open(store, url)
     records = s.list(namespace)
     if memory_ids:
