@@ -189,6 +189,13 @@ class StoreConfig(_Section):
     kind: str = Field("chroma", description="Memory store implementation (`none`: answer zero-shot, keep nothing).")
     path: str = Field("~/.elm-memory/store", description="Folder of the embedded store (Chroma + blobs).")
     url: str | None = Field(None, description="Chroma server URL (http://host:port); overrides `path` for rows.")
+    hnsw: dict[str, Any] | None = Field(
+        None,
+        description=(
+            "Chroma HNSW overrides, e.g. {ef_search: 400}. Defaults: Chroma's for input keys; "
+            "max_neighbors 32 and ef_search 800 for kv keys (recall@1 >= 0.995 at 100k, see benchmarks)."
+        ),
+    )
 
 
 class BackendConfig(_Section):

@@ -410,3 +410,13 @@ def test_http_client_against_real_chroma_server(chroma_server: str, tmp_path: Pa
 def test_unreachable_server_is_a_store_error(tmp_path: Path) -> None:
     with pytest.raises(StoreError, match="Chroma server"):
         ChromaMemoryStore(tmp_path, url=f"http://127.0.0.1:{_free_port()}")
+
+
+def test_hnsw_overrides_come_from_the_config(tmp_path):
+    from elm_memory.config import StoreConfig
+    from elm_memory.store.chroma import ChromaMemoryStore
+
+    store = ChromaMemoryStore.from_config(StoreConfig(path=str(tmp_path / "s"), hnsw={"ef_search": 123}))
+    assert store.hnsw_settings("input")["ef_search"] == 123
+    assert store.hnsw_settings("kv")["ef_search"] == 123  # an explicit setting beats the per-kind default
+    assert ChromaMemoryStore.from_config(StoreConfig(path=str(tmp_path / "t"))).hnsw_settings("kv")["ef_search"] == 800

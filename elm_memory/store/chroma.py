@@ -206,6 +206,7 @@ class ChromaMemoryStore:
 
     @classmethod
     def from_config(cls, cfg: StoreConfig, model: ModelInfo | None = None, **kwargs: Any) -> ChromaMemoryStore:
+        kwargs.setdefault("hnsw", cfg.hnsw)
         return cls(cfg.path, url=cfg.url, model=model, **kwargs)
 
     def _connect(self) -> Any:
