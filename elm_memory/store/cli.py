@@ -8,16 +8,15 @@ wrapped here so it prints one ``error: ...`` line when used on its own.
 from __future__ import annotations
 
 import json
-import os
 import time
-from functools import wraps
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Callable, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 
+from elm_memory.cli_errors import handle_errors
 from elm_memory.config import StoreConfig
-from elm_memory.errors import ELMError, StoreError
+from elm_memory.errors import StoreError
 
 if TYPE_CHECKING:  # torch and chromadb load only when a command runs
     from elm_memory.memory import LatentMemory
@@ -34,22 +33,6 @@ StoreOpt = Annotated[
 UrlOpt = Annotated[Optional[str], typer.Option("--url", help="Chroma server URL (index rows there, blobs in --store).")]
 NamespaceOpt = Annotated[Optional[str], typer.Option("--namespace", "-n", help="Only this namespace.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
-
-
-def _errors(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """Typed errors -> one line on stderr and their exit code (``ELM_DEBUG=1``: traceback)."""
-
-    @wraps(fn)
-    def wrapper(*args: Any, **kwargs: Any) -> Any:
-        try:
-            return fn(*args, **kwargs)
-        except ELMError as exc:
-            if os.environ.get("ELM_DEBUG"):
-                raise
-            typer.echo(f"error: {exc}", err=True)
-            raise typer.Exit(exc.exit_code) from None
-
-    return wrapper
 
 
 def _open(store: Path | None, url: str | None, *, create: bool = False) -> ChromaMemoryStore:
@@ -79,7 +62,7 @@ def _memory_view(record: MemoryRecord, memory: LatentMemory) -> dict[str, Any]:
 
 
 @memories_app.command("list")
-@_errors
+@handle_errors
 def list_(
     store: StoreOpt = None,
     url: UrlOpt = None,
@@ -103,7 +86,7 @@ def list_(
 
 
 @memories_app.command("show")
-@_errors
+@handle_errors
 def show(
     memory_id: Annotated[str, typer.Argument(help="Memory id.")],
     store: StoreOpt = None,
@@ -129,7 +112,7 @@ def show(
 
 
 @memories_app.command("delete")
-@_errors
+@handle_errors
 def delete(
     memory_ids: Annotated[list[str], typer.Argument(help="Memory ids.")],
     store: StoreOpt = None,
@@ -152,7 +135,7 @@ def delete(
 
 
 @memories_app.command("export")
-@_errors
+@handle_errors
 def export(
     out: Annotated[Path, typer.Argument(help="Folder (one <id>.safetensors per memory) or, for one id, a file.")],
     memory_ids: Annotated[Optional[list[str]], typer.Option("--id", help="Memory id (repeatable).")] = None,
@@ -182,7 +165,7 @@ def export(
 
 
 @memories_app.command("import")
-@_errors
+@handle_errors
 def import_(
     files: Annotated[list[Path], typer.Argument(help="Memory .safetensors files (with their keys).")],
     store: StoreOpt = None,
@@ -200,7 +183,7 @@ def import_(
 
 
 @memories_app.command("check")
-@_errors
+@handle_errors
 def check(
     store: StoreOpt = None,
     url: UrlOpt = None,
