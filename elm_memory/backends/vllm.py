@@ -164,23 +164,16 @@ def bounded_max_len(cfg_max_context: int | None, model_dir: str | Path) -> int:
 
 def info_from_folder(name: str, model_dir: str, dtype: str, device: str, max_context: int, embedder: Any) -> Any:
     """:class:`ModelInfo` without loading the transformers model (config.json + embedding table)."""
-    import hashlib
-
-    import torch
     from transformers import AutoConfig
 
-    from elm_memory.models.loading import ModelInfo, _stored_fingerprint
+    from elm_memory.models.loading import ModelInfo, _stored_fingerprint, weight_fingerprint
 
     c = AutoConfig.from_pretrained(model_dir)
     text_cfg = c.get_text_config() if hasattr(c, "get_text_config") else c
     n_heads = text_cfg.num_attention_heads
     fingerprint = _stored_fingerprint(model_dir)
-    if fingerprint is None:  # same recipe as loading.embedding_fingerprint
-        weight = embedder.weight.detach().to("cpu", torch.float32).contiguous()
-        h = hashlib.sha256()
-        h.update(str(tuple(weight.shape)).encode())
-        h.update(weight.numpy().tobytes())
-        fingerprint = h.hexdigest()[:16]
+    if fingerprint is None:
+        fingerprint = weight_fingerprint(embedder.weight)
     return ModelInfo(
         name=name,
         path=model_dir,

@@ -73,15 +73,20 @@ def pick_device(device: str) -> str:
     return device
 
 
-def embedding_fingerprint(model: Any) -> str:
-    """sha256 (16 hex) of the input embedding table in float32: identifies the vector space memories live in."""
+def weight_fingerprint(weight: Any) -> str:
+    """sha256 (16 hex) of an embedding table in float32: identifies the vector space memories live in."""
     import torch
 
-    weight = model.get_input_embeddings().weight.detach().to("cpu", torch.float32).contiguous()
+    table = weight.detach().to("cpu", torch.float32).contiguous()
     h = hashlib.sha256()
-    h.update(str(tuple(weight.shape)).encode())
-    h.update(weight.numpy().tobytes())
+    h.update(str(tuple(table.shape)).encode())
+    h.update(table.numpy().tobytes())
     return h.hexdigest()[:16]
+
+
+def embedding_fingerprint(model: Any) -> str:
+    """The fingerprint of a model's input embedding table (see :func:`weight_fingerprint`)."""
+    return weight_fingerprint(model.get_input_embeddings().weight)
 
 
 def load_model(cfg: ModelConfig) -> LoadedModel:
