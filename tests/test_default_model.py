@@ -31,4 +31,4 @@ def test_elm_answer_zero_shot_on_the_default_model(default_loaded):
     result = elm.answer("Tom has 3 apples and buys 4 more. How many apples does he have now?")
     assert result.answer == "7", result.response
     assert result.route == "zero_shot" and result.memory_id is None
-    assert result.timings["dual_generate"] > 0 and result.learn_job is None
+    assert result.timings["dual_generate"] > 0 and result.learn_job["status"] == "skipped"  # learner.mode=off
