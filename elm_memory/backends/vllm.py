@@ -168,23 +168,15 @@ def info_from_folder(name: str, model_dir: str, dtype: str, device: str, max_con
 
     from elm_memory.models.loading import ModelInfo, _stored_fingerprint, weight_fingerprint
 
-    c = AutoConfig.from_pretrained(model_dir)
-    text_cfg = c.get_text_config() if hasattr(c, "get_text_config") else c
-    n_heads = text_cfg.num_attention_heads
     fingerprint = _stored_fingerprint(model_dir)
     if fingerprint is None:
         fingerprint = weight_fingerprint(embedder.weight)
-    return ModelInfo(
+    return ModelInfo.from_config(
+        AutoConfig.from_pretrained(model_dir),
+        max_context=max_context,
         name=name,
         path=model_dir,
-        model_type=text_cfg.model_type,
-        hidden_size=text_cfg.hidden_size,
-        num_layers=text_cfg.num_hidden_layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=getattr(text_cfg, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_heads,
         vocab_size=embedder.vocab_size,
-        max_context=max_context,
         dtype=dtype,
         device=device,
         fingerprint=fingerprint,

@@ -40,6 +40,22 @@ class ModelInfo:
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
+    @classmethod
+    def from_config(cls, config: Any, *, max_context: int | None = None, **fields: Any) -> ModelInfo:
+        """Shape facts from a transformers config (its text part); ``fields`` fill the rest."""
+        text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        n_heads = text_cfg.num_attention_heads
+        return cls(
+            model_type=text_cfg.model_type,
+            hidden_size=text_cfg.hidden_size,
+            num_layers=text_cfg.num_hidden_layers,
+            num_attention_heads=n_heads,
+            num_key_value_heads=getattr(text_cfg, "num_key_value_heads", None) or n_heads,
+            head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_heads,
+            max_context=max_context or getattr(text_cfg, "max_position_embeddings", 2048),
+            **fields,
+        )
+
 
 @dataclass
 class LoadedModel:
@@ -112,20 +128,12 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     fingerprint = _stored_fingerprint(path) or embedding_fingerprint(model)
-    c = model.config
-    text_cfg = c.get_text_config() if hasattr(c, "get_text_config") else c
-    n_heads = text_cfg.num_attention_heads
-    info = ModelInfo(
+    info = ModelInfo.from_config(
+        model.config,
+        max_context=cfg.max_context,
         name=cfg.name_or_path,
         path=path,
-        model_type=text_cfg.model_type,
-        hidden_size=text_cfg.hidden_size,
-        num_layers=text_cfg.num_hidden_layers,
-        num_attention_heads=n_heads,
-        num_key_value_heads=getattr(text_cfg, "num_key_value_heads", None) or n_heads,
-        head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_heads,
         vocab_size=model.get_input_embeddings().weight.shape[0],
-        max_context=cfg.max_context or getattr(text_cfg, "max_position_embeddings", 2048),
         dtype=cfg.dtype,
         device=device,
         fingerprint=fingerprint,
