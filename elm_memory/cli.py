@@ -152,55 +152,94 @@ def learn(
 @handle_errors
 def demo(
     dataset: Annotated[str, typer.Option(help="Vendored dataset: gsm8k, math500, amc23, aime24.")] = "gsm8k",
-    limit: Annotated[int, typer.Option(min=1, help="Number of questions from the start of the stream.")] = 3,
+    limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 5,
+    method: MethodOpt = None,
+    out: Annotated[Path, typer.Option(help="Run directory; re-running resumes it.")] = Path("elm-runs/demo"),
     config: ConfigOpt = None,
     preset: PresetOpt = "cpu-demo",
-    namespace: NamespaceOpt = None,
     json_out: JsonOpt = False,
     set_: SetOpt = None,
     backend: BackendOpt = None,
     server_url: ServerUrlOpt = None,
 ) -> None:
-    """The main job on the embedded defaults: ELM on a short stream of benchmark questions.
+    """The main job on the embedded defaults: a short online stream of GSM8K questions with ELM.
 
-    Each question is answered (retrieve, dual-generate, route) and then learned from; with the
-    default sync learner, memory i exists before question i+1 is answered (the paper's protocol).
+    Same as ``elm stream --dataset gsm8k --limit 5 --method elm_input --preset cpu-demo
+    --out elm-runs/demo``: each question is answered (retrieve, dual-generate, route), then
+    a memory is learned from it before the next one (the paper's protocol). The table
+    also shows the zero-shot candidate's accuracy, ELM's own baseline on the same stream.
     """
-    import time
+    from elm_memory.eval.datasets import load_problems
 
-    from rich.console import Console
+    cfg = _load_config(config, preset, None, set_, backend, server_url)
+    problems = load_problems(dataset, limit=limit, seed=17)
+    result = _run_stream(problems, _methods(method, ["elm_input"]), cfg, out, dataset, 17, json_out, True)
+    _print_stream(result, json_out)
 
-    from elm_memory.answers import equivalent
-    from elm_memory.elm import ELM
-    from elm_memory.eval.datasets import load_dataset
 
-    cfg = _load_config(config, preset, namespace, set_, backend, server_url)
-    problems = load_dataset(dataset, limit=limit)
-    console = Console(stderr=True)
-    rows = []
-    with ELM(cfg) as elm, console.status("loading model...") as status:
-        _ = elm.context()
-        for i, p in enumerate(problems, 1):
-            status.update(f"question {i}/{len(problems)} ({p.id}): answering, then learning a memory")
-            t0 = time.perf_counter()
-            r = elm.answer(p.question)
-            elapsed = time.perf_counter() - t0
-            ok = equivalent(r.answer, p.answer)
-            rows.append({"id": p.id, "answer": r.answer, "gold": p.answer, "correct": ok, "route": r.route,
-                         "memory_id": r.memory_id, "similarity": r.similarity,
-                         "answer_seconds": round(r.timings.get("total", 0.0), 2),
-                         "seconds_with_learning": round(elapsed, 2)})  # fmt: skip
-            if not json_out:
-                mem = f"memory {r.memory_id[:8]} sim {r.similarity:.2f}" if r.memory_id else "no memory"
-                console.print(f"{p.id}: {r.answer!s:>8} (gold {p.answer}) {'✓' if ok else '✗'}  route={r.route:<9} "
-                              f"{mem}  answer {r.timings.get('total', 0):.0f}s, with learning {elapsed:.0f}s")  # fmt: skip
-    correct = sum(r["correct"] for r in rows)
-    summary = {"dataset": dataset, "n": len(rows), "correct": correct, "accuracy": correct / len(rows), "rows": rows}
+MethodOpt = Annotated[
+    Optional[list[str]],
+    typer.Option("--method", "-m", help="Method(s), repeatable or comma-separated: zero_shot, verifier_at_2, icl, "
+                 "reasoning_bank, elm_input, elm_kv (or a plugin)."),  # fmt: skip
+]
+
+
+def _methods(values: list[str] | None, default: list[str]) -> list[str]:
+    names = [n.strip() for v in values or [] for n in v.split(",") if n.strip()]
+    return names or default
+
+
+@app.command()
+@handle_errors
+def stream(
+    dataset: Annotated[str, typer.Option(help="gsm8k, math500, amc23, aime24, or a JSONL file with question/answer.")],
+    out: Annotated[Path, typer.Option(help="Run directory (records, summary, plots, memory pools). Re-run to resume.")],
+    method: MethodOpt = None,
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Questions to run (after shuffling).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Stream order seed (paper: 17, 42, 78). Default 17.")] = 17,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    json_out: JsonOpt = False,
+    no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")] = False,
+    backend: BackendOpt = None,
+    server_url: ServerUrlOpt = None,
+) -> None:
+    """The paper's online protocol: questions one at a time; each method answers, then learns (sync)."""
+    from elm_memory.eval.datasets import load_problems
+
+    cfg = _load_config(config, preset, None, set_, backend, server_url)
+    problems = load_problems(dataset, limit=limit, seed=seed)
+    methods = _methods(method, ["zero_shot", "elm_input"])
+    result = _run_stream(problems, methods, cfg, out, dataset, seed, json_out, not no_plots)
+    _print_stream(result, json_out)
+
+
+def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots):
+    from elm_memory.eval.online import run_stream
+
+    def show(r: dict[str, Any]) -> None:
+        if quiet:
+            return
+        mem = f"memory {str(r['memory_id'])[:8]} sim {r['similarity']:.2f}" if r.get("memory_id") else "no memory"
+        mark = "✓" if r["correct"] else "✗"
+        typer.echo(f"[{r['index'] + 1}] {r['method']:<14} {r['question_id']:<12} {r['answer']!s:>10} "
+                   f"(gold {r['gold']}) {mark}  {r['route']:<9} {mem}  answer {r['timings']['answer']:.0f}s "
+                   f"learn {r['timings']['learn']:.0f}s", err=True)  # fmt: skip
+
+    return run_stream(problems, methods, cfg, out, dataset=dataset, seed=seed, on_record=show, plots=plots,
+                      progress=None if not quiet else False)  # fmt: skip
+
+
+def _print_stream(result, json_out: bool) -> None:
     if json_out:
-        typer.echo(json.dumps(summary))
-    else:
-        typer.echo(f"{dataset}: {correct}/{len(rows)} correct with ELM (model {cfg.model.name_or_path}, "
-                   f"store {cfg.store.path})")  # fmt: skip
+        typer.echo(json.dumps({"out_dir": str(result.out_dir), "summary": result.summary,
+                               "plots": [str(p) for p in result.plots]}))  # fmt: skip
+        return
+    typer.echo(result.table)
+    typer.echo(f"\nrecords, summary.json, results.md in {result.out_dir}")
+    for p in result.plots:
+        typer.echo(f"plot: {p}")
 
 
 @model_app.command("list")

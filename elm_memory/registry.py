@@ -2,8 +2,8 @@
 
 Built-ins register themselves by import path (nothing heavy is imported until a name is
 used). Third parties add implementations through entry points in the groups
-``elm_memory.backends``, ``elm_memory.verifiers``, ``elm_memory.key_builders`` and
-``elm_memory.stores``::
+``elm_memory.backends``, ``elm_memory.verifiers``, ``elm_memory.key_builders``,
+``elm_memory.stores`` and ``elm_memory.eval_methods``::
 
     [project.entry-points."elm_memory.verifiers"]
     my_scorer = "my_pkg.scoring:MyVerifier"
@@ -86,3 +86,12 @@ verifiers.register("logprob", "elm_memory.verifiers.logprob:LogprobVerifier")
 # Prompt-embedding backends: vllm is imported only when an instance is created.
 backends.register("vllm", "elm_memory.backends.vllm:VLLMBackend")
 backends.register("vllm-server", "elm_memory.backends.vllm_server:VLLMServerBackend")
+
+# Online evaluation methods (`elm stream --method NAME`): ELM and the paper's baselines.
+eval_methods: Registry[Any] = Registry("evaluation method", "elm_memory.eval_methods")
+eval_methods.register("zero_shot", "elm_memory.eval.methods.baselines:ZeroShot")
+eval_methods.register("verifier_at_2", "elm_memory.eval.methods.baselines:verifier_at_2")
+eval_methods.register("icl", "elm_memory.eval.methods.text_memory:ICL")
+eval_methods.register("reasoning_bank", "elm_memory.eval.methods.text_memory:ReasoningBank")
+eval_methods.register("elm_input", "elm_memory.eval.methods.elm_method:elm_input")
+eval_methods.register("elm_kv", "elm_memory.eval.methods.elm_method:elm_kv")

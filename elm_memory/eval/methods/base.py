@@ -1,0 +1,99 @@
+"""What an evaluation method is: answer a question, then (online) update its own pool.
+
+All methods of one run share one :class:`EvalRuntime`: one loaded model, one backend,
+one prompt builder and one verifier, so comparing methods never loads a model twice.
+Ground truth never reaches a method; the runner scores the answers afterwards.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from elm_memory.config import ELMConfig
+from elm_memory.elm import ELM
+from elm_memory.errors import RegistryError
+
+
+@dataclass
+class MethodOutput:
+    """One method's answer to one question (what the runner records)."""
+
+    answer: str | None
+    response: str
+    route: str  # "zero_shot" | "agree" | "verifier" | "context" (a retrieved text example/strategy was used)
+    memory_id: str | None = None
+    similarity: float | None = None
+    candidates: list[dict[str, Any]] = field(default_factory=list)  # kind, answer, score
+    warnings: list[str] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@runtime_checkable
+class EvalMethod(Protocol):
+    """``answer`` sees only the question; ``learn`` then updates the method's pool (no-op for
+    memoryless methods). ``pool_stats`` returns (entries, bytes on disk)."""
+
+    name: str
+
+    def answer(self, question: str, index: int) -> MethodOutput: ...
+
+    def learn(self, question: str, question_id: str, output: MethodOutput) -> None: ...
+
+    def pool_stats(self) -> tuple[int, int]: ...
+
+    def close(self) -> None: ...
+
+
+class EvalRuntime:
+    """Shared parts of one evaluation run: the model-facing pieces come from one zero-shot ELM
+    facade (no store, no learner); methods with pools keep them under ``out_dir``."""
+
+    def __init__(self, config: ELMConfig, out_dir: Path, *, base: ELM | None = None):
+        self.config = config
+        self.out_dir = Path(out_dir)
+        self.base = base or ELM(
+            config.model_copy(
+                update={
+                    "store": config.store.model_copy(update={"kind": "none"}),
+                    "learner": config.learner.model_copy(update={"mode": "off"}),
+                }
+            )
+        )
+
+    @property
+    def backend(self) -> Any:
+        return self.base.backend
+
+    @property
+    def prompts(self) -> Any:
+        return self.base.prompts
+
+    @property
+    def loaded(self) -> Any:
+        return self.base.loaded
+
+    def seed_for(self, index: int) -> int:
+        """A per-question seed: sampled methods give the same samples when a run is resumed."""
+        return random.Random(f"{self.config.training.seed}:{index}").randrange(2**31)
+
+    def close(self) -> None:
+        self.base.close()
+
+
+def build_method(name: str, runtime: EvalRuntime) -> EvalMethod:
+    from elm_memory.registry import eval_methods
+
+    method = eval_methods.get(name)(runtime)
+    if not isinstance(method, EvalMethod):
+        raise RegistryError(f"evaluation method {name!r} built a {type(method).__name__} without answer/learn")
+    return method
+
+
+def dir_bytes(path: Path) -> int:
+    """Bytes of the files under ``path`` (0 if it does not exist)."""
+    if not path.exists():
+        return 0
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())

@@ -1,0 +1,184 @@
+"""The online protocol (paper Algorithm 1): one question at a time in a seeded order;
+every method answers it, is scored, then learns from it (sync), before the next question.
+
+Output directory::
+
+    run.json        what was run (dataset, seed, question order, config, methods)
+    records.jsonl   one line per (method, question): answer, route, memory, scores, timings
+    summary.json    per-method accuracy, routes, time split answer / learn, pool size on disk
+    results.md      the summary as a Markdown table
+    *.png           accuracy over the stream, routes, memory-pool growth
+    store/, pools/  the methods' memory pools (kept: a re-run resumes from them)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elm_memory.answers import equivalent
+from elm_memory.config import ELMConfig
+from elm_memory.errors import ConfigError
+from elm_memory.eval.datasets import Problem
+from elm_memory.eval.methods.base import EvalRuntime, build_method
+from elm_memory.eval.records import RecordLog, check_manifest, write_json_atomic
+
+#: Manifest fields that must match for a run to be resumed.
+RESUME_FIELDS = ("dataset", "seed", "question_ids", "config")
+
+
+@dataclass
+class StreamResult:
+    out_dir: Path
+    summary: dict[str, Any]
+    records: list[dict[str, Any]]
+    plots: list[Path] = field(default_factory=list)
+    table: str = ""
+
+
+def run_stream(
+    problems: Sequence[Problem],
+    methods: Sequence[str],
+    config: ELMConfig,
+    out_dir: str | Path,
+    *,
+    dataset: str = "custom",
+    seed: int | None = None,
+    runtime: EvalRuntime | None = None,
+    progress: bool | None = None,
+    on_record: Callable[[dict[str, Any]], None] | None = None,
+    plots: bool = True,
+) -> StreamResult:
+    """Run (or resume) ``methods`` on ``problems`` in order; return the summary.
+
+    Re-running with the same arguments and ``out_dir`` skips every (method, question)
+    already recorded and continues with the memory pools as they were.
+    """
+    from elm_memory.registry import eval_methods
+
+    out = Path(out_dir)
+    methods = list(dict.fromkeys(methods))
+    if not methods:
+        raise ConfigError("no evaluation method given")
+    for m in methods:
+        eval_methods.get(m)  # unknown names fail before any model is loaded
+    if not problems:
+        raise ConfigError("no questions to run")
+    manifest = check_manifest(
+        out,
+        {
+            "dataset": dataset,
+            "seed": seed,
+            "question_ids": [p.id for p in problems],
+            "config": config.model_dump(mode="json"),
+            "methods": methods,
+        },
+        RESUME_FIELDS,
+    )
+    log = RecordLog(out / "records.jsonl")
+    done = {(r["method"], r["question_id"]) for r in log.read()}
+    todo = [(i, p, m) for i, p in enumerate(problems) for m in methods if (m, p.id) not in done]
+
+    if todo:
+        runtime = runtime or EvalRuntime(config, out)
+        built: dict[str, Any] = {}
+        try:
+            with _progress(progress, total=len(problems) * len(methods), completed=len(done)) as bar:
+                for i, p, m in todo:
+                    bar.describe(f"{m} · question {i + 1}/{len(problems)}")
+                    if m not in built:
+                        built[m] = build_method(m, runtime)
+                    record = _run_one(built[m], i, p)
+                    log.append(record)
+                    if on_record is not None:
+                        on_record(record)
+                    bar.advance()
+        finally:
+            for method in built.values():
+                method.close()
+    return finish(out, manifest["methods"], plots=plots)
+
+
+def _run_one(method: Any, index: int, problem: Problem) -> dict[str, Any]:
+    t0 = time.perf_counter()
+    output = method.answer(problem.question, index)
+    t_answer = time.perf_counter() - t0
+    correct = bool(equivalent(output.answer, problem.answer))  # scoring only: the method never sees the gold
+    t1 = time.perf_counter()
+    method.learn(problem.question, problem.id, output)
+    t_learn = time.perf_counter() - t1
+    size, nbytes = method.pool_stats()
+    return {
+        "method": method.name,
+        "index": index,
+        "question_id": problem.id,
+        "question": problem.question,
+        "gold": problem.answer,
+        "answer": output.answer,
+        "correct": correct,
+        "route": output.route,
+        "memory_id": output.memory_id,
+        "similarity": output.similarity,
+        "candidates": [{**c, "correct": bool(equivalent(c.get("answer"), problem.answer))} for c in output.candidates],
+        "response": output.response,
+        "timings": {"answer": round(t_answer, 3), "learn": round(t_learn, 3)},
+        "pool_size": size,
+        "pool_bytes": nbytes,
+        "warnings": list(output.warnings),
+        "extra": output.extra,
+        "finished_at": time.time(),
+    }
+
+
+def finish(out: Path, methods: Sequence[str], *, plots: bool = True) -> StreamResult:
+    """Summary, Markdown table and plots from the records on disk (also for a partial run)."""
+    from elm_memory.eval.metrics import summarize_online
+    from elm_memory.eval.report import markdown_online, plot_online
+
+    records = RecordLog(out / "records.jsonl").read()
+    order = {m: n for n, m in enumerate(methods)}
+    records.sort(key=lambda r: (order.get(r["method"], len(order)), r["index"]))
+    summary = summarize_online(records) if records else {}
+    summary = {m: summary[m] for m in methods if m in summary}
+    table = markdown_online(summary) if summary else ""
+    write_json_atomic(out / "summary.json", summary)
+    (out / "results.md").write_text(table + "\n", encoding="utf-8")
+    written = plot_online(records, out) if plots and records else []
+    return StreamResult(out_dir=out, summary=summary, records=records, plots=list(written), table=table)
+
+
+class _progress:
+    """A rich progress bar with ETA on a terminal; silent otherwise (logs, CI)."""
+
+    def __init__(self, enabled: bool | None, total: int, completed: int):
+        import sys
+
+        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+        self.total, self.completed = total, completed
+        self._bar: Any = None
+
+    def __enter__(self) -> _progress:
+        if self.enabled:
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+            from rich.progress import TimeRemainingColumn
+
+            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), transient=False)  # fmt: skip
+            self._bar.start()
+            self._task = self._bar.add_task("starting", total=self.total, completed=self.completed)
+        return self
+
+    def describe(self, text: str) -> None:
+        if self._bar is not None:
+            self._bar.update(self._task, description=text)
+
+    def advance(self) -> None:
+        if self._bar is not None:
+            self._bar.advance(self._task)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self._bar is not None:
+            self._bar.stop()

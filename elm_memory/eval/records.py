@@ -1,0 +1,70 @@
+"""The run directory's durable files: the manifest and the per-question records.
+
+Records are appended one JSON line at a time and fsynced, so a run killed at any point
+leaves every finished (method, question) intact; a line cut by the kill is ignored on
+reading and that question is simply run again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from elm_memory.errors import ConfigError
+
+
+class RecordLog:
+    def __init__(self, path: Path):
+        self.path = Path(path)
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        out = []
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            try:
+                out.append(json.loads(line))
+            except json.JSONDecodeError:
+                continue  # the tail of a killed write
+        return out
+
+    def append(self, record: dict[str, Any]) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.path, "a+b") as fh:
+            fh.seek(0, os.SEEK_END)
+            if fh.tell() > 0:  # after a killed write, start a fresh line
+                fh.seek(-1, os.SEEK_END)
+                if fh.read(1) != b"\n":
+                    fh.write(b"\n")
+            fh.write(json.dumps(record, ensure_ascii=False).encode("utf-8") + b"\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
+    os.replace(tmp, path)
+
+
+def check_manifest(out_dir: Path, manifest: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+    """Write the run's manifest, or check that an existing one describes the same run.
+
+    Resuming with another dataset order or config would mix two experiments in one table,
+    so it is refused; adding methods to a run is allowed (they run on the same order).
+    """
+    path = out_dir / "run.json"
+    if path.exists():
+        old = json.loads(path.read_text(encoding="utf-8"))
+        for f in fields:
+            if old.get(f) != manifest.get(f):
+                raise ConfigError(
+                    f"{out_dir} holds another run (its {f} differs); resume with the same arguments or use a new --out"
+                )
+        old_methods = list(old.get("methods", []))
+        manifest = {**old, "methods": old_methods + [m for m in manifest["methods"] if m not in old_methods]}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    write_json_atomic(path, manifest)
+    return manifest

@@ -1,0 +1,296 @@
+"""Reporting for the evaluation harness: Markdown tables, PNG figures and atomic JSON files.
+
+Inputs are the summaries of :mod:`elm_memory.eval.metrics` and the raw online records. matplotlib
+is imported only inside the plotting functions (it is the optional ``plots`` extra), and figures
+are drawn with the object-oriented ``Figure`` API on the Agg canvas, so plotting works on a
+headless machine and never touches pyplot's global state.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from elm_memory.eval.metrics import Record, _ordered, route_counts, running_accuracy
+
+__all__ = [
+    "markdown_offline",
+    "markdown_online",
+    "plot_offline",
+    "plot_online",
+    "read_jsonl",
+    "write_json",
+]
+
+# Routes the runner is known to emit, in the order a reader expects; others follow alphabetically.
+_ROUTE_ORDER = ("zero_shot", "agree", "verifier", "memory_verifier")
+_DPI = 120
+
+
+# --- formatting helpers -------------------------------------------------------------------------
+
+
+def _cell(value: Any) -> str:
+    """A table cell; pipes would split the cell, so they are escaped."""
+    return str(value).replace("|", "\\|")
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}"
+
+
+def _num(value: float | None, digits: int) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _table(header: Sequence[str], rows: Iterable[Sequence[str]], right_from: int = 1) -> str:
+    """A GitHub Markdown table; numeric columns (from ``right_from``) are right-aligned."""
+    align = ["---" if i < right_from else "---:" for i in range(len(header))]
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(align) + " |"]
+    lines += ["| " + " | ".join(row) + " |" for row in rows]
+    return "\n".join(lines) + "\n"
+
+
+def _route_columns(summary: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    seen = {route for stats in summary.values() for route in stats.get("routes", {})}
+    known = [r for r in _ROUTE_ORDER if r in seen]
+    return known + sorted(seen - set(known))
+
+
+# --- Markdown -----------------------------------------------------------------------------------
+
+
+def markdown_online(summary: Mapping[str, Mapping[str, Any]]) -> str:
+    """The online results table (one row per method, in the summary's order), like the paper's.
+
+    Route columns hold how many questions each route decided; pool MB is decimal (10^6 bytes).
+    """
+    if not summary:
+        raise ValueError("markdown_online needs a summary with at least one method")
+    routes = _route_columns(summary)
+    header = ["method", "n", "accuracy (%)", "its zero-shot (%)", "gains/losses", *routes, "answer s/q",
+              "learn s/q", "pool size", "pool MB"]  # fmt: skip
+    rows = []
+    for method, s in summary.items():
+        counts = s.get("routes", {})
+        rows.append(
+            [
+                _cell(method),
+                str(s["n"]),
+                _pct(s["accuracy"]),
+                _pct(s.get("zero_shot_candidate_accuracy")),
+                "n/a" if s.get("gains") is None else f"+{s['gains']}/-{s['losses']}",
+                *(str(counts.get(route, 0)) for route in routes),
+                _num(s["answer_seconds_mean"], 1),
+                _num(s["learn_seconds_mean"], 1),
+                str(s["pool_size"]),
+                _num(s["pool_bytes"] / 1e6, 2),
+            ]
+        )
+    return _table(header, rows)
+
+
+def markdown_offline(summary: Mapping[str, Any]) -> str:
+    """The offline study as a two-column table: does one memory help the whole benchmark?"""
+    best = summary.get("best_memory")
+    best_text = "n/a" if best is None else f"{_pct(best['accuracy'])} ({_cell(best['id'])})"
+    top = summary.get("top_flip", 5)
+    rows = [
+        ["zero-shot accuracy (%)", _pct(summary["zero_shot_accuracy"])],
+        ["best memory accuracy (%)", best_text],
+        ["mean memory accuracy (%)", _pct(summary["mean_memory_accuracy"])],
+        ["oracle ZS vs Mem accuracy (%)", _pct(summary["oracle_accuracy"])],
+        ["memories improving on zero-shot (%)", _pct(summary["fraction_improving"])],
+        [f"mean negative flip rate, top-{top} (%)", _pct(summary["mean_negative_flip_rate"])],
+        ["IoU of improved questions, top-2", _num(summary["iou_top2"], 3)],
+    ]
+    title = f"{summary.get('n_questions', '?')} questions, {summary.get('n_memories', '?')} memories"
+    return _table([f"metric ({title})", "value"], rows)
+
+
+# --- figures ------------------------------------------------------------------------------------
+
+
+def _figure(width: float = 7.0, height: float = 4.5) -> Any:
+    """A pyplot-free figure: safe headless and inside notebooks (no global backend switch)."""
+    from matplotlib.figure import Figure
+
+    return Figure(figsize=(width, height), dpi=_DPI, layout="constrained")
+
+
+def _integer_axis(axis: Any) -> None:
+    """Counts, indices and ranks are whole numbers; default ticks would show 0.25 of a question."""
+    from matplotlib.ticker import MaxNLocator
+
+    axis.set_major_locator(MaxNLocator(integer=True))
+
+
+def _delta_bins(values: Sequence[float], max_bins: int = 40) -> list[float] | int:
+    """Bin edges centred on the values: deltas are multiples of 1/n, so fixed-width bins would
+    split or merge them arbitrarily. Falls back to ``max_bins`` equal bins when too spread out."""
+    unique = sorted(set(values))
+    if len(unique) == 1:
+        return [unique[0] - 0.5, unique[0] + 0.5]
+    width = min(b - a for a, b in zip(unique, unique[1:]))
+    count = round((unique[-1] - unique[0]) / width) + 1
+    if count > max_bins:
+        return max_bins
+    start = unique[0] - width / 2
+    return [start + i * width for i in range(count + 1)]
+
+
+def _save(fig: Any, out_dir: Path, name: str) -> Path:
+    path = out_dir / name
+    fig.savefig(path, dpi=_DPI, format="png")
+    return path
+
+
+def _by_method(records: Iterable[Record]) -> dict[str, list[Record]]:
+    groups: dict[str, list[Record]] = {}
+    for record in records:
+        groups.setdefault(str(record.get("method")), []).append(record)
+    return {method: _ordered(rows) for method, rows in groups.items()}
+
+
+def _plot_accuracy(groups: Mapping[str, list[Record]], out_dir: Path) -> Path:
+    fig = _figure()
+    ax = fig.add_subplot()
+    for method, rows in groups.items():
+        ax.plot([r["index"] for r in rows], [100 * a for a in running_accuracy(rows)], label=method, marker=".")
+    ax.set(title="Running accuracy over the question stream", xlabel="question index", ylabel="accuracy (%)")
+    _integer_axis(ax.xaxis)
+    ax.set_ylim(0, 100)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, out_dir, "accuracy_over_stream.png")
+
+
+def _plot_routes(groups: Mapping[str, list[Record]], out_dir: Path) -> Path:
+    counts = {method: route_counts(rows) for method, rows in groups.items()}
+    routes = _route_columns({m: {"routes": c} for m, c in counts.items()})
+    fig = _figure()
+    ax = fig.add_subplot()
+    methods = list(counts)
+    bottom = [0] * len(methods)
+    for route in routes:
+        heights = [counts[m].get(route, 0) for m in methods]
+        ax.bar(methods, heights, bottom=bottom, label=route)
+        bottom = [b + h for b, h in zip(bottom, heights, strict=True)]
+    ax.set(title="Which route decided the answer", xlabel="method", ylabel="questions")
+    _integer_axis(ax.yaxis)
+    ax.legend(title="route")
+    return _save(fig, out_dir, "routes.png")
+
+
+def _plot_pool(groups: Mapping[str, list[Record]], out_dir: Path) -> Path | None:
+    pooled = {m: rows for m, rows in groups.items() if any(r.get("pool_size") for r in rows)}
+    if not pooled:
+        return None
+    fig = _figure()
+    ax = fig.add_subplot()
+    for method, rows in pooled.items():
+        ax.plot([r["index"] for r in rows], [r.get("pool_size") or 0 for r in rows], label=method, marker=".")
+    ax.set(title="Memory pool growth", xlabel="question index", ylabel="pool size (entries)")
+    _integer_axis(ax.xaxis)
+    _integer_axis(ax.yaxis)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    return _save(fig, out_dir, "pool_growth.png")
+
+
+def plot_online(records: Iterable[Record], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Stream accuracy, route mix and pool growth figures; ``pool_growth.png`` only if a pool grew."""
+    groups = _by_method(records)
+    if not groups:
+        raise ValueError("plot_online needs at least one record")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    paths = [_plot_accuracy(groups, out), _plot_routes(groups, out)]
+    pool = _plot_pool(groups, out)
+    return paths + ([pool] if pool is not None else [])
+
+
+def plot_offline(summary: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> list[Path]:
+    """Histogram of per-memory deltas vs zero-shot and the sorted per-memory accuracies.
+
+    Returns no paths when the summary has no memories (there is nothing to draw).
+    """
+    memories = summary.get("memories") or []
+    if not memories:
+        return []
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    zero_shot = 100 * summary["zero_shot_accuracy"]
+
+    deltas = [100 * d for d in summary["deltas"]]
+    fig = _figure()
+    ax = fig.add_subplot()
+    ax.hist(deltas, bins=_delta_bins(deltas), color="tab:blue", edgecolor="white")
+    ax.axvline(0, color="black", linestyle="--", linewidth=1, label="zero-shot")
+    improving = summary.get("fraction_improving")
+    ax.set(
+        title=f"Per-memory accuracy change vs zero-shot ({_pct(improving)}% of memories improve)",
+        xlabel="accuracy delta (percentage points)",
+        ylabel="memories",
+    )
+    _integer_axis(ax.yaxis)
+    ax.legend()
+    paths = [_save(fig, out, "memory_deltas.png")]
+
+    ranked = sorted(memories, key=lambda m: (-m["accuracy"], m["id"]))
+    fig = _figure(width=max(7.0, 0.15 * len(ranked)))
+    ax = fig.add_subplot()
+    ax.bar(range(1, len(ranked) + 1), [100 * m["accuracy"] for m in ranked], color="tab:green")
+    ax.axhline(zero_shot, color="black", linestyle="--", linewidth=1, label=f"zero-shot ({zero_shot:.1f}%)")
+    ax.set(title="Accuracy with each memory (sorted)", xlabel="memory rank", ylabel="accuracy (%)")
+    _integer_axis(ax.xaxis)
+    ax.set_ylim(0, 100)
+    ax.legend()
+    paths.append(_save(fig, out, "memory_accuracy.png"))
+    return paths
+
+
+# --- files --------------------------------------------------------------------------------------
+
+
+def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
+    """Write JSON atomically (temp file in the same directory + ``os.replace``).
+
+    A crash or Ctrl-C mid-write leaves either the old file or the new one, never half of one;
+    NaN/inf are refused because they are not JSON and would break other readers.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
+
+
+def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
+    """Records of a JSONL file (blank lines skipped); a bad line is reported with its number."""
+    records: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as handle:
+        for number, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
+            if not isinstance(record, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
+            records.append(record)
+    return records
