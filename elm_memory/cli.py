@@ -202,6 +202,7 @@ def stream(
     set_: SetOpt = None,
     json_out: JsonOpt = False,
     no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")] = False,
+    batch_size: Annotated[int, typer.Option(min=1, help="Questions per call for memoryless methods.")] = 8,
     backend: BackendOpt = None,
     server_url: ServerUrlOpt = None,
 ) -> None:
@@ -211,11 +212,11 @@ def stream(
     cfg = _load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=seed)
     methods = _methods(method, ["zero_shot", "elm_input"])
-    result = _run_stream(problems, methods, cfg, out, dataset, seed, json_out, not no_plots)
+    result = _run_stream(problems, methods, cfg, out, dataset, seed, json_out, not no_plots, batch_size)
     _print_stream(result, json_out)
 
 
-def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots):
+def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_size=8):
     from elm_memory.eval.online import run_stream
 
     def show(r: dict[str, Any]) -> None:
@@ -228,7 +229,7 @@ def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots):
                    f"learn {r['timings']['learn']:.0f}s", err=True)  # fmt: skip
 
     return run_stream(problems, methods, cfg, out, dataset=dataset, seed=seed, on_record=show, plots=plots,
-                      progress=None if not quiet else False)  # fmt: skip
+                      progress=None if not quiet else False, batch_size=batch_size)  # fmt: skip
 
 
 def _print_stream(result, json_out: bool) -> None:
@@ -238,6 +239,45 @@ def _print_stream(result, json_out: bool) -> None:
         return
     typer.echo(result.table)
     typer.echo(f"\nrecords, summary.json, results.md in {result.out_dir}")
+    for p in result.plots:
+        typer.echo(f"plot: {p}")
+
+
+@app.command()
+@handle_errors
+def offline(
+    dataset: Annotated[str, typer.Option(help="gsm8k, math500, amc23, aime24, or a JSONL file with question/answer.")],
+    out: Annotated[Path, typer.Option(help="Run directory (records, summary, plots, memories). Re-run to resume.")],
+    limit: Annotated[Optional[int], typer.Option(min=1, help="Questions in the set (after shuffling).")] = None,
+    seed: Annotated[Optional[int], typer.Option(help="Order seed; the subset is the first --limit. Default 17.")] = 17,
+    train: Annotated[Optional[int], typer.Option(min=1, help="Learn memories from the first N questions only.")] = None,
+    memories_from: Annotated[
+        Optional[Path], typer.Option(help="Evaluate the memories of another offline run (transfer).")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Questions per batched greedy call.")] = 8,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    json_out: JsonOpt = False,
+    no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")] = False,
+    backend: BackendOpt = None,
+    server_url: ServerUrlOpt = None,
+) -> None:
+    """The paper's offline protocol: one memory per question, each evaluated on the whole set."""
+    from elm_memory.eval.datasets import load_problems
+    from elm_memory.eval.offline import run_offline
+
+    cfg = _load_config(config, preset, None, set_, backend, server_url)
+    problems = load_problems(dataset, limit=limit, seed=seed)
+    result = run_offline(problems, cfg, out, dataset=dataset, seed=seed, train=train, memories_from=memories_from,
+                         batch_size=batch_size, progress=None if not json_out else False,
+                         plots=not no_plots)  # fmt: skip
+    if json_out:
+        typer.echo(json.dumps({"out_dir": str(result.out_dir), "summary": result.summary,
+                               "plots": [str(p) for p in result.plots]}))  # fmt: skip
+        return
+    typer.echo(result.table)
+    typer.echo(f"\nzero_shot.jsonl, memories.jsonl, evals.jsonl, summary.json, results.md in {result.out_dir}")
     for p in result.plots:
         typer.echo(f"plot: {p}")
 

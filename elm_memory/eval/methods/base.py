@@ -48,20 +48,36 @@ class EvalMethod(Protocol):
 
 
 class EvalRuntime:
-    """Shared parts of one evaluation run: the model-facing pieces come from one zero-shot ELM
-    facade (no store, no learner); methods with pools keep them under ``out_dir``."""
+    """Shared parts of one evaluation run: one loaded model and one backend (behind a greedy
+    cache, see ``elm_memory.eval.cache``), reached through a zero-shot ELM facade (no store,
+    no learner). Methods with pools keep them under ``out_dir``. Built lazily: a resumed run
+    with nothing left to do never loads the model."""
 
-    def __init__(self, config: ELMConfig, out_dir: Path, *, base: ELM | None = None):
+    def __init__(self, config: ELMConfig, out_dir: Path):
         self.config = config
         self.out_dir = Path(out_dir)
-        self.base = base or ELM(
-            config.model_copy(
+        self._base: ELM | None = None
+        self._raw_backend: Any = None
+
+    @property
+    def base(self) -> ELM:
+        if self._base is None:
+            from elm_memory.eval.cache import GreedyCache
+            from elm_memory.models.loading import load_model
+            from elm_memory.registry import backends
+
+            cfg = self.config
+            factory = backends.get(cfg.backend.name)
+            loaded = load_model(cfg.model)
+            self._raw_backend = factory.from_config(cfg, loaded=loaded)
+            zero_shot_cfg = cfg.model_copy(
                 update={
-                    "store": config.store.model_copy(update={"kind": "none"}),
-                    "learner": config.learner.model_copy(update={"mode": "off"}),
+                    "store": cfg.store.model_copy(update={"kind": "none"}),
+                    "learner": cfg.learner.model_copy(update={"mode": "off"}),
                 }
             )
-        )
+            self._base = ELM(zero_shot_cfg, loaded=loaded, backend=GreedyCache(self._raw_backend))
+        return self._base
 
     @property
     def backend(self) -> Any:
@@ -80,7 +96,10 @@ class EvalRuntime:
         return random.Random(f"{self.config.training.seed}:{index}").randrange(2**31)
 
     def close(self) -> None:
-        self.base.close()
+        if self._base is not None:
+            self._base.close()
+        if self._raw_backend is not None and hasattr(self._raw_backend, "close"):
+            self._raw_backend.close()  # e.g. a vLLM engine
 
 
 def build_method(name: str, runtime: EvalRuntime) -> EvalMethod:

@@ -14,6 +14,13 @@ from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
 
 
 class _Memoryless:
+    """Answers do not depend on earlier questions, so the runner may batch them across the stream."""
+
+    memoryless = True
+
+    def answer(self, question: str, index: int) -> MethodOutput:
+        return self.answer_batch([question], [index])[0]
+
     def learn(self, question: str, question_id: str, output: MethodOutput) -> None:
         return None
 
@@ -32,15 +39,27 @@ class ZeroShot(_Memoryless):
     def __init__(self, runtime: EvalRuntime):
         self.runtime = runtime
 
-    def answer(self, question: str, index: int) -> MethodOutput:
-        r = self.runtime.base.answer(question, learn=False)
-        return MethodOutput(
-            answer=r.answer,
-            response=r.response,
-            route=r.route,
-            candidates=[{"kind": "zero_shot", "answer": r.answer, "score": None}],
-            warnings=r.warnings,
-        )
+    def answer_batch(self, questions: list[str], indices: list[int]) -> list[MethodOutput]:
+        rt = self.runtime
+        cfg = rt.config
+        k = cfg.memory.num_tokens
+        g = cfg.generation
+        # Same prompt and limits as the graph's dual_generate, call by call: one question at a
+        # time this is the graph's zero-shot candidate exactly (and shares its cache entry).
+        built = [rt.prompts.build(q, reserve=k + 1) for q in questions]
+        gens = _generate_grouped(
+            rt, [PromptInput(b.token_ids) for b in built],
+            lambda max_new: SamplingParams(max_new_tokens=max_new, temperature=g.temperature, top_p=g.top_p,
+                                           stop_at_answer=g.stop_at_answer, seed=cfg.training.seed),
+            reserve=k,
+        )  # fmt: skip
+        texts = {i: gen[0].text for i, gen in enumerate(gens)}
+        outputs = []
+        for i in range(len(questions)):
+            answer = extract_answer(texts[i])
+            outputs.append(MethodOutput(answer=answer, response=texts[i], route="zero_shot",
+                                        candidates=[{"kind": "zero_shot", "answer": answer, "score": None}]))  # fmt: skip
+        return outputs
 
 
 class VerifierAtK(_Memoryless):
@@ -54,22 +73,23 @@ class VerifierAtK(_Memoryless):
         self.k = k
         self.name = f"verifier_at_{k}"
 
-    def answer(self, question: str, index: int) -> MethodOutput:
+    def answer_batch(self, questions: list[str], indices: list[int]) -> list[MethodOutput]:
+        """One sampled call for the batch, seeded by its first question: a batch's samples are
+        reproducible, though a question's samples depend on the batch it is in."""
         rt = self.runtime
         cfg = rt.config
-        built = rt.prompts.build(question)
         g = cfg.generation
-        room = rt.backend.info.max_context - len(built.token_ids)
-        params = SamplingParams(
-            max_new_tokens=max(1, min(g.max_new_tokens, room)),
-            temperature=cfg.training.effective_temperature(rt.backend.info.model_type),
-            top_p=g.top_p,
-            n=self.k,
-            seed=rt.seed_for(index),
-            stop_at_answer=g.stop_at_answer,
-        )
-        prompt = PromptInput(built.token_ids)
-        [gens] = rt.backend.generate([prompt], params)
+        built = [rt.prompts.build(q) for q in questions]
+        prompts = [PromptInput(b.token_ids) for b in built]
+        gens_by_q = _generate_grouped(
+            rt, prompts, lambda max_new: SamplingParams(
+                max_new_tokens=max_new, temperature=cfg.training.effective_temperature(rt.backend.info.model_type),
+                top_p=g.top_p, n=self.k, seed=rt.seed_for(indices[0]), stop_at_answer=g.stop_at_answer),
+        )  # fmt: skip
+        return [self._route(q, p, gens) for q, p, gens in zip(questions, prompts, gens_by_q, strict=True)]
+
+    def _route(self, question: str, prompt: PromptInput, gens: list) -> MethodOutput:
+        rt = self.runtime
         candidates = [
             {"kind": f"sample_{i}", "answer": extract_answer(gen.text), "score": None} for i, gen in enumerate(gens)
         ]
@@ -90,3 +110,19 @@ class VerifierAtK(_Memoryless):
 
 def verifier_at_2(runtime: EvalRuntime) -> VerifierAtK:
     return VerifierAtK(runtime, k=2)
+
+
+def _generate_grouped(rt: EvalRuntime, prompts: list[PromptInput], make_params, reserve: int = 0) -> list[list]:
+    """Generate for ``prompts`` with each one's answer budget capped by the context left, as the
+    graph does; prompts sharing a budget share one batched call. Returns completions per prompt."""
+    g = rt.config.generation
+    groups: dict[int, list[int]] = {}
+    for i, p in enumerate(prompts):
+        room = rt.backend.info.max_context - len(p.token_ids) - reserve
+        groups.setdefault(max(1, min(g.max_new_tokens, room)), []).append(i)
+    out: list[list] = [[] for _ in prompts]
+    for max_new, members in groups.items():
+        results = rt.backend.generate([prompts[i] for i in members], make_params(max_new))
+        for i, gens in zip(members, results, strict=True):
+            out[i] = gens
+    return out

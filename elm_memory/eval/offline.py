@@ -1,0 +1,201 @@
+"""The offline protocol (paper Sec. 5.1, Tables 1 and 2): one memory per question of a set,
+each memory evaluated on the *whole* set (greedy pass@1).
+
+It answers "can a single per-question memory generalise?", and how reliably: best and mean
+memory accuracy, the fraction of memories that beat zero-shot, the oracle of zero-shot vs
+memory per question, the negative flip rate of the top-5 memories and the IoU of the
+questions the top-2 memories improve. ``memories_from`` evaluates a pool built by another
+offline run (e.g. on another dataset): the paper's transfer setting.
+
+Output directory::
+
+    run.json          what was run
+    zero_shot.jsonl   one line per question
+    memories.jsonl    one line per memory: id, the question it was learned from, training stats
+    evals.jsonl       one line per (memory, question)
+    summary.json, results.md, memory_deltas.png, memory_accuracy.png
+    store/            the memories (Chroma + safetensors), unless --memories-from
+
+Every file is appended line by line and fsynced: re-running the same command resumes.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elm_memory.answers import equivalent, extract_answer
+from elm_memory.backends.base import PromptInput, SamplingParams
+from elm_memory.config import ELMConfig
+from elm_memory.errors import ConfigError
+from elm_memory.eval.datasets import Problem
+from elm_memory.eval.methods.base import EvalRuntime
+from elm_memory.eval.online import _progress
+from elm_memory.eval.records import RecordLog, check_manifest, write_json_atomic
+
+NAMESPACE = "offline"
+RESUME_FIELDS = ("dataset", "seed", "question_ids", "train_ids", "config", "memories_from")
+
+
+@dataclass
+class OfflineResult:
+    out_dir: Path
+    summary: dict[str, Any]
+    table: str = ""
+    plots: list[Path] = field(default_factory=list)
+
+
+def run_offline(
+    problems: Sequence[Problem],
+    config: ELMConfig,
+    out_dir: str | Path,
+    *,
+    dataset: str = "custom",
+    seed: int | None = None,
+    train: int | None = None,
+    memories_from: str | Path | None = None,
+    batch_size: int = 8,
+    runtime: EvalRuntime | None = None,
+    progress: bool | None = None,
+    plots: bool = True,
+) -> OfflineResult:
+    """Learn a memory from each of the first ``train`` questions (all by default), or take the
+    pool of ``memories_from``; evaluate zero-shot and every memory on every question."""
+    out = Path(out_dir)
+    if not problems:
+        raise ConfigError("no questions to run")
+    if batch_size < 1:
+        raise ConfigError("batch_size must be at least 1")
+    source = Path(memories_from) if memories_from is not None else None
+    if source is not None and not (source / "memories.jsonl").is_file():
+        raise ConfigError(f"{source} is not an offline run directory (no memories.jsonl)")
+    train_set = list(problems[: train or len(problems)]) if source is None else []
+    check_manifest(
+        out,
+        {
+            "dataset": dataset,
+            "seed": seed,
+            "question_ids": [p.id for p in problems],
+            "train_ids": [p.id for p in train_set],
+            "config": config.model_dump(mode="json"),
+            "memories_from": str(source.resolve()) if source else None,
+            "methods": ["offline"],
+        },
+        RESUME_FIELDS,
+    )
+    owns_runtime = runtime is None
+    runtime = runtime or EvalRuntime(config, out)
+    zs_log, mem_log, eval_log = (RecordLog(out / n) for n in ("zero_shot.jsonl", "memories.jsonl", "evals.jsonl"))
+    try:
+        zs_done = {r["question_id"] for r in zs_log.read()}
+        memories = {r["memory_id"]: r for r in (RecordLog(source / "memories.jsonl") if source else mem_log).read()}
+        learned = {r["question_id"] for r in memories.values()}
+        evaluated = {(r["memory_id"], r["question_id"]) for r in eval_log.read()}
+        todo_zs = [p for p in problems if p.id not in zs_done]
+        todo_train = [p for p in train_set if p.id not in learned]
+        n_mem = len(memories) + len(todo_train)
+        total = len(problems) * (1 + n_mem) + len(train_set)
+        done = len(problems) - len(todo_zs) + len(train_set) - len(todo_train) + len(evaluated)
+        with _progress(progress, total=total, completed=done) as bar:
+            bar.describe("zero-shot")
+            for chunk in _chunks(todo_zs, batch_size):
+                for p, (answer, text) in zip(chunk, _answers(runtime, chunk, None), strict=True):
+                    zs_log.append({"question_id": p.id, "answer": answer, "correct": bool(equivalent(answer, p.answer)),
+                                   "gold": p.answer, "response": text})  # fmt: skip
+                    bar.advance()
+            elm = _learning_elm(runtime, out) if todo_train else None
+            for p in todo_train:
+                bar.describe(f"learning memory {len(memories) + 1}/{n_mem}")
+                memory = elm.learn(p.question, namespace=NAMESPACE, progress=False)
+                s = memory.meta.stats
+                row = {"memory_id": memory.id, "question_id": p.id, "question": p.question,
+                       "majority_answer": s.majority_answer, "mean_reward": s.mean_reward,
+                       "no_consensus": s.no_consensus, "seconds": s.seconds}  # fmt: skip
+                mem_log.append(row)
+                memories[memory.id] = row
+                bar.advance()
+            store = _store(runtime, source or out)
+            for i, (mid, row) in enumerate(memories.items(), 1):
+                todo = [p for p in problems if (mid, p.id) not in evaluated]
+                if not todo:
+                    continue
+                bar.describe(f"evaluating memory {i}/{len(memories)}")
+                memory = store.get(mid, NAMESPACE)
+                memory.check_compatible(runtime.backend.info)
+                for chunk in _chunks(todo, batch_size):
+                    for p, (answer, _text) in zip(chunk, _answers(runtime, chunk, memory), strict=True):
+                        eval_log.append({"memory_id": mid, "source_question_id": row["question_id"],
+                                         "question_id": p.id, "answer": answer,
+                                         "correct": bool(equivalent(answer, p.answer))})  # fmt: skip
+                        bar.advance()
+    finally:
+        if owns_runtime:
+            runtime.close()
+    return finish(out, memories_from=source, plots=plots)
+
+
+def finish(out: Path, *, memories_from: Path | None = None, plots: bool = True) -> OfflineResult:
+    from elm_memory.eval.metrics import summarize_offline
+    from elm_memory.eval.report import markdown_offline, plot_offline
+
+    zs = {r["question_id"]: bool(r["correct"]) for r in RecordLog(out / "zero_shot.jsonl").read()}
+    labels = {r["memory_id"]: r["question_id"] for r in
+              RecordLog((memories_from or out) / "memories.jsonl").read()}  # fmt: skip
+    per_memory: dict[str, dict[str, bool]] = {}
+    for r in RecordLog(out / "evals.jsonl").read():
+        # Label memories by the question they were learned from: readable in tables and plots.
+        per_memory.setdefault(labels.get(r["memory_id"], r["memory_id"]), {})[r["question_id"]] = bool(r["correct"])
+    summary = summarize_offline(zs, per_memory)
+    summary["memories_from"] = str(memories_from) if memories_from else None
+    table = markdown_offline(summary)
+    write_json_atomic(out / "summary.json", summary)
+    (out / "results.md").write_text(table + "\n", encoding="utf-8")
+    written = plot_offline(summary, out) if plots else []
+    return OfflineResult(out_dir=out, summary=summary, table=table, plots=list(written))
+
+
+def _chunks(items: Sequence[Problem], n: int) -> list[list[Problem]]:
+    return [list(items[i : i + n]) for i in range(0, len(items), n)]
+
+
+def _answers(runtime: EvalRuntime, problems: Sequence[Problem], memory: Any) -> list[tuple[str | None, str]]:
+    """Greedy answers to ``problems`` in one batched call, with ``memory``'s soft prompt or none."""
+    cfg = runtime.config
+    k = cfg.memory.num_tokens
+    inputs, longest = [], 0
+    for p in problems:
+        built = runtime.prompts.build(p.question, reserve=k + 1)
+        longest = max(longest, len(built.token_ids))
+        if memory is None:
+            inputs.append(PromptInput(built.token_ids))
+        else:
+            at = built.memory_position(cfg.prompt.soft_prompt_position)
+            inputs.append(PromptInput(built.token_ids, soft_prompt=memory.soft_prompt, soft_prompt_at=at))
+    g = cfg.generation
+    room = runtime.backend.info.max_context - longest - (k if memory is not None else 0)
+    params = SamplingParams(max_new_tokens=max(1, min(g.max_new_tokens, room)), temperature=0.0,
+                            stop_at_answer=g.stop_at_answer)  # fmt: skip
+    return [(extract_answer(gen.text), gen.text) for [gen] in runtime.backend.generate(inputs, params)]
+
+
+def _learning_elm(runtime: EvalRuntime, out: Path) -> Any:
+    from elm_memory.elm import ELM
+
+    cfg = runtime.config
+    cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"kind": "chroma", "path": str(out / "store")}),
+                                 "learner": cfg.learner.model_copy(update={"mode": "off"})})  # fmt: skip
+    return ELM(cfg, loaded=runtime.loaded, backend=runtime.backend)
+
+
+def _store(runtime: EvalRuntime, run_dir: Path) -> Any:
+    from elm_memory.registry import stores
+
+    cfg = runtime.config.store.model_copy(update={"kind": "chroma", "path": str(run_dir / "store")})
+    return stores.get("chroma").from_config(cfg, model=runtime.loaded.info)
+
+
+def read_manifest(run_dir: Path) -> dict[str, Any]:
+    return json.loads((run_dir / "run.json").read_text(encoding="utf-8"))
