@@ -53,11 +53,13 @@ class EvalRuntime:
     no learner). Methods with pools keep them under ``out_dir``. Built lazily: a resumed run
     with nothing left to do never loads the model."""
 
-    def __init__(self, config: ELMConfig, out_dir: Path):
+    def __init__(self, config: ELMConfig, out_dir: Path, *, loaded: Any = None, backend: Any = None):
+        """``loaded``/``backend``: reuse a model already in memory (tests, notebooks); it is not closed here."""
         self.config = config
         self.out_dir = Path(out_dir)
         self._base: ELM | None = None
         self._raw_backend: Any = None
+        self._given = (loaded, backend)
 
     @property
     def base(self) -> ELM:
@@ -67,16 +69,19 @@ class EvalRuntime:
             from elm_memory.registry import backends
 
             cfg = self.config
-            factory = backends.get(cfg.backend.name)
-            loaded = load_model(cfg.model)
-            self._raw_backend = factory.from_config(cfg, loaded=loaded)
+            loaded, backend = self._given
+            if backend is None:
+                factory = backends.get(cfg.backend.name)
+                loaded = loaded or load_model(cfg.model)
+                backend = self._raw_backend = factory.from_config(cfg, loaded=loaded)
+            loaded = loaded or backend.loaded
             zero_shot_cfg = cfg.model_copy(
                 update={
                     "store": cfg.store.model_copy(update={"kind": "none"}),
                     "learner": cfg.learner.model_copy(update={"mode": "off"}),
                 }
             )
-            self._base = ELM(zero_shot_cfg, loaded=loaded, backend=GreedyCache(self._raw_backend))
+            self._base = ELM(zero_shot_cfg, loaded=loaded, backend=GreedyCache(backend))
         return self._base
 
     @property

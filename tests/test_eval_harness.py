@@ -1,0 +1,222 @@
+"""The evaluation harness: datasets, the greedy cache, the online and offline protocols on the
+real tiny model (cpu-tiny preset), resume after a kill, and the files a run leaves behind."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from elm_memory.backends.base import Generation, PromptInput, SamplingParams
+from elm_memory.config import ELMConfig
+from elm_memory.errors import ConfigError
+from elm_memory.eval.cache import GreedyCache
+from elm_memory.eval.datasets import load_problems
+from elm_memory.eval.methods.text_memory import parse_verdict
+from elm_memory.eval.records import RecordLog
+
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+def tiny_config(**over) -> ELMConfig:
+    return ELMConfig.load(preset="cpu-tiny", overrides={"generation": {"max_new_tokens": 12}, **over})
+
+
+# ---- datasets ---------------------------------------------------------------------------------
+
+
+def test_seeded_order_is_a_deterministic_sample_of_the_whole_set():
+    a = load_problems("gsm8k", limit=5, seed=17)
+    assert [p.id for p in a] == [p.id for p in load_problems("gsm8k", limit=5, seed=17)]
+    assert [p.id for p in a] != [p.id for p in load_problems("gsm8k", limit=5, seed=42)]
+    assert [p.id for p in load_problems("gsm8k", limit=3, seed=None)] == ["gsm8k-0000", "gsm8k-0001", "gsm8k-0002"]
+    assert len(load_problems("aime24")) == 30 and len(load_problems("amc23")) == 40
+
+
+def test_jsonl_datasets_and_their_errors(tmp_path):
+    good = tmp_path / "mine.jsonl"
+    good.write_text('{"question": "1+1?", "answer": 2}\n\n{"id": "q9", "question": "2+2?", "answer": "4"}\n')
+    problems = load_problems(str(good))
+    assert [(p.id, p.answer) for p in problems] == [("mine-1", "2"), ("q9", "4")]
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"question": "1+1?"}\n')
+    with pytest.raises(ConfigError, match="bad.jsonl:1"):
+        load_problems(str(bad))
+    dup = tmp_path / "dup.jsonl"
+    dup.write_text('{"id": "a", "question": "x", "answer": 1}\n{"id": "a", "question": "y", "answer": 2}\n')
+    with pytest.raises(ConfigError, match="duplicate id"):
+        load_problems(str(dup))
+    with pytest.raises(ConfigError, match="neither a vendored name"):
+        load_problems("gsm9k")
+
+
+# ---- small pure parts ----------------------------------------------------------------------
+
+
+def test_record_log_ignores_a_line_cut_by_a_kill(tmp_path):
+    log = RecordLog(tmp_path / "r.jsonl")
+    log.append({"a": 1})
+    with open(log.path, "ab") as fh:
+        fh.write(b'{"a": 2, "cut')  # the kill happened mid-write
+    assert log.read() == [{"a": 1}]
+    log.append({"a": 3})  # starts on a fresh line, so the next record is intact
+    assert log.read() == [{"a": 1}, {"a": 3}]
+
+
+def test_parse_verdict_takes_the_last_and_defaults_to_incorrect():
+    assert parse_verdict("... VERDICT: correct") == "correct"
+    assert parse_verdict("VERDICT: correct\nwait, no.\nVERDICT: **incorrect**") == "incorrect"
+    assert parse_verdict("looks fine to me") == "incorrect"
+
+
+class CountingBackend:
+    name = "fake"
+    tokenizer = None
+    info = None
+
+    def __init__(self):
+        self.calls: list[int] = []
+
+    def generate(self, prompts, params):
+        self.calls.append(len(prompts))
+        return [[Generation(text=f"{p.token_ids}-{len(self.calls)}", token_ids=[1], finish_reason="stop")
+                 for _ in range(params.n)] for p in prompts]  # fmt: skip
+
+
+def test_greedy_cache_serves_repeats_and_never_caches_samples():
+    import torch
+
+    raw = CountingBackend()
+    cache = GreedyCache(raw)
+    greedy = SamplingParams(max_new_tokens=8)
+    a, b = PromptInput((1, 2)), PromptInput((3,))
+    with_memory = PromptInput((1, 2), soft_prompt=torch.ones(2, 4))
+    first = cache.generate([a, b], greedy)
+    again = cache.generate([b, with_memory, a], greedy)  # b, a cached; the memory prompt is new
+    assert raw.calls == [2, 1]
+    assert again[0][0].text == first[1][0].text and again[2][0].text == first[0][0].text
+    assert again[1][0].text != first[0][0].text  # a soft prompt is part of the key
+    cache.generate([a], SamplingParams(max_new_tokens=9))  # another budget: another generation
+    cache.generate([a], SamplingParams(max_new_tokens=8, temperature=0.8))  # sampled: never cached
+    assert raw.calls == [2, 1, 1, 1] and (cache.hits, cache.misses) == (2, 4)
+    again[0][0].text = "mutated"  # callers get copies
+    assert cache.generate([b], greedy)[0][0].text == first[1][0].text
+
+
+# ---- the online protocol on the real tiny model -------------------------------------------
+
+
+@pytest.mark.model
+def test_every_method_runs_the_online_protocol(tiny_loaded, tiny_backend, tmp_path):
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+
+    cfg = tiny_config()
+    problems = load_problems("gsm8k", limit=2, seed=17)
+    methods = ["zero_shot", "verifier_at_2", "icl", "reasoning_bank", "elm_input", "elm_kv"]
+    runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+    result = run_stream(problems, methods, cfg, tmp_path, dataset="gsm8k", seed=17, runtime=runtime,
+                        progress=False, batch_size=2)  # fmt: skip
+    records = RecordLog(tmp_path / "records.jsonl").read()
+    assert sorted((r["method"], r["index"]) for r in records) == sorted((m, i) for m in methods for i in (0, 1))
+    by = {(r["method"], r["index"]): r for r in records}
+    for m in methods:
+        assert by[(m, 0)]["question_id"] == problems[0].id and by[(m, 1)]["gold"] == problems[1].answer
+        assert set(by[(m, 0)]["timings"]) == {"answer", "learn"}
+    # memoryless methods keep no pool; every other method stores one entry per question
+    assert by[("zero_shot", 1)]["pool_size"] == 0 and by[("verifier_at_2", 1)]["pool_size"] == 0
+    for m in ("icl", "reasoning_bank", "elm_input", "elm_kv"):
+        assert (by[(m, 0)]["pool_size"], by[(m, 1)]["pool_size"]) == (1, 2), m
+        assert by[(m, 1)]["pool_bytes"] > 0
+    # text pools retrieve the first question for the second one
+    for m in ("icl", "reasoning_bank"):
+        assert by[(m, 0)]["route"] == "zero_shot" and by[(m, 1)]["route"] == "context"
+        assert by[(m, 1)]["memory_id"] == problems[0].id and -1.0 <= by[(m, 1)]["similarity"] <= 1.0
+    assert by[("reasoning_bank", 0)]["extra"]["self_judgement"] in ("correct", "incorrect")
+    # ELM's zero-shot candidate is the zero_shot method's generation, served from the shared cache
+    assert by[("elm_input", 0)]["shared_generations"] == 1
+    assert by[("elm_input", 0)]["candidates"][0]["answer"] == by[("zero_shot", 0)]["answer"]
+    assert by[("elm_input", 0)]["extra"]["learn_job"]["status"] == "done"
+    assert by[("verifier_at_2", 0)]["route"] in ("agree", "verifier") and len(by[("verifier_at_2", 0)]["candidates"]) == 2
+    # the files a run leaves
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert list(summary) == methods and summary["icl"]["n"] == 2 and summary["elm_kv"]["pool_size"] == 2
+    assert result.table.startswith("| method |") and "| reasoning_bank | 2 |" in result.table
+    for name in ("accuracy_over_stream.png", "routes.png", "pool_growth.png"):
+        assert (tmp_path / name).read_bytes()[:8] == PNG
+    # a finished run re-run does nothing and loads nothing; another config is refused
+    again = run_stream(problems, methods, cfg, tmp_path, dataset="gsm8k", seed=17, progress=False, plots=False)
+    assert again.summary == result.summary
+    with pytest.raises(ConfigError, match="holds another run"):
+        run_stream(problems, methods, tiny_config(training={"steps": 2}), tmp_path, dataset="gsm8k", seed=17)
+
+
+@pytest.mark.model
+def test_a_killed_stream_resumes_with_its_pool_intact(tiny_loaded, tmp_path):
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "elm_memory.cli", "stream", "--dataset", "gsm8k", "--limit", "3", "--seed", "5",
+           "--preset", "cpu-tiny", "--set", "generation.max_new_tokens=12", "--method", "elm_input",
+           "--out", str(out), "--no-plots"]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    records = out / "records.jsonl"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if records.exists() and len(RecordLog(records).read()) >= 1:
+            break
+        time.sleep(0.2)
+    assert proc.poll() is None, "the run finished before it could be killed"
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    before = RecordLog(records).read()
+    assert 1 <= len(before) < 3
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr
+    after = RecordLog(records).read()
+    assert [r["index"] for r in after] == [0, 1, 2]  # nothing run twice, nothing lost
+    assert after[: len(before)] == before
+    assert after[-1]["pool_size"] == 3  # one memory per question, no duplicate from the killed job
+    assert json.loads((out / "summary.json").read_text())["elm_input"]["n"] == 3
+
+
+# ---- the offline protocol ---------------------------------------------------------------------
+
+
+@pytest.mark.model
+def test_offline_protocol_and_transfer(tiny_loaded, tiny_backend, tmp_path):
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.offline import run_offline
+
+    cfg = tiny_config()
+    problems = load_problems("gsm8k", limit=3, seed=17)
+    out = tmp_path / "gsm8k"
+    runtime = EvalRuntime(cfg, out, loaded=tiny_loaded, backend=tiny_backend)
+    result = run_offline(problems, cfg, out, dataset="gsm8k", seed=17, train=2, runtime=runtime, progress=False)
+    mems = RecordLog(out / "memories.jsonl").read()
+    evals = RecordLog(out / "evals.jsonl").read()
+    assert [m["question_id"] for m in mems] == [p.id for p in problems[:2]]
+    assert len(evals) == 2 * 3 and len(RecordLog(out / "zero_shot.jsonl").read()) == 3
+    s = result.summary
+    assert s["n_memories"] == 2 and s["n_questions"] == 3
+    per_memory: dict[str, list[bool]] = {}
+    for e in evals:
+        per_memory.setdefault(e["source_question_id"], []).append(e["correct"])
+    assert s["best_memory"]["accuracy"] == max(sum(v) / 3 for v in per_memory.values())
+    assert "| zero-shot accuracy (%) |" in result.table
+    assert (out / "memory_deltas.png").read_bytes()[:8] == PNG
+    # transfer: the gsm8k pool evaluated on two math500 questions
+    other = load_problems("math500", limit=2, seed=17)
+    t = run_offline(other, cfg, tmp_path / "transfer", dataset="math500", seed=17, memories_from=out,
+                    runtime=EvalRuntime(cfg, tmp_path / "transfer", loaded=tiny_loaded, backend=tiny_backend),
+                    progress=False, plots=False)  # fmt: skip
+    assert t.summary["n_memories"] == 2 and t.summary["n_questions"] == 2
+    assert {e["question_id"] for e in RecordLog(tmp_path / "transfer" / "evals.jsonl").read()} == {p.id for p in other}
+    assert not (tmp_path / "transfer" / "store").exists()  # the pool is read where it is
+    with pytest.raises(ConfigError, match="not an offline run directory"):
+        run_offline(other, cfg, tmp_path / "x", memories_from=tmp_path)
