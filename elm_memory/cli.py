@@ -154,7 +154,9 @@ def demo(
     dataset: Annotated[str, typer.Option(help="Vendored dataset: gsm8k, math500, amc23, aime24.")] = "gsm8k",
     limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 5,
     method: MethodOpt = None,
-    out: Annotated[Path, typer.Option(help="Run directory; re-running resumes it.")] = Path("elm-runs/demo"),
+    out: Annotated[
+        Optional[Path], typer.Option(help="Run directory (default elm-runs/demo-DATASET-LIMIT); re-running resumes it.")
+    ] = None,
     config: ConfigOpt = None,
     preset: PresetOpt = "cpu-demo",
     json_out: JsonOpt = False,
@@ -165,7 +167,7 @@ def demo(
     """The main job on the embedded defaults: a short online stream of GSM8K questions with ELM.
 
     Same as ``elm stream --dataset gsm8k --limit 5 --method elm_input --preset cpu-demo
-    --out elm-runs/demo``: each question is answered (retrieve, dual-generate, route), then
+    --out elm-runs/demo-gsm8k-5``: each question is answered (retrieve, dual-generate, route), then
     a memory is learned from it before the next one (the paper's protocol). The table
     also shows the zero-shot candidate's accuracy, ELM's own baseline on the same stream.
     """
@@ -173,6 +175,7 @@ def demo(
 
     cfg = _load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=17)
+    out = out or Path("elm-runs") / f"demo-{Path(dataset).stem}-{limit}"
     result = _run_stream(problems, _methods(method, ["elm_input"]), cfg, out, dataset, 17, json_out, True)
     _print_stream(result, json_out)
 
