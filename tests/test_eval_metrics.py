@@ -24,13 +24,12 @@ from elm_memory.eval.metrics import (
     summarize_offline,
     summarize_online,
 )
+from elm_memory.eval.records import write_json_atomic
 from elm_memory.eval.report import (
     markdown_offline,
     markdown_online,
     plot_offline,
     plot_online,
-    read_jsonl,
-    write_json,
 )
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -300,21 +299,12 @@ def test_importing_report_does_not_import_matplotlib():
 
 def test_write_json_is_atomic_and_round_trips(tmp_path):
     target = tmp_path / "out" / "summary.json"
-    write_json(target, {"a": 1, "b": [None, 0.5]})
+    write_json_atomic(target, {"a": 1, "b": [None, 0.5]})
     assert json.loads(target.read_text()) == {"a": 1, "b": [None, 0.5]}
     with pytest.raises(ValueError):
-        write_json(target, {"a": math.nan})
+        write_json_atomic(target, {"a": math.nan})
     assert json.loads(target.read_text()) == {"a": 1, "b": [None, 0.5]}  # old file intact
     assert [p.name for p in target.parent.iterdir()] == ["summary.json"]  # no temp files left
-
-
-def test_read_jsonl(tmp_path):
-    path = tmp_path / "records.jsonl"
-    path.write_text(json.dumps(online_records()[0]) + "\n\n" + json.dumps(online_records()[1]) + "\n")
-    assert read_jsonl(path) == online_records()[:2]
-    path.write_text('{"ok": 1}\n{"broken": \n')
-    with pytest.raises(ValueError, match=":2:"):
-        read_jsonl(path)
 
 
 def test_zero_shot_candidate_gains_and_losses():

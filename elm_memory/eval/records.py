@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -43,10 +44,26 @@ class RecordLog:
             os.fsync(fh.fileno())
 
 
-def write_json_atomic(path: Path, obj: Any) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(json.dumps(obj, indent=2, ensure_ascii=False), encoding="utf-8")
-    os.replace(tmp, path)
+def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
+    """Write JSON atomically (unique temp file in the same directory, fsync, ``os.replace``).
+
+    A crash mid-write leaves the old file or the new one, never half of one; NaN/inf are
+    refused because they are not JSON and would break other readers.
+    """
+    target = Path(path)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
+    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as handle:
+            handle.write(text)
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, target)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    return target
 
 
 def check_manifest(out_dir: Path, manifest: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:

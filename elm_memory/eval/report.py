@@ -8,9 +8,7 @@ headless machine and never touches pyplot's global state.
 
 from __future__ import annotations
 
-import json
 import os
-import tempfile
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
@@ -22,8 +20,6 @@ __all__ = [
     "markdown_online",
     "plot_offline",
     "plot_online",
-    "read_jsonl",
-    "write_json",
 ]
 
 # Routes the runner is known to emit, in the order a reader expects; others follow alphabetically.
@@ -252,45 +248,3 @@ def plot_offline(summary: Mapping[str, Any], out_dir: str | os.PathLike[str]) ->
     ax.legend()
     paths.append(_save(fig, out, "memory_accuracy.png"))
     return paths
-
-
-# --- files --------------------------------------------------------------------------------------
-
-
-def write_json(path: str | os.PathLike[str], obj: Any) -> Path:
-    """Write JSON atomically (temp file in the same directory + ``os.replace``).
-
-    A crash or Ctrl-C mid-write leaves either the old file or the new one, never half of one;
-    NaN/inf are refused because they are not JSON and would break other readers.
-    """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
-
-
-def read_jsonl(path: str | os.PathLike[str]) -> list[dict[str, Any]]:
-    """Records of a JSONL file (blank lines skipped); a bad line is reported with its number."""
-    records: list[dict[str, Any]] = []
-    with open(path, encoding="utf-8") as handle:
-        for number, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}:{number}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(record, dict):
-                raise ValueError(f"{path}:{number}: expected a JSON object, got {type(record).__name__}")
-            records.append(record)
-    return records
