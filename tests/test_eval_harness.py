@@ -220,3 +220,14 @@ def test_offline_protocol_and_transfer(tiny_loaded, tiny_backend, tmp_path):
     assert not (tmp_path / "transfer" / "store").exists()  # the pool is read where it is
     with pytest.raises(ConfigError, match="not an offline run directory"):
         run_offline(other, cfg, tmp_path / "x", memories_from=tmp_path)
+
+
+@pytest.mark.model
+def test_the_evaluation_example_runs(tiny_loaded, tmp_path):
+    script = Path(__file__).resolve().parents[1] / "examples" / "evaluate.py"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    done = subprocess.run([sys.executable, str(script), "--tiny", "--limit", "2"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "| elm_input | 2 |" in done.stdout
+    assert (tmp_path / "elm-runs" / "example-cpu-tiny-2" / "routes.png").read_bytes()[:8] == PNG
