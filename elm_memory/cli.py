@@ -152,7 +152,7 @@ def learn(
 @handle_errors
 def demo(
     dataset: Annotated[str, typer.Option(help="Vendored dataset: gsm8k, math500, amc23, aime24.")] = "gsm8k",
-    limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 5,
+    limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 3,
     method: MethodOpt = None,
     out: Annotated[
         Optional[Path], typer.Option(help="Run directory (default elm-runs/demo-DATASET-LIMIT); re-running resumes it.")
@@ -166,8 +166,8 @@ def demo(
 ) -> None:
     """The main job on the embedded defaults: a short online stream of GSM8K questions with ELM.
 
-    Same as ``elm stream --dataset gsm8k --limit 5 --method elm_input --preset cpu-demo
-    --out elm-runs/demo-gsm8k-5``: each question is answered (retrieve, dual-generate, route), then
+    Same as ``elm stream --dataset gsm8k --limit 3 --method elm_input --preset cpu-demo
+    --out elm-runs/demo-gsm8k-3``: each question is answered (retrieve, dual-generate, route), then
     a memory is learned from it before the next one (the paper's protocol). The table
     also shows the zero-shot candidate's accuracy, ELM's own baseline on the same stream.
     """
