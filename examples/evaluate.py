@@ -1,6 +1,6 @@
 """Compare ELM with baselines on a short stream, from Python (the `elm stream` command does the same).
 
-    python examples/evaluate.py                 # Qwen (cpu-demo preset), 5 GSM8K questions, ~10 min on 2 cores
+    python examples/evaluate.py                 # Qwen, cpu-demo preset, 5 GSM8K questions: about 15 min on 2 cores
     python examples/evaluate.py --tiny          # SmolLM2 plumbing run in about a minute (it never answers)
 
 Writes records.jsonl, summary.json, results.md and plots to elm-runs/example-*; re-running resumes.
