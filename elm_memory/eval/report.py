@@ -1,7 +1,7 @@
-"""Reporting for the evaluation harness: Markdown tables, PNG figures and atomic JSON files.
+"""Reporting for the evaluation harness: Markdown tables and PNG figures.
 
 Inputs are the summaries of :mod:`elm_memory.eval.metrics` and the raw online records. matplotlib
-is imported only inside the plotting functions (it is the optional ``plots`` extra), and figures
+is imported only inside the plotting functions (importing this module stays cheap), and figures
 are drawn with the object-oriented ``Figure`` API on the Agg canvas, so plotting works on a
 headless machine and never touches pyplot's global state.
 """
@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 # Routes the runner is known to emit, in the order a reader expects; others follow alphabetically.
-_ROUTE_ORDER = ("zero_shot", "agree", "verifier", "memory_verifier")
+_ROUTE_ORDER = ("zero_shot", "context", "agree", "verifier")
 _DPI = 120
 
 
