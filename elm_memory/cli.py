@@ -177,7 +177,7 @@ def demo(
     problems = load_problems(dataset, limit=limit, seed=17)
     out = out or Path("elm-runs") / f"demo-{Path(dataset).stem}-{limit}"
     result = _run_stream(problems, _methods(method, ["elm_input"]), cfg, out, dataset, 17, json_out, True)
-    _print_stream(result, json_out)
+    _print_run(result, json_out)
 
 
 MethodOpt = Annotated[
@@ -216,7 +216,7 @@ def stream(
     problems = load_problems(dataset, limit=limit, seed=seed)
     methods = _methods(method, ["zero_shot", "elm_input"])
     result = _run_stream(problems, methods, cfg, out, dataset, seed, json_out, not no_plots, batch_size)
-    _print_stream(result, json_out)
+    _print_run(result, json_out)
 
 
 def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_size=8):
@@ -235,13 +235,14 @@ def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_
                       progress=None if not quiet else False, batch_size=batch_size)  # fmt: skip
 
 
-def _print_stream(result, json_out: bool) -> None:
+def _print_run(result, json_out: bool, files: str = "records.jsonl, summary.json, results.md") -> None:
+    """An evaluation run's result: the table and where its files are, or one JSON object."""
     if json_out:
         typer.echo(json.dumps({"out_dir": str(result.out_dir), "summary": result.summary,
                                "plots": [str(p) for p in result.plots]}))  # fmt: skip
         return
     typer.echo(result.table)
-    typer.echo(f"\nrecords, summary.json, results.md in {result.out_dir}")
+    typer.echo(f"\n{files} in {result.out_dir}")
     for p in result.plots:
         typer.echo(f"plot: {p}")
 
@@ -275,14 +276,7 @@ def offline(
     result = run_offline(problems, cfg, out, dataset=dataset, seed=seed, train=train, memories_from=memories_from,
                          batch_size=batch_size, progress=None if not json_out else False,
                          plots=not no_plots)  # fmt: skip
-    if json_out:
-        typer.echo(json.dumps({"out_dir": str(result.out_dir), "summary": result.summary,
-                               "plots": [str(p) for p in result.plots]}))  # fmt: skip
-        return
-    typer.echo(result.table)
-    typer.echo(f"\nzero_shot.jsonl, memories.jsonl, evals.jsonl, summary.json, results.md in {result.out_dir}")
-    for p in result.plots:
-        typer.echo(f"plot: {p}")
+    _print_run(result, json_out, "zero_shot.jsonl, memories.jsonl, evals.jsonl, summary.json, results.md")
 
 
 @model_app.command("list")
