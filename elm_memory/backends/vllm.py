@@ -162,6 +162,33 @@ def bounded_max_len(cfg_max_context: int | None, model_dir: str | Path) -> int:
     return min(limit, positions) if positions else limit
 
 
+def model_side(
+    loaded: Any,
+    model_dir: str,
+    dtype: str,
+    *,
+    tokenizer: Any = None,
+    info: Any = None,
+    name: str | None = None,
+    device: str = "cpu",
+    max_context: int,
+) -> tuple[Any, Any, Any]:
+    """Tokenizer, embedding table and :class:`ModelInfo` for an engine serving ``model_dir``:
+    taken from the loaded transformers model when there is one (training shares it), else read
+    from the folder without loading the model."""
+    from elm_memory.backends._embeds import TokenEmbedder
+
+    if loaded is not None:
+        return loaded.tokenizer, TokenEmbedder.from_loaded(loaded), loaded.info
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    embedder = TokenEmbedder.from_folder(model_dir, dtype)
+    info = info or info_from_folder(name or model_dir, model_dir, dtype, device, max_context, embedder)
+    return tokenizer, embedder, info
+
+
 def info_from_folder(name: str, model_dir: str, dtype: str, device: str, max_context: int, embedder: Any) -> Any:
     """:class:`ModelInfo` without loading the transformers model (config.json + embedding table)."""
     from transformers import AutoConfig
@@ -211,8 +238,6 @@ class VLLMBackend:
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
     ):
-        from elm_memory.backends._embeds import TokenEmbedder
-
         vllm = require_vllm(self.name)
         from elm_memory.models.loading import pick_device
 
@@ -223,20 +248,10 @@ class VLLMBackend:
         self.max_model_len = max_model_len or bounded_max_len(None, self.model_dir)
         self.loaded = loaded
         self.model = loaded.model if loaded is not None else None
-        if loaded is not None:
-            self.tokenizer = loaded.tokenizer
-            self.embedder = TokenEmbedder.from_loaded(loaded)
-            base_info = loaded.info
-        else:
-            if tokenizer is None:
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            self.tokenizer = tokenizer
-            self.embedder = TokenEmbedder.from_folder(self.model_dir, dtype)
-            base_info = info or info_from_folder(
-                name or self.model_dir, self.model_dir, dtype, str(device), self.max_model_len, self.embedder
-            )
+        self.tokenizer, self.embedder, base_info = model_side(
+            loaded, self.model_dir, dtype, tokenizer=tokenizer, info=info, name=name, device=str(device),
+            max_context=self.max_model_len,
+        )  # fmt: skip
         # The longest prompt + completion this backend accepts is the engine's.
         self.info = dataclasses.replace(base_info, max_context=self.max_model_len)
         if self.tokenizer.pad_token_id is None and self.tokenizer.eos_token is not None:

@@ -63,7 +63,7 @@ from elm_memory.backends.vllm import (
     bounded_max_len,
     eos_ids_for,
     finish_generation,
-    info_from_folder,
+    model_side,
 )
 from elm_memory.errors import BackendError
 
@@ -152,7 +152,7 @@ class VLLMServerBackend:
         connect_timeout: float = 10.0,
         max_concurrency: int = 16,
     ):
-        from elm_memory.backends._embeds import TokenEmbedder, torch_dtype
+        from elm_memory.backends._embeds import torch_dtype
 
         self.base_url = base_url.rstrip("/")
         if self.base_url.endswith("/v1"):
@@ -182,21 +182,10 @@ class VLLMServerBackend:
         self.served_model = str(card["id"])
         server_len = card.get("max_model_len")
 
-        if loaded is not None:
-            self.tokenizer = loaded.tokenizer
-            self.embedder = TokenEmbedder.from_loaded(loaded)
-            base_info = loaded.info
-        else:
-            if tokenizer is None:
-                from transformers import AutoTokenizer
-
-                tokenizer = AutoTokenizer.from_pretrained(self.model_dir)
-            self.tokenizer = tokenizer
-            self.embedder = TokenEmbedder.from_folder(self.model_dir, dtype)
-            base_info = info_from_folder(
-                name or self.model_dir, self.model_dir, dtype, "cpu",
-                server_len or bounded_max_len(None, self.model_dir), self.embedder,
-            )  # fmt: skip
+        self.tokenizer, self.embedder, base_info = model_side(
+            loaded, self.model_dir, dtype, tokenizer=tokenizer, name=name, device="cpu",
+            max_context=server_len or bounded_max_len(None, self.model_dir),
+        )  # fmt: skip
         self.max_model_len = int(server_len or base_info.max_context)
         self.info = dataclasses.replace(base_info, max_context=self.max_model_len)
         if self.embedder.hidden_size != base_info.hidden_size:
