@@ -37,6 +37,13 @@ class SamplingParams:
         return self.temperature == 0.0
 
 
+def answer_budget(limit: int, max_context: int, prompt_tokens: int, reserve: int = 0) -> int:
+    """New tokens a call may ask for: ``limit``, cut to the context left after the prompt and
+    ``reserve`` (e.g. a soft prompt), never below 1. Every answer path uses this one rule, so
+    equal prompts get equal budgets (the evaluation cache relies on it)."""
+    return max(1, min(limit, max_context - prompt_tokens - reserve))
+
+
 @dataclass(frozen=True)
 class PromptInput:
     """Token ids plus an optional soft prompt inserted before token ``soft_prompt_at``."""

@@ -21,14 +21,13 @@ Every file is appended line by line and fsynced: re-running the same command res
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from elm_memory.answers import equivalent, extract_answer
-from elm_memory.backends.base import PromptInput, SamplingParams
+from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
 from elm_memory.config import ELMConfig
 from elm_memory.errors import ConfigError
 from elm_memory.eval.datasets import Problem
@@ -175,8 +174,8 @@ def _answers(runtime: EvalRuntime, problems: Sequence[Problem], memory: Any) -> 
             at = built.memory_position(cfg.prompt.soft_prompt_position)
             inputs.append(PromptInput(built.token_ids, soft_prompt=memory.soft_prompt, soft_prompt_at=at))
     g = cfg.generation
-    room = runtime.backend.info.max_context - longest - (k if memory is not None else 0)
-    params = SamplingParams(max_new_tokens=max(1, min(g.max_new_tokens, room)), temperature=0.0,
+    budget = answer_budget(g.max_new_tokens, runtime.backend.info.max_context, longest, k if memory is not None else 0)
+    params = SamplingParams(max_new_tokens=budget, temperature=0.0,
                             stop_at_answer=g.stop_at_answer)  # fmt: skip
     return [(extract_answer(gen.text), gen.text) for [gen] in runtime.backend.generate(inputs, params)]
 
@@ -195,7 +194,3 @@ def _store(runtime: EvalRuntime, run_dir: Path) -> Any:
 
     cfg = runtime.config.store.model_copy(update={"kind": "chroma", "path": str(run_dir / "store")})
     return stores.get("chroma").from_config(cfg, model=runtime.loaded.info)
-
-
-def read_manifest(run_dir: Path) -> dict[str, Any]:
-    return json.loads((run_dir / "run.json").read_text(encoding="utf-8"))

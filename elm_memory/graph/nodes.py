@@ -14,7 +14,7 @@ from typing import Any
 from langgraph.runtime import Runtime
 
 from elm_memory.answers import equivalent, extract_answer
-from elm_memory.backends.base import PromptInput, SamplingParams
+from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
 from elm_memory.graph.context import ELMContext, resolve_context
 from elm_memory.graph.state import CandidateState, ELMState
 from elm_memory.models.prompting import validate_question
@@ -76,9 +76,8 @@ def dual_generate(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, An
             warnings = _warn(state, f"memory {memory_id[:8]} unusable, answering zero-shot: {exc}")
             memory_id = None
     g = cfg.generation
-    room = ctx.backend.info.max_context - len(built.token_ids) - k
     params = SamplingParams(
-        max_new_tokens=max(1, min(g.max_new_tokens, room)),
+        max_new_tokens=answer_budget(g.max_new_tokens, ctx.backend.info.max_context, len(built.token_ids), k),
         temperature=g.temperature,
         top_p=g.top_p,
         stop_at_answer=g.stop_at_answer,

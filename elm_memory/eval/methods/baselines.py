@@ -9,7 +9,7 @@ it is due to the memory, not to the second sample or the verifier.
 from __future__ import annotations
 
 from elm_memory.answers import equivalent, extract_answer
-from elm_memory.backends.base import PromptInput, SamplingParams
+from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
 
 
@@ -32,7 +32,8 @@ class _Memoryless:
 
 
 class ZeroShot(_Memoryless):
-    """Greedy pass@1 through the ELM graph with no store: exactly ELM's zero-shot candidate."""
+    """Greedy pass@1, built as the graph's dual_generate builds its zero-shot candidate (same
+    prompt, same budget rule), so the two share one cache entry."""
 
     name = "zero_shot"
 
@@ -44,8 +45,6 @@ class ZeroShot(_Memoryless):
         cfg = rt.config
         k = cfg.memory.num_tokens
         g = cfg.generation
-        # Same prompt and limits as the graph's dual_generate, call by call: one question at a
-        # time this is the graph's zero-shot candidate exactly (and shares its cache entry).
         built = [rt.prompts.build(q, reserve=k + 1) for q in questions]
         gens = _generate_grouped(
             rt, [PromptInput(b.token_ids) for b in built],
@@ -118,8 +117,8 @@ def _generate_grouped(rt: EvalRuntime, prompts: list[PromptInput], make_params, 
     g = rt.config.generation
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
-        room = rt.backend.info.max_context - len(p.token_ids) - reserve
-        groups.setdefault(max(1, min(g.max_new_tokens, room)), []).append(i)
+        budget = answer_budget(g.max_new_tokens, rt.backend.info.max_context, len(p.token_ids), reserve)
+        groups.setdefault(budget, []).append(i)
     out: list[list] = [[] for _ in prompts]
     for max_new, members in groups.items():
         results = rt.backend.generate([prompts[i] for i in members], make_params(max_new))

@@ -15,15 +15,14 @@ question), so nothing but text is persisted.
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from pathlib import Path
 from typing import Any
 
 from elm_memory.answers import extract_answer
-from elm_memory.backends.base import PromptInput, SamplingParams
+from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, dir_bytes
+from elm_memory.eval.records import RecordLog
 
 #: Prompt shown before the new question when a solved example is retrieved (icl).
 ICL_TEMPLATE = "Here is a solved example of a similar problem.\n\nProblem: {example}\nSolution: {solution}\n\nNow solve this problem.\n{question}"
@@ -47,18 +46,13 @@ class TextPool:
         from elm_memory.registry import key_builders
 
         self.dir = directory
-        self.file = directory / "entries.jsonl"
+        self.log = RecordLog(directory / "entries.jsonl")  # fsynced lines; one cut by a crash is skipped
         self.runtime = runtime
         self.key_builder = key_builders.get(runtime.config.retrieval.key)()
         self.entries: list[dict[str, Any]] = []
         self._keys: list[Any] = []
-        if self.file.exists():
-            for line in self.file.read_text(encoding="utf-8").splitlines():
-                try:
-                    entry = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by a crash: the entry was never committed
-                    continue
-                self._append(entry)
+        for entry in self.log.read():
+            self._append(entry)
 
     def _key(self, question: str) -> Any:
         import torch
@@ -81,11 +75,7 @@ class TextPool:
         if question_id in self:
             return
         entry = {"question_id": question_id, "question": question, "payload": payload}
-        self.dir.mkdir(parents=True, exist_ok=True)
-        with open(self.file, "a", encoding="utf-8") as fh:
-            fh.write(json.dumps(entry, ensure_ascii=False) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        self.log.append(entry)
         self._append(entry)
 
     def nearest(self, question: str) -> tuple[dict[str, Any], float] | None:
@@ -110,8 +100,8 @@ class _TextMemoryMethod:
 
     def _generate(self, prompt: PromptInput, max_new_tokens: int, stop_at_answer: bool) -> Any:
         rt = self.runtime
-        room = rt.backend.info.max_context - len(prompt.token_ids)
-        params = SamplingParams(max_new_tokens=max(1, min(max_new_tokens, room)), temperature=0.0,
+        budget = answer_budget(max_new_tokens, rt.backend.info.max_context, len(prompt.token_ids))
+        params = SamplingParams(max_new_tokens=budget, temperature=0.0,
                                 stop_at_answer=stop_at_answer)  # fmt: skip
         [[gen]] = rt.backend.generate([prompt], params)
         return gen
