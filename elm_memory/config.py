@@ -41,15 +41,21 @@ class ModelConfig(_Section):
             "a local HF folder, a `.gguf` file, or a Hugging Face hub id (needs network)."
         ),
     )
-    dtype: Literal["bfloat16", "float32", "float16"] = Field(
-        "bfloat16",
-        description="Weight/compute dtype. bf16 measured ~2.2x faster than fp32 for generation on AMX CPUs.",
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        "auto",
+        description=(
+            "Weight/compute dtype. `auto`: bf16 on CUDA GPUs that support it and on CPUs with AMX or "
+            "AVX512-BF16, fp32 on other CPUs (where bf16 matmuls run 10-60x slower than fp32), never fp16 "
+            "on a CPU. `elm env` prints the decision; see elm_memory/hardware.py."
+        ),
     )
     device: str = Field("auto", description="`auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:1`, ...")
     max_context: int | None = Field(
         None, description="Longest prompt+completion accepted; default: the model's `max_position_embeddings`."
     )
-    num_threads: int | None = Field(None, description="torch intra-op threads on CPU; default: torch's choice.")
+    num_threads: int | None = Field(
+        None, ge=1, le=4096, description="torch intra-op threads on CPU; None: one per physical core."
+    )
 
 
 class PromptConfig(_Section):

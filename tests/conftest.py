@@ -30,8 +30,9 @@ def tiny_loaded():
 
 @pytest.fixture(scope="session")
 def default_loaded():
-    """The default model (Qwen2.5-Coder-0.5B-Instruct) in bfloat16, as users run it."""
-    return _load(DEFAULT, "bfloat16")
+    """The default model (Qwen2.5-Coder-0.5B-Instruct) in the dtype users get: ``auto`` (bf16 where the
+    CPU has native bf16, fp32 elsewhere; see elm_memory/hardware.py)."""
+    return _load(DEFAULT, "auto")
 
 
 @pytest.fixture(scope="session")

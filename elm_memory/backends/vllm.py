@@ -54,6 +54,7 @@ from elm_memory.backends.base import (
     to_prompt_input,
 )
 from elm_memory.errors import BackendError
+from elm_memory.hardware import resolve_placement
 
 #: GiB of KV cache the CPU engine reserves when ``VLLM_CPU_KVCACHE_SPACE`` is unset.
 DEFAULT_CPU_KVCACHE_GIB = 4
@@ -297,7 +298,7 @@ class VLLMBackend:
             )
         return cls(
             model_dir,
-            dtype=cfg.model.dtype,
+            dtype=resolve_placement(cfg.model, warn=False).dtype,
             loaded=loaded,
             name=cfg.model.name_or_path,
             device=cfg.model.device,

@@ -66,6 +66,7 @@ from elm_memory.backends.vllm import (
     model_side,
 )
 from elm_memory.errors import BackendError
+from elm_memory.hardware import resolve_placement
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 
@@ -210,7 +211,7 @@ class VLLMServerBackend:
                 f"backend 'vllm-server' needs the served model's local HF folder for the tokenizer and the "
                 f"embedding table, got {model_dir!r}; for packaged or GGUF models run `elm model prepare NAME`"
             )
-        return cls(url, model_dir, dtype=cfg.model.dtype, loaded=loaded, name=cfg.model.name_or_path, **kwargs)
+        return cls(url, model_dir, dtype=resolve_placement(cfg.model, warn=False).dtype, loaded=loaded, name=cfg.model.name_or_path, **kwargs)
 
     # -- public --------------------------------------------------------------------------
     def embed_tokens(self, ids: Any) -> Any:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -13,8 +14,11 @@ from typing import Any
 
 from elm_memory.config import ModelConfig
 from elm_memory.errors import ModelNotFoundError
+from elm_memory.hardware import Hardware, Placement, apply_threads, resolve_placement
 from elm_memory.models.packaged import PACKAGED_PREFIX
 from elm_memory.models.prepare import MARKER, is_prepared, prepare_model, prepared_dir
+
+logger = logging.getLogger(__name__)
 
 _DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 
@@ -63,6 +67,7 @@ class LoadedModel:
     tokenizer: Any
     info: ModelInfo
     load_seconds: float
+    placement: Placement | None = None  # the device/dtype/threads decision and its reasons
 
 
 def resolve_model_path(name_or_path: str, *, prepare: bool = True) -> str:
@@ -82,10 +87,9 @@ def resolve_model_path(name_or_path: str, *, prepare: bool = True) -> str:
 
 
 def pick_device(device: str) -> str:
-    import torch
-
+    """``auto`` -> ``cuda`` when a CUDA device exists, else ``cpu`` (see :mod:`elm_memory.hardware`)."""
     if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
+        return "cuda" if Hardware.detect().gpus else "cpu"
     return device
 
 
@@ -111,11 +115,11 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     t0 = time.perf_counter()
-    if cfg.num_threads:
-        torch.set_num_threads(cfg.num_threads)
+    placement = resolve_placement(cfg)
+    apply_threads(placement)
     path = resolve_model_path(cfg.name_or_path)
-    device = pick_device(cfg.device)
-    dtype = getattr(torch, _DTYPES[cfg.dtype])
+    device = placement.device
+    dtype = getattr(torch, _DTYPES[placement.dtype])
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
@@ -134,11 +138,14 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
         name=cfg.name_or_path,
         path=path,
         vocab_size=model.get_input_embeddings().weight.shape[0],
-        dtype=cfg.dtype,
+        dtype=placement.dtype,
         device=device,
         fingerprint=fingerprint,
     )
-    return LoadedModel(model=model, tokenizer=tokenizer, info=info, load_seconds=time.perf_counter() - t0)
+    logger.info("model %s on %s", cfg.name_or_path, placement.summary())
+    return LoadedModel(
+        model=model, tokenizer=tokenizer, info=info, load_seconds=time.perf_counter() - t0, placement=placement
+    )
 
 
 def _stored_fingerprint(path: str) -> str | None:

@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 from elm_memory.errors import ConfigError, ModelNotFoundError
+from elm_memory.hardware import resolve_placement
 from elm_memory.verifiers.base import EMPTY_SCORE, Candidate, eval_mode
 
 if TYPE_CHECKING:
@@ -207,7 +208,7 @@ class PRMVerifier:
             cfg.verifier.model,
             aggregate=cfg.verifier.aggregate,
             device=cfg.model.device,
-            dtype=cfg.model.dtype,
+            dtype=resolve_placement(cfg.model, warn=False).dtype,
             trust_remote_code=cfg.verifier.trust_remote_code,
         )
 

@@ -1,0 +1,89 @@
+"""``elm env``: what a bug or performance report needs, in one object.
+
+In the manner of ``transformers env`` and vLLM's ``collect_env``: the platform, the CPU and
+the capability flags that decide the dtype, the GPUs, the decision :mod:`elm_memory.hardware`
+takes for the given config, and the versions of the libraries elm-memory runs on.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from importlib import metadata
+from typing import Any
+
+from elm_memory.hardware import Hardware, resolve_placement
+
+#: Distributions whose versions change behaviour or speed (missing ones are reported as None).
+REPORTED_PACKAGES = (
+    "elm-memory", "torch", "transformers", "trl", "peft", "accelerate", "vllm", "chromadb",
+    "langgraph", "langchain-core", "safetensors", "pydantic", "numpy",
+)  # fmt: skip
+
+
+def package_versions(names: tuple[str, ...] = REPORTED_PACKAGES) -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in names:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def collect_env(config: Any, hardware: Hardware | None = None) -> dict[str, Any]:
+    """The report for an :class:`~elm_memory.config.ELMConfig` (nothing is loaded or downloaded)."""
+    hw = hardware or Hardware.detect()
+    placement = resolve_placement(config.model, hw, warn=False)
+    return {
+        "platform": {
+            "system": platform.platform(),
+            "python": sys.version.split()[0],
+        },
+        "cpu": hw.cpu.to_dict(),
+        "gpus": [g.to_dict() for g in hw.gpus],
+        "resolved": {
+            "model": config.model.name_or_path,
+            "device": placement.device,
+            "dtype": placement.dtype,
+            "dtype_requested": config.model.dtype,
+            "num_threads": placement.num_threads,
+            "backend": config.backend.name,
+            "training_engine": config.training.engine,
+            "verifier": config.verifier.name,
+            "reasons": list(placement.reasons),
+            "warnings": list(placement.warnings),
+        },
+        "packages": package_versions(),
+    }
+
+
+def format_env(report: dict[str, Any]) -> str:
+    """Plain text, one fact a line, for pasting into an issue."""
+    cpu, res = report["cpu"], report["resolved"]
+    flags = " ".join(f for f, on in cpu["flags"].items() if on) or "-"
+    lines = [
+        f"platform        {report['platform']['system']}, Python {report['platform']['python']}",
+        f"cpu             {cpu['name']} ({cpu['architecture']}), {cpu['physical_cores']} physical / "
+        f"{cpu['logical_cores']} logical cores, {cpu['usable_cores']} usable",
+        f"cpu flags       {flags}",
+        f"torch cpu path  {cpu['torch_capability']}; native bf16: {'yes' if cpu['fast_bf16'] else 'no'}",
+    ]
+    if report["gpus"]:
+        for g in report["gpus"]:
+            lines.append(
+                f"gpu {g['index']:<11} {g['name']}, {g['total_memory_gib']} GiB, sm {g['compute_capability']}, "
+                f"bf16: {'yes' if g['bf16'] else 'no'}"
+            )
+    else:
+        lines.append("gpu             none")
+    lines += [
+        f"model           {res['model']}",
+        f"resolved        device {res['device']}, dtype {res['dtype']} (requested {res['dtype_requested']}), "
+        f"{res['num_threads']} threads",
+        f"why             {'; '.join(res['reasons'])}",
+        f"backend         {res['backend']} (training engine {res['training_engine']}, verifier {res['verifier']})",
+    ]
+    lines += [f"warning         {w}" for w in res["warnings"]]
+    lines.append("packages        " + ", ".join(f"{k} {v or 'not installed'}" for k, v in report["packages"].items()))
+    return "\n".join(lines)

@@ -1,0 +1,301 @@
+"""What this machine can do, and the one place that turns it into device, dtype and threads.
+
+Why it matters: on CPUs without AMX or AVX512-BF16 (AVX2-only AMD EPYC, older Intel),
+PyTorch runs bf16 matmuls in its reference kernel, measured 10-60x slower than fp32
+(62x for a 1024x896 @ 896x4864 product, one thread). On CPUs that have them, bf16 is
+several times *faster* than fp32. So ``model.dtype: auto`` (the default) asks the
+hardware, and every loader (transformers, vLLM, the PRM) calls :func:`resolve_placement`
+instead of reading ``model.dtype`` itself.
+
+Tests pass a fake :class:`Hardware` to :func:`resolve_placement`; nothing here imports
+torch at module level.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+import warnings
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+#: CPU features with which PyTorch (oneDNN) runs bf16 matmuls natively.
+FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
+#: The CPU features a performance bug report needs (names as /proc/cpuinfo and torch spell them).
+REPORTED_CPU_FLAGS = (
+    "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
+    "amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "neon", "sve", "bf16",
+)  # fmt: skip
+#: Measured on an AVX2-only AMD EPYC (one thread): the slowdown of bf16 against fp32.
+BF16_FALLBACK_SLOWDOWN = "10-60x"
+
+
+class PerformanceWarning(UserWarning):
+    """A setting that works but is known to be much slower than an alternative on this machine."""
+
+
+@dataclass(frozen=True)
+class CPUInfo:
+    name: str
+    architecture: str
+    physical_cores: int
+    logical_cores: int
+    usable_cores: int  # what this process may run on (affinity / container limits)
+    flags: frozenset[str] = frozenset()
+    torch_capability: str | None = None  # torch.backends.cpu.get_cpu_capability(): DEFAULT, AVX2, AVX512, ...
+
+    @property
+    def fast_bf16(self) -> bool:
+        """True when bf16 matmuls run in native kernels (AMX or AVX512-BF16; Arm's BF16 extension)."""
+        if self.architecture in ("aarch64", "arm64"):
+            return "bf16" in self.flags
+        return any(f in self.flags for f in FAST_BF16_CPU_FLAGS)
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["flags"] = {f: f in self.flags for f in REPORTED_CPU_FLAGS if _flag_applies(f, self.architecture)}
+        out["fast_bf16"] = self.fast_bf16
+        return out
+
+
+@dataclass(frozen=True)
+class GPUInfo:
+    index: int
+    name: str
+    total_memory_gib: float
+    compute_capability: str
+    bf16: bool
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    cpu: CPUInfo
+    gpus: tuple[GPUInfo, ...] = ()
+
+    @staticmethod
+    def detect() -> Hardware:
+        """This machine (cached: the hardware does not change while a process runs)."""
+        return _detect()
+
+    def gpu(self, device: str) -> GPUInfo | None:
+        if not device.startswith("cuda"):
+            return None
+        index = int(device.split(":", 1)[1]) if ":" in device else 0
+        return next((g for g in self.gpus if g.index == index), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"cpu": self.cpu.to_dict(), "gpus": [g.to_dict() for g in self.gpus]}
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where and how the model runs, and why."""
+
+    device: str
+    dtype: str  # "bfloat16" | "float32" | "float16"
+    num_threads: int
+    reasons: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = field(default=(), compare=False)
+
+    def summary(self) -> str:
+        return f"{self.device}, {self.dtype}, {self.num_threads} threads ({'; '.join(self.reasons)})"
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def resolve_placement(
+    model_cfg: Any, hardware: Hardware | None = None, *, warn: bool = True
+) -> Placement:
+    """Device, dtype and CPU threads for a :class:`~elm_memory.config.ModelConfig`.
+
+    ``auto`` dtype: bf16 on CUDA devices that support it (fp16 on older GPUs), bf16 on
+    CPUs with AMX or AVX512-BF16, fp32 on every other CPU; never fp16 on a CPU. An
+    explicit dtype is honoured; if it is known to be slow here, one
+    :class:`PerformanceWarning` says so and how to change it.
+    """
+    hw = hardware or Hardware.detect()
+    reasons: list[str] = []
+    notes: list[str] = []
+
+    device = model_cfg.device
+    if device == "auto":
+        device = "cuda" if hw.gpus else "cpu"
+        reasons.append("device auto: " + ("CUDA is available" if hw.gpus else "no CUDA device"))
+    on_cuda = device.startswith("cuda")
+    gpu = hw.gpu(device)
+    cpu = hw.cpu
+
+    requested = model_cfg.dtype
+    if requested == "auto":
+        if on_cuda:
+            bf16 = gpu is None or gpu.bf16  # an unknown GPU: let torch decide at load time
+            dtype = "bfloat16" if bf16 else "float16"
+            reasons.append(f"dtype auto: {gpu.name if gpu else device} " + ("supports bf16" if bf16 else "has no bf16"))
+        elif cpu.fast_bf16:
+            dtype = "bfloat16"
+            native = [f for f in (*FAST_BF16_CPU_FLAGS, "bf16") if f in cpu.flags]
+            reasons.append(f"dtype auto: CPU has {'/'.join(native)}")
+        else:
+            dtype = "float32"
+            reasons.append("dtype auto: CPU has no AMX or AVX512-BF16, bf16 would be slow")
+    else:
+        dtype = requested
+        reasons.append(f"dtype {dtype} set in config")
+        if not on_cuda and dtype == "bfloat16" and not cpu.fast_bf16:
+            notes.append(
+                f"model.dtype=bfloat16 on a CPU without AMX or AVX512-BF16 ({cpu.name}, {cpu.torch_capability}): "
+                f"PyTorch falls back to reference bf16 kernels, measured {BF16_FALLBACK_SLOWDOWN} slower than "
+                "float32 on such CPUs. Set model.dtype: auto (or float32), e.g. --set model.dtype=auto"
+            )
+        elif not on_cuda and dtype == "float16" and "avx512_fp16" not in cpu.flags and "amx_fp16" not in cpu.flags:
+            notes.append(
+                f"model.dtype=float16 on a CPU ({cpu.name}) without native fp16 matmuls is slow and loses range; "
+                "set model.dtype: auto (or float32)"
+            )
+        elif on_cuda and dtype == "bfloat16" and gpu is not None and not gpu.bf16:
+            notes.append(f"model.dtype=bfloat16 on {gpu.name}, which has no native bf16; use auto (float16)")
+
+    if model_cfg.num_threads is not None:
+        threads = model_cfg.num_threads
+        reasons.append(f"{threads} threads set in config")
+        if threads > cpu.usable_cores:
+            notes.append(
+                f"model.num_threads={threads} exceeds the {cpu.usable_cores} cores this process may use; "
+                "oversubscribed threads slow every matmul"
+            )
+    else:
+        threads = max(1, min(cpu.physical_cores, cpu.usable_cores))
+        reasons.append(f"{threads} threads: one per physical core")
+
+    if warn:
+        for note in notes:
+            warnings.warn(note, PerformanceWarning, stacklevel=2)
+    return Placement(device=device, dtype=dtype, num_threads=threads, reasons=tuple(reasons), warnings=tuple(notes))
+
+
+def apply_threads(placement: Placement) -> None:
+    """Set torch's intra-op threads (CPU matmuls; on CUDA it still paces tokenisation and sampling glue)."""
+    import torch
+
+    if torch.get_num_threads() != placement.num_threads:
+        torch.set_num_threads(placement.num_threads)
+
+
+# ---- detection --------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=1)
+def _detect() -> Hardware:
+    return Hardware(cpu=_detect_cpu(), gpus=_detect_gpus())
+
+
+def _detect_cpu() -> CPUInfo:
+    import torch
+
+    caps: dict[str, Any] = {}
+    get_caps = getattr(torch.cpu, "get_capabilities", None)  # torch >= 2.6 (cpuinfo-based)
+    if get_caps is not None:
+        try:
+            caps = dict(get_caps())
+        except Exception:  # a probe must never stop the model from loading
+            caps = {}
+    flags = {k for k, v in caps.items() if v is True}
+    flags |= _proc_cpuinfo_flags()
+    if "fma3" in flags:
+        flags.add("fma")
+    logical = int(caps.get("num_logical_cores") or os.cpu_count() or 1)
+    physical = int(caps.get("num_physical_cores") or _physical_cores_from_proc() or logical)
+    try:
+        usable = len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):
+        usable = logical
+    return CPUInfo(
+        name=str(caps.get("cpu_name") or _cpu_model_name() or platform.processor() or "unknown"),
+        architecture=platform.machine().lower(),
+        physical_cores=physical,
+        logical_cores=logical,
+        usable_cores=usable,
+        flags=frozenset(flags),
+        torch_capability=_torch_capability(),
+    )
+
+
+def _detect_gpus() -> tuple[GPUInfo, ...]:
+    import torch
+
+    if not torch.cuda.is_available():
+        return ()
+    gpus = []
+    for i in range(torch.cuda.device_count()):
+        props = torch.cuda.get_device_properties(i)
+        with torch.cuda.device(i):
+            bf16 = bool(torch.cuda.is_bf16_supported())
+        gpus.append(
+            GPUInfo(
+                index=i,
+                name=props.name,
+                total_memory_gib=round(props.total_memory / 2**30, 1),
+                compute_capability=f"{props.major}.{props.minor}",
+                bf16=bf16,
+            )
+        )
+    return tuple(gpus)
+
+
+def _torch_capability() -> str | None:
+    import torch
+
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:
+        return None
+
+
+def _proc_cpuinfo_lines() -> list[str]:
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            return fh.read().splitlines()
+    except OSError:
+        return []
+
+
+def _proc_cpuinfo_flags() -> set[str]:
+    for line in _proc_cpuinfo_lines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):  # x86 / Arm
+            return set(value.split())
+    return set()
+
+
+def _cpu_model_name() -> str | None:
+    for line in _proc_cpuinfo_lines():
+        key, _, value = line.partition(":")
+        if key.strip() == "model name":
+            return value.strip()
+    return None
+
+
+def _physical_cores_from_proc() -> int | None:
+    cores = set()
+    phys = core = None
+    for line in _proc_cpuinfo_lines() + [""]:
+        key, _, value = line.partition(":")
+        key = key.strip()
+        if key == "physical id":
+            phys = value.strip()
+        elif key == "core id":
+            core = value.strip()
+        elif not key and core is not None:
+            cores.add((phys, core))
+            phys = core = None
+    return len(cores) or None
+
+
+def _flag_applies(flag: str, arch: str) -> bool:
+    arm = arch in ("aarch64", "arm64")
+    return (flag in ("neon", "sve", "bf16")) == arm

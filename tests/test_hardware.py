@@ -1,0 +1,142 @@
+"""The device/dtype/threads decision (elm_memory/hardware.py) on fake machines, and `elm env`."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import warnings
+
+import pytest
+
+from elm_memory.config import ELMConfig, ModelConfig
+from elm_memory.errors import ConfigError
+from elm_memory.hardware import CPUInfo, GPUInfo, Hardware, PerformanceWarning, resolve_placement
+
+
+def cpu(*flags: str, name: str = "Fake CPU", physical: int = 4, usable: int = 8, arch: str = "x86_64") -> CPUInfo:
+    return CPUInfo(
+        name=name, architecture=arch, physical_cores=physical, logical_cores=8, usable_cores=usable,
+        flags=frozenset(flags), torch_capability="AVX2",
+    )  # fmt: skip
+
+
+AVX2_EPYC = Hardware(cpu=cpu("avx2", "fma", name="AMD EPYC 7B13"))
+AVX512_NO_BF16 = Hardware(cpu=cpu("avx2", "avx512f", "avx512_vnni"))
+AVX512_BF16 = Hardware(cpu=cpu("avx2", "avx512f", "avx512_bf16"))
+AMX = Hardware(cpu=cpu("avx2", "avx512f", "avx512_bf16", "amx_tile", "amx_bf16", name="Xeon Sapphire Rapids"))
+ARM_BF16 = Hardware(cpu=cpu("neon", "bf16", arch="aarch64"))
+ARM_NO_BF16 = Hardware(cpu=cpu("neon", arch="aarch64"))
+H100 = Hardware(cpu=AVX2_EPYC.cpu, gpus=(GPUInfo(0, "NVIDIA H100", 79.2, "9.0", True),))
+V100 = Hardware(cpu=AVX2_EPYC.cpu, gpus=(GPUInfo(0, "Tesla V100", 31.7, "7.0", False),))
+
+
+def place(hw: Hardware, **model):
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        p = resolve_placement(ModelConfig(**model), hw)
+    return p, [w for w in caught if issubclass(w.category, PerformanceWarning)]
+
+
+@pytest.mark.parametrize(
+    "hw, device, dtype",
+    [
+        (AVX2_EPYC, "cpu", "float32"),
+        (AVX512_NO_BF16, "cpu", "float32"),
+        (AVX512_BF16, "cpu", "bfloat16"),
+        (AMX, "cpu", "bfloat16"),
+        (ARM_BF16, "cpu", "bfloat16"),
+        (ARM_NO_BF16, "cpu", "float32"),
+        (H100, "cuda", "bfloat16"),
+        (V100, "cuda", "float16"),
+    ],
+)
+def test_auto_dtype_follows_the_hardware(hw, device, dtype):
+    p, caught = place(hw)  # the defaults: device auto, dtype auto
+    assert (p.device, p.dtype) == (device, dtype)
+    assert not caught
+    assert any(r.startswith("dtype auto") for r in p.reasons)
+
+
+def test_auto_never_picks_float16_on_a_cpu():
+    for hw in (AVX2_EPYC, AVX512_NO_BF16, AVX512_BF16, AMX, ARM_BF16, ARM_NO_BF16, H100, V100):
+        p, _ = place(hw, device="cpu")
+        assert p.dtype in ("float32", "bfloat16")
+
+
+def test_explicit_bf16_on_an_avx2_cpu_works_with_one_warning_that_says_how_to_fix_it():
+    p, caught = place(AVX2_EPYC, dtype="bfloat16")
+    assert p.dtype == "bfloat16"  # honoured: the user asked for it
+    assert len(caught) == 1
+    msg = str(caught[0].message)
+    assert "AMD EPYC 7B13" in msg and "slower than float32" in msg and "model.dtype" in msg
+
+
+def test_explicit_bf16_where_it_is_native_does_not_warn():
+    _, caught = place(AMX, dtype="bfloat16")
+    assert not caught
+
+
+def test_explicit_fp16_on_a_cpu_warns():
+    p, caught = place(AVX512_BF16, dtype="float16")
+    assert p.dtype == "float16" and len(caught) == 1
+
+
+def test_threads_default_to_physical_cores_within_the_affinity():
+    assert place(AVX2_EPYC)[0].num_threads == 4  # 4 physical, 8 usable
+    narrow = Hardware(cpu=cpu("avx2", physical=4, usable=2))
+    assert place(narrow)[0].num_threads == 2  # a container limited to 2 cores
+
+
+def test_explicit_threads_are_honoured_and_oversubscription_warns():
+    p, caught = place(AVX2_EPYC, num_threads=3)
+    assert p.num_threads == 3 and not caught
+    p, caught = place(AVX2_EPYC, num_threads=64)
+    assert p.num_threads == 64 and len(caught) == 1 and "exceeds" in str(caught[0].message)
+
+
+@pytest.mark.parametrize("override", [{"dtype": "fp8"}, {"dtype": "bf16"}, {"num_threads": 0}, {"num_threads": -2},
+                                      {"num_threads": "many"}])  # fmt: skip
+def test_unknown_dtype_or_thread_count_is_a_config_error(override):
+    with pytest.raises(ConfigError):
+        ELMConfig.load(overrides={"model": override})
+
+
+def test_presets_do_not_hard_code_a_cpu_dtype():
+    for preset in ("cpu-demo", "cpu-tiny"):
+        assert ELMConfig.load(preset=preset).model.dtype == "auto"
+
+
+def test_this_machine_is_detected_consistently():
+    hw = Hardware.detect()
+    assert hw.cpu.physical_cores >= 1 and hw.cpu.usable_cores >= 1
+    p = resolve_placement(ModelConfig(device="cpu"), hw, warn=False)
+    assert p.dtype == ("bfloat16" if hw.cpu.fast_bf16 else "float32")
+
+
+def test_elm_env_json_has_what_a_bug_report_needs():
+    r = subprocess.run(
+        [sys.executable, "-m", "elm_memory.cli", "env", "--json", "--set", "model.dtype=float32",
+         "--set", "model.num_threads=1"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    report = json.loads(r.stdout)
+    assert {"platform", "cpu", "gpus", "resolved", "packages"} <= report.keys()
+    assert {"name", "physical_cores", "logical_cores", "flags", "torch_capability", "fast_bf16"} <= report["cpu"].keys()
+    assert {"avx2", "avx512_bf16", "amx_bf16"} <= report["cpu"]["flags"].keys() or report["cpu"]["architecture"] != "x86_64"
+    resolved = report["resolved"]
+    assert (resolved["device"], resolved["dtype"], resolved["num_threads"]) == ("cpu", "float32", 1)
+    assert resolved["backend"] == "hf"
+    for pkg in ("torch", "transformers", "trl", "peft", "vllm", "chromadb", "langgraph", "langchain-core"):
+        assert pkg in report["packages"]
+    assert report["packages"]["torch"].startswith("2.")
+
+
+def test_elm_env_text_names_the_decision():
+    r = subprocess.run(
+        [sys.executable, "-m", "elm_memory.cli", "env", "--set", "model.dtype=float32"],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "dtype float32 (requested float32)" in r.stdout and "torch cpu path" in r.stdout
