@@ -310,6 +310,16 @@ def config_show(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt
     typer.echo(_load_config(config, preset, None, set_).to_yaml(), nl=False)
 
 
+@app.command("env")
+@handle_errors
+def env(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = None, json_out: JsonOpt = False) -> None:
+    """What a bug report needs: CPU/GPU capabilities, the resolved device/dtype/threads, library versions."""
+    from elm_memory.environment import collect_env, format_env
+
+    report = collect_env(_load_config(config, preset, None, set_))
+    typer.echo(json.dumps(report, ensure_ascii=False) if json_out else format_env(report))
+
+
 @config_app.command("presets")
 def config_presets() -> None:
     """List the named presets."""
@@ -319,6 +329,18 @@ def config_presets() -> None:
         typer.echo(name)
 
 
+def _show_model_placement() -> None:
+    """One stderr line when a model loads: device, dtype, threads and why (the speed-deciding facts)."""
+    import logging
+
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(logging.Formatter("elm: %(message)s"))
+    log = logging.getLogger("elm_memory.models.loading")
+    log.addHandler(handler)
+    log.setLevel(logging.INFO)
+    log.propagate = False
+
+
 def main() -> None:
     # Offline by default: weights come from packaged models or local folders.
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -326,6 +348,7 @@ def main() -> None:
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress display is the one users read
+    _show_model_placement()
     try:
         app()
     except BrokenPipeError:  # `elm ... | head`

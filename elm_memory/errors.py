@@ -49,6 +49,14 @@ class StoreError(ELMError):
     """The memory store could not read or write."""
 
 
+class InvalidNamespaceError(StoreError, ValueError):
+    """Empty, over-long or non-printable namespace (checked before any model work)."""
+
+
+class MemoryIdConflictError(StoreError):
+    """A memory id is already used by another namespace or model in the store (ids are unique per store)."""
+
+
 class RegistryError(ELMError, KeyError):
     """A config string names an implementation nobody registered."""
 
