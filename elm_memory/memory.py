@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import numbers
 import os
+import re
 import tempfile
 import time
 import uuid
@@ -22,12 +24,21 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError
+from elm_memory.store.names import validate_memory_id
 
 if TYPE_CHECKING:
     from elm_memory.models.loading import ModelInfo
 
 FORMAT_VERSION = 1
 _META_KEY = "elm_memory"
+#: Caps on a memory file, checked before it is parsed. A real memory is small (tens of
+#: soft-prompt vectors, a few 1-D keys, one question); a file received from someone else
+#: must not cost memory, index rows or collections out of proportion to that.
+MAX_QUESTION_CHARS = 200_000  # far more than fits any supported model's context
+MAX_HEADER_BYTES = 8 * 1024 * 1024  # JSON header: tensor table + metadata (question escaped twice)
+MAX_FILE_BYTES = 64 * 1024 * 1024  # e.g. 512 tokens x 8192 hidden in float32 is 16 MiB
+MAX_KEY_KINDS = 16  # each kind is an index collection per namespace
+_KIND_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 
 
 def question_hash(question: str) -> str:
@@ -78,9 +89,45 @@ class MemoryMeta:
         try:
             raw = json.loads(text)
             stats = TrainingStats(**raw.pop("stats", {}))
-            return cls(stats=stats, **raw)
-        except (ValueError, TypeError) as exc:
+            meta = cls(stats=stats, **raw)
+        except (ValueError, TypeError, AttributeError) as exc:
             raise MemoryFormatError(f"memory metadata is malformed: {exc}") from None
+        meta.validate()  # header-only readers (the store's check) see the same rules as a full load
+        return meta
+
+    def validate(self) -> None:
+        """What a received file could abuse: the id (it names export files), the question's length,
+        the shape facts, and the types the index rows are built from."""
+        validate_memory_id(self.id)
+        if not isinstance(self.question, str):
+            raise MemoryFormatError(f"memory {self.id[:8]}: question must be text")
+        if len(self.question) > MAX_QUESTION_CHARS:
+            raise MemoryFormatError(
+                f"memory {self.id[:8]}: question too long ({len(self.question)} characters, "
+                f"at most {MAX_QUESTION_CHARS})"
+            )
+        for name in ("hidden_size", "num_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise MemoryFormatError(f"memory {self.id[:8]}: {name} must be a positive integer, got {value!r}")
+        # the index rows are built from these after the blob is written: a wrong type must fail here
+        s = self.stats
+        checks = {
+            "namespace": isinstance(self.namespace, str),
+            "model_name": isinstance(self.model_name, str),
+            "model_fingerprint": isinstance(self.model_fingerprint, str),
+            "question_hash": isinstance(self.question_hash, str),
+            "created_at": _is_number(self.created_at),
+            "stats.engine": isinstance(s.engine, str),
+            "stats.objective": isinstance(s.objective, str),
+            "stats.steps": isinstance(s.steps, numbers.Integral),
+            "stats.seconds": _is_number(s.seconds),
+            "stats.majority_share": _is_number(s.majority_share),
+            "stats.mean_reward": isinstance(s.mean_reward, list) and all(map(_is_number, s.mean_reward)),
+        }
+        bad = [name for name, ok in checks.items() if not ok]
+        if bad:
+            raise MemoryFormatError(f"memory {self.id[:8]}: metadata field {bad[0]} has the wrong type")
 
 
 @dataclass
@@ -132,6 +179,7 @@ class LatentMemory:
 
     # -- checks ----------------------------------------------------------------------
     def validate(self) -> None:
+        self.meta.validate()
         sp = self.soft_prompt
         if sp.dim() != 2 or sp.shape[0] < 1:
             raise MemoryFormatError(f"soft prompt must be (k>=1, hidden), got shape {tuple(sp.shape)}")
@@ -143,7 +191,11 @@ class LatentMemory:
             )
         if sp.shape[0] != self.meta.num_tokens:
             raise MemoryFormatError(f"soft prompt has {sp.shape[0]} tokens, metadata says {self.meta.num_tokens}")
+        if len(self.keys) > MAX_KEY_KINDS:
+            raise MemoryFormatError(f"memory has {len(self.keys)} key kinds (at most {MAX_KEY_KINDS})")
         for kind, key in self.keys.items():
+            if not _KIND_RE.fullmatch(kind):
+                raise MemoryFormatError(f"invalid key kind {kind[:40]!r}: use 1-64 of [A-Za-z0-9_.-]")
             if key.dim() != 1 or not torch.isfinite(key).all():
                 raise MemoryFormatError(f"key {kind!r} must be a finite 1-D vector")
 
@@ -172,6 +224,7 @@ class LatentMemory:
         from safetensors import SafetensorError, safe_open  # noqa: F401
         from safetensors.torch import load
 
+        _check_size(data)
         try:
             tensors = load(data)
             meta_text = _read_metadata(data)
@@ -198,6 +251,9 @@ class LatentMemory:
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LatentMemory:
         try:
+            size = Path(path).stat().st_size
+            if size > MAX_FILE_BYTES:  # refuse before reading it into memory
+                raise MemoryFormatError(f"memory file {path} is {size} bytes (at most {MAX_FILE_BYTES})")
             data = Path(path).read_bytes()
         except OSError as exc:
             raise MemoryFormatError(f"cannot read memory file {path}: {exc.strerror or exc}") from None
@@ -217,6 +273,19 @@ class LatentMemory:
             raise MemoryFormatError(f"soft prompt must be floating point, got {sp.dtype}")
         keys = {name.removeprefix("key."): t for name, t in tensors.items() if name.startswith("key.")}
         return cls(soft_prompt=sp, meta=meta, keys=keys)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _check_size(data: bytes) -> None:
+    """Refuse an oversized file or header before safetensors parses it."""
+    if len(data) > MAX_FILE_BYTES:
+        raise MemoryFormatError(f"memory file is {len(data)} bytes (at most {MAX_FILE_BYTES})")
+    n = int.from_bytes(data[:8], "little")
+    if n > MAX_HEADER_BYTES:
+        raise MemoryFormatError(f"memory file header is {n} bytes (at most {MAX_HEADER_BYTES})")
 
 
 def _read_metadata(data: bytes) -> str | None:

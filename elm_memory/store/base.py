@@ -63,6 +63,8 @@ class CheckReport:
     delete, or a lost file): rows removed. ``superseded_blobs``: older versions of a
     memory that a newer blob replaced. ``corrupt_blobs``: unreadable or hash-mismatched
     files. ``errors``: memories a repair could not fix (e.g. a key that no longer fits its index).
+    ``empty_collections``: indexes without rows (normal after deletes, so not a problem for
+    ``ok``); a repair drops them so the next write recreates them with its own shapes.
     """
 
     blobs: int = 0
@@ -74,6 +76,7 @@ class CheckReport:
     corrupt_blobs: list[str] = field(default_factory=list)  # sha256
     temp_files: list[str] = field(default_factory=list)  # paths
     errors: list[str] = field(default_factory=list)  # "id: message" for memories a repair could not fix
+    empty_collections: list[str] = field(default_factory=list)  # collection names (dropped by a repair)
     repaired: bool = False
 
     @property

@@ -47,10 +47,17 @@ from urllib.parse import urlsplit
 import numpy as np
 import torch
 
-from elm_memory.errors import ELMError, IncompatibleMemoryError, MemoryFormatError, StoreError
+from elm_memory.errors import (
+    ELMError,
+    IncompatibleMemoryError,
+    MemoryFormatError,
+    MemoryIdConflictError,
+    StoreError,
+)
 from elm_memory.memory import LatentMemory, MemoryMeta
 from elm_memory.store.base import CheckReport, MemoryNotFoundError, MemoryRecord, StoreHit
 from elm_memory.store.blobs import BlobStore, MissingBlobError
+from elm_memory.store.names import validate_namespace
 
 if TYPE_CHECKING:
     from elm_memory.config import StoreConfig
@@ -81,12 +88,6 @@ def collection_name(fingerprint: str, kind: str, namespace: str) -> str:
     """Deterministic Chroma collection name for one (model, key kind, namespace)."""
     digest = hashlib.sha256(f"{fingerprint}\x00{kind}\x00{namespace}".encode()).hexdigest()[:12]
     return f"elm-{_slug(fingerprint, 8)}-{_slug(kind, 16)}-{digest}"
-
-
-def validate_namespace(namespace: Any) -> str:
-    if not isinstance(namespace, str) or not namespace or len(namespace) > 256 or "\x00" in namespace:
-        raise StoreError(f"invalid namespace {namespace!r}: use 1-256 characters of text")
-    return namespace
 
 
 @contextmanager
@@ -167,6 +168,19 @@ def _usage_by_kind(rows: Sequence[_Row]) -> dict[str, tuple[int, float]]:
     return {r.coll.kind: (int(r.meta.get("usage", 0)), float(r.meta.get("last_used_at", 0.0))) for r in rows}
 
 
+def _check_key_dims(memory: LatentMemory, model: ModelInfo) -> None:
+    """Each key of a registered kind must have the dimension its builder gives for ``model``."""
+    from elm_memory.registry import key_builders
+
+    known = set(key_builders.names())
+    for kind, key in memory.keys.items():
+        if kind in known and key.numel() != key_builders.get(kind)().dim(model):
+            raise IncompatibleMemoryError(
+                f"memory {memory.id[:8]}: {kind!r} key has {key.numel()} dimensions; "
+                f"model {model.name} gives {key_builders.get(kind)().dim(model)}"
+            )
+
+
 def _blob_meta(header: Mapping[str, Any]) -> tuple[MemoryMeta, list[str]]:
     """Memory metadata and key kinds from a blob's safetensors header."""
     raw = (header.get("__metadata__") or {}).get("elm_memory")
@@ -182,7 +196,8 @@ class ChromaMemoryStore:
     ``model`` binds the store to one model: ``put`` refuses memories made for another
     model (:class:`IncompatibleMemoryError`), and list/count/get/query only see that
     model's memories. Unbound (``model=None``, e.g. the CLI) the store spans all models
-    and cannot ``query``.
+    and cannot ``query``; ``known_models`` (fingerprint -> ModelInfo, e.g. the models
+    prepared on this machine) then lets ``put`` check shapes against the real model.
     """
 
     def __init__(
@@ -193,10 +208,12 @@ class ChromaMemoryStore:
         model: ModelInfo | None = None,
         hnsw: Mapping[str, Any] | None = None,
         client: Any = None,
+        known_models: Mapping[str, ModelInfo] | None = None,
     ):
         self.root = Path(path).expanduser()
         self.url = url
         self.model = model
+        self.known_models = dict(known_models or {})
         self.hnsw = dict(hnsw or {})
         if self.hnsw.get("space", "cosine") != "cosine":
             raise StoreError("memory keys are compared by cosine similarity: hnsw.space must be 'cosine'")
@@ -289,6 +306,9 @@ class ChromaMemoryStore:
 
     def _create(self, fingerprint: str, kind: str, namespace: str, hidden_size: int, dim: int) -> tuple[_CollInfo, Any]:
         found = self._open(fingerprint, kind, namespace)
+        if found is not None and (found[0].hidden_size, found[0].dim) != (hidden_size, dim):
+            self._forget(found[0].name)  # a cached handle may predate a repair that dropped it
+            found = self._open(fingerprint, kind, namespace)
         if found is None:
             name = collection_name(fingerprint, kind, namespace)
             meta = {
@@ -306,12 +326,17 @@ class ChromaMemoryStore:
                 )
             found = self._remember(col, fingerprint, kind, namespace)
         info = found[0]
+        # an index keeps the shapes of its first memory; an emptied one is reset by check --repair
+        hint = f" (namespace {namespace!r}; if it holds no memories, `elm memories check --repair` resets its index)"
         if info.hidden_size != hidden_size:
             raise IncompatibleMemoryError(
                 f"hidden size {hidden_size} does not match the store's {info.hidden_size} for model {fingerprint}"
+                + hint
             )
         if info.dim != dim:
-            raise StoreError(f"{kind!r} key has {dim} dimensions; the index for model {fingerprint} expects {info.dim}")
+            raise StoreError(
+                f"{kind!r} key has {dim} dimensions; the index for model {fingerprint} expects {info.dim}" + hint
+            )
         return found
 
     def _collections(
@@ -378,11 +403,14 @@ class ChromaMemoryStore:
     def put_many(self, memories: Sequence[LatentMemory]) -> list[str]:
         """Blobs first (atomic), then one batched upsert per collection, then superseded blobs.
 
-        Every check that can refuse a memory (model, namespace, key dimensions) runs before
-        the first byte is written, so a refused put leaves nothing behind.
+        Every check that can refuse a memory (format, model, shapes, namespace, key dimensions,
+        an id another namespace or model already uses) runs before the first byte is
+        written, so a refused put leaves nothing behind.
         """
         for m in memories:
             self._check_writable(m)
+        self._check_against_store(memories)
+        for m in memories:
             for kind, key in m.keys.items():
                 self._create(m.meta.model_fingerprint, kind, m.meta.namespace, m.meta.hidden_size, key.numel())
         shas = [self.blobs.put(m.to_bytes()) for m in memories]
@@ -415,11 +443,64 @@ class ChromaMemoryStore:
     def _check_writable(self, memory: LatentMemory) -> None:
         if not isinstance(memory, LatentMemory):
             raise StoreError(f"can only store LatentMemory objects, got {type(memory).__name__}")
-        if self.model is not None:
-            memory.check_compatible(self.model)
+        memory.validate()  # again: meta and keys are mutable after construction
+        ref = self._reference(memory.meta.model_fingerprint)
+        if ref is not None:
+            memory.check_compatible(ref)
+            _check_key_dims(memory, ref)
         validate_namespace(memory.meta.namespace)
         if not memory.keys:
             raise StoreError(f"memory {memory.id[:8]} has no retrieval keys; index it with Retriever.index_memory")
+
+    def _reference(self, fingerprint: str) -> ModelInfo | None:
+        """The model a memory's shapes are checked against: the bound one, or a known one by fingerprint."""
+        return self.model if self.model is not None else self.known_models.get(fingerprint)
+
+    def _check_against_store(self, memories: Sequence[LatentMemory]) -> None:
+        """Refuse ids used elsewhere in the store, and shapes the store's index disagrees with.
+
+        Ids are unique per store, across namespaces and models: rows and blobs are matched
+        by id, so a second memory with the same id would merge with the first in ``record``
+        and ``delete``. Costs one listing and one lookup per collection per put.
+        """
+        by_id: dict[str, LatentMemory] = {}
+        for m in memories:
+            first = by_id.setdefault(m.id, m)
+            if first is not m and (first.meta.namespace, first.meta.model_fingerprint) != (
+                m.meta.namespace,
+                m.meta.model_fingerprint,
+            ):
+                raise MemoryIdConflictError(f"memory id {m.id} appears twice in one put, in different namespaces")
+        # listed directly, not through _collections: opening another model's collections here
+        # would apply this process's HNSW overrides to them
+        with _chroma_errors("listing collections"):
+            listed = self.client.list_collections()
+        cols = [(info, c) for c in listed if (info := self._info(c)) is not None]
+        # with no model to check against (see _check_writable), the shapes this store already
+        # indexed for the same model are the reference
+        unchecked = [m for m in memories if self._reference(m.meta.model_fingerprint) is None]
+        for info, _ in cols:
+            for m in unchecked:
+                if info.fingerprint != m.meta.model_fingerprint:
+                    continue
+                if info.hidden_size != m.meta.hidden_size:
+                    raise IncompatibleMemoryError(
+                        f"memory {m.id[:8]} has hidden size {m.meta.hidden_size}; the store's index for model "
+                        f"{info.fingerprint} (namespace {info.namespace!r}) has {info.hidden_size}"
+                    )
+                if info.kind in m.keys and m.keys[info.kind].numel() != info.dim:
+                    raise StoreError(
+                        f"memory {m.id[:8]}: {info.kind!r} key has {m.keys[info.kind].numel()} dimensions; "
+                        f"the store's index for model {info.fingerprint} has {info.dim}"
+                    )
+        for col in cols:
+            for r in self._rows(col, list(by_id)):
+                m = by_id[r.id]
+                if (r.coll.fingerprint, r.coll.namespace) != (m.meta.model_fingerprint, m.meta.namespace):
+                    raise MemoryIdConflictError(
+                        f"memory id {r.id} is already used in namespace {r.coll.namespace!r} "
+                        f"(model {r.coll.fingerprint}); ids are unique per store"
+                    )
 
     def _existing_rows(self, fingerprint: str, namespace: str, memory_id: str, kinds: Sequence[str]) -> list[_Row]:
         """Rows of a memory being re-put, looked up by collection name (no listing of all collections).
@@ -559,14 +640,21 @@ class ChromaMemoryStore:
         an interrupted put), rows without a blob are dropped (this finishes an interrupted
         delete), older blobs of a re-put memory are removed. ``deep`` re-hashes every blob.
         Temp files younger than ``temp_grace_seconds`` may belong to a live writer and are kept.
+
+        Memories are matched by (id, model, namespace), never by id alone: a repair must not
+        pick one namespace's memory over another's that shares its id (stores written before
+        ids were unique per store); such an id is reported in ``errors`` for a person to resolve.
+        Empty collections are dropped on repair: an index keeps the shapes of its first memory,
+        so one emptied of a wrong-shaped memory would otherwise refuse the model's own.
         """
         report = CheckReport(repaired=repair)
-        rows_by_id: dict[str, list[_Row]] = {}
-        for col in self._collections(all_models=True):
+        cols = self._collections(all_models=True)
+        rows_by_id: dict[tuple[str, str, str], list[_Row]] = {}
+        for col in cols:
             for r in self._rows(col):
-                rows_by_id.setdefault(r.id, []).append(r)
+                rows_by_id.setdefault((r.id, r.coll.fingerprint, r.coll.namespace), []).append(r)
                 report.rows += 1
-        blobs_by_id: dict[str, list[tuple[str, MemoryMeta, list[str], float]]] = {}
+        blobs_by_id: dict[tuple[str, str, str], list[tuple[str, MemoryMeta, list[str], float]]] = {}
         for sha in list(self.blobs):
             report.blobs += 1
             try:
@@ -579,15 +667,26 @@ class ChromaMemoryStore:
                 if repair:
                     self.blobs.delete(sha)
                 continue
-            blobs_by_id.setdefault(meta.id, []).append((sha, meta, kinds, mtime))
+            group = (meta.id, meta.model_fingerprint, meta.namespace)
+            blobs_by_id.setdefault(group, []).append((sha, meta, kinds, mtime))
         report.temp_files = [str(p) for p in self.blobs.temp_files(older_than=temp_grace_seconds)]
         if repair:
             for p in report.temp_files:
                 Path(p).unlink(missing_ok=True)
 
-        for mid in sorted(set(rows_by_id) | set(blobs_by_id)):
+        owners: dict[str, list[str]] = {}
+        for mid, fp, ns in blobs_by_id:
+            owners.setdefault(mid, []).append(f"{ns!r} (model {fp})")
+        for mid, where in sorted(owners.items()):
+            if len(where) > 1:
+                report.errors.append(
+                    f"{mid}: id used by {len(where)} memories, in {', '.join(sorted(where))}; "
+                    f"delete all but one with `elm memories delete {mid} --namespace NS`"
+                )
+        for group in sorted(set(rows_by_id) | set(blobs_by_id)):
             report.memories += 1
-            rows, blobs = rows_by_id.get(mid, []), blobs_by_id.get(mid, [])
+            mid = group[0]
+            rows, blobs = rows_by_id.get(group, []), blobs_by_id.get(group, [])
             if not blobs:
                 report.orphan_rows.extend(f"{r.coll.name}/{r.id}" for r in rows)
                 if repair:
@@ -627,6 +726,15 @@ class ChromaMemoryStore:
                         self._reindex(sha, missing, rows)
                 except (StoreError, MemoryFormatError) as exc:  # keep repairing the others
                     report.errors.append(f"{mid}: {exc}")
+        for info, c in cols:  # after the repairs above, which may have emptied some
+            with _chroma_errors(f"counting {info.name}"):
+                empty = c.count() == 0
+            if empty:
+                report.empty_collections.append(info.name)
+                if repair:
+                    with _chroma_errors(f"dropping empty collection {info.name}"):
+                        self.client.delete_collection(info.name)
+                    self._forget(info.name)
         return report
 
     def _open_info(self, info: _CollInfo) -> tuple[_CollInfo, Any]:

@@ -44,6 +44,40 @@ def _open(store: Path | None, url: str | None, *, create: bool = False) -> Chrom
     return ChromaMemoryStore(path, url=url)
 
 
+def _prepared_models() -> dict[str, Any]:
+    """Fingerprint -> ModelInfo of the models prepared on this machine, read from their folders
+    (``elm_model.json`` and ``config.json``) without loading weights: what an import is checked against."""
+    from types import SimpleNamespace
+
+    from elm_memory.models.loading import ModelInfo
+    from elm_memory.models.prepare import MARKER, elm_home
+
+    out: dict[str, Any] = {}
+    for marker in sorted((elm_home() / "models").glob(f"*/{MARKER}")):
+        try:
+            fingerprint = json.loads(marker.read_text(encoding="utf-8"))["embedding_fingerprint"]
+            cfg = json.loads((marker.parent / "config.json").read_text(encoding="utf-8"))
+            out[fingerprint] = ModelInfo.from_config(
+                SimpleNamespace(**cfg), name=marker.parent.name, path=str(marker.parent),
+                vocab_size=int(cfg.get("vocab_size", 0)), dtype="float32", device="cpu", fingerprint=fingerprint,
+            )  # fmt: skip
+        except (OSError, ValueError, KeyError, TypeError, AttributeError):
+            continue  # a half-prepared or foreign folder: nothing to check against
+    return out
+
+
+def _export_path(out: Path, memory_id: str) -> Path:
+    """``out/<id>.safetensors``, refusing an id that is not plain hex (a store written by an older
+    version may hold one): an id must never name a file outside ``out``."""
+    from elm_memory.store.names import validate_memory_id
+
+    validate_memory_id(memory_id)
+    path = out / f"{memory_id}.safetensors"
+    if path.parent != out:  # cannot happen for hex; a second guard costs nothing
+        raise StoreError(f"memory id {memory_id!r} does not name a file in {out}")
+    return path
+
+
 def _when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "never"
 
@@ -156,9 +190,9 @@ def export(
         if missing:
             raise MemoryNotFoundError(f"no memory {sorted(missing)[0]!r} in the store")
     single_file = len(records) == 1 and memory_ids and out.suffix == ".safetensors"
+    paths = [out if single_file else _export_path(out, r.id) for r in records]  # all checked before writing
     written = []
-    for r in records:
-        path = out if single_file else out / f"{r.id}.safetensors"
+    for r, path in zip(records, paths, strict=True):
         s.load(r).save(path)
         written.append(str(path))
     typer.echo(json.dumps({"written": written}) if json_out else f"exported {len(written)} memories to {out}")
@@ -172,11 +206,16 @@ def import_(
     url: UrlOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Add exported memory files to the store (validated; filed under their own model and namespace)."""
+    """Add exported memory files to the store (validated; filed under their own model and namespace).
+
+    Refused, with nothing written: a malformed or oversized file, an id that is not hex or that
+    another namespace or model already uses, shapes that disagree with the model (a model
+    prepared on this machine, else what the store already indexed for it)."""
     from elm_memory.memory import LatentMemory
 
-    s = _open(store, url, create=True)
     memories = [LatentMemory.load(f) for f in files]
+    s = _open(store, url, create=True)
+    s.known_models = _prepared_models()
     s.put_many(memories)
     ids = [m.id for m in memories]
     typer.echo(json.dumps({"imported": ids}) if json_out else f"imported {len(ids)} memories")
@@ -198,7 +237,8 @@ def check(
         typer.echo(json.dumps(report.to_dict()))
     else:
         typer.echo(f"{report.memories} memories, {report.blobs} blobs, {report.rows} index rows")
-        for name in ("reindexed", "orphan_rows", "superseded_blobs", "corrupt_blobs", "temp_files", "errors"):
+        for name in ("reindexed", "orphan_rows", "superseded_blobs", "corrupt_blobs", "temp_files", "errors",
+                     "empty_collections"):  # fmt: skip
             items = getattr(report, name)
             if items:
                 verb = "fixed" if repair else "found"
