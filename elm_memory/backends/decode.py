@@ -1,0 +1,154 @@
+"""A sampling loop for the transformers backend, shaped for GRPO rollouts on a CPU.
+
+``model.generate`` with ``num_return_sequences=n`` copies each prompt n times *before*
+the prefill and keeps finished rows in the batch until the longest one ends. For G=8
+rollouts of a 150-token prompt that is 8x the prefill work, and with ``stop_at_answer``
+most rows are padding long before the batch ends. This loop:
+
+- **prefills each prompt once** and repeats its KV cache n times (``share_prompt_kv``);
+- **drops finished rows** from the batch and the cache (``drop_finished``), so a step
+  costs what the live rows cost;
+- **samples each prompt from its own generator**, so a prompt's rollouts depend on its
+  seed only, not on which other prompts share the batch (what training several memories
+  together needs to equal training each alone).
+
+Each lever is a :class:`~elm_memory.config.BackendConfig` switch; ``benchmarks/learn_throughput.py``
+measures them against ``model.generate``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class DecodeOptions:
+    max_new_tokens: int
+    temperature: float = 0.0  # 0: greedy
+    top_p: float = 1.0
+    n: int = 1
+    share_prompt_kv: bool = True
+    drop_finished: bool = True
+
+
+@torch.no_grad()
+def sample(
+    model: torch.nn.Module,
+    attention_mask: torch.Tensor,
+    options: DecodeOptions,
+    *,
+    input_ids: torch.Tensor | None = None,
+    inputs_embeds: torch.Tensor | None = None,
+    eos_ids: Sequence[int] = (),
+    generators: Sequence[torch.Generator | None] | None = None,
+    should_stop: Callable[[int, list[int], int], bool] | None = None,
+) -> list[tuple[list[int], str]]:
+    """Generate ``options.n`` continuations of each left-padded prompt in the batch.
+
+    Returns ``B * n`` rows (prompt-major: the n samples of prompt 0 first), each as
+    ``(new token ids, finish reason)``; the reason is ``"stop"`` (an EOS token, included in
+    the ids), ``"answer"`` (``should_stop(row, tokens, token)`` said so after ``token``) or
+    ``"length"``. ``generators[i]`` draws prompt i's samples (None: the global RNG).
+    """
+    inputs = input_ids if input_ids is not None else inputs_embeds
+    assert inputs is not None, "pass input_ids or inputs_embeds"
+    B, n = inputs.shape[0], options.n
+    device = inputs.device
+    mask = attention_mask.to(device=device, dtype=torch.long)
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
+
+    from transformers import DynamicCache
+
+    cache = DynamicCache()
+    if options.share_prompt_kv or n == 1:
+        out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=positions,
+                    past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        logits = out.logits[:, -1, :]
+        if n > 1:
+            cache.batch_repeat_interleave(n)
+            logits = logits.repeat_interleave(n, dim=0)
+        mask = mask.repeat_interleave(n, dim=0)
+        positions = positions.repeat_interleave(n, dim=0)
+    else:  # the reference behaviour: n copies of each prompt through the prefill
+        rep = (lambda t: t.repeat_interleave(n, dim=0)) if n > 1 else (lambda t: t)
+        mask, positions = rep(mask), rep(positions)
+        out = model(
+            input_ids=rep(input_ids) if input_ids is not None else None,
+            inputs_embeds=rep(inputs_embeds) if inputs_embeds is not None else None,
+            attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
+        )  # fmt: skip
+        logits = out.logits[:, -1, :]
+
+    rows = B * n
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    reasons = ["length"] * rows
+    live = list(range(rows))  # the original row of each batch position
+    alive = [True] * rows  # per batch position; only False for kept finished rows (drop_finished off)
+    next_pos = positions[:, -1] + 1
+    for step in range(options.max_new_tokens):
+        picked = _pick(logits, live, alive, n, options, generators)
+        picked_list = picked.tolist()
+        is_eos = torch.isin(picked, eos).tolist()
+        for b, row in enumerate(live):
+            if not alive[b]:
+                continue
+            tok = picked_list[b]
+            tokens[row].append(tok)
+            if is_eos[b]:
+                reasons[row], alive[b] = "stop", False
+            elif should_stop is not None and should_stop(row, tokens[row], tok):
+                reasons[row], alive[b] = "answer", False
+        if step == options.max_new_tokens - 1 or not any(alive):
+            break
+        mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=device)], dim=1)
+        if options.drop_finished and not all(alive):
+            keep = [b for b, a in enumerate(alive) if a]
+            idx = torch.tensor(keep, device=device)
+            cache.batch_select_indices(idx)
+            mask, next_pos, picked = mask[idx], next_pos[idx], picked[idx]
+            live, alive = [live[b] for b in keep], [True] * len(keep)
+        out = model(input_ids=picked.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
+                    past_key_values=cache, use_cache=True)  # fmt: skip
+        logits = out.logits[:, -1, :]
+        next_pos = next_pos + 1
+    return list(zip(tokens, reasons, strict=True))
+
+
+def _pick(
+    logits: torch.Tensor,
+    live: list[int],
+    alive: list[bool],
+    n: int,
+    options: DecodeOptions,
+    generators: Sequence[torch.Generator | None] | None,
+) -> torch.Tensor:
+    """One token per batch row: greedy, or sampled at the temperature (nucleus when top_p < 1).
+
+    Sampling goes prompt by prompt so that each prompt consumes only its own generator.
+    """
+    if options.temperature <= 0.0:
+        return logits.argmax(dim=-1)
+    probs = torch.softmax(logits.float() / options.temperature, dim=-1)
+    if options.top_p < 1.0:
+        probs = _nucleus(probs, options.top_p)
+    picked = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)
+    by_prompt: dict[int, list[int]] = {}
+    for b, row in enumerate(live):
+        if alive[b]:
+            by_prompt.setdefault(row // n, []).append(b)
+    for prompt, batch_rows in by_prompt.items():
+        gen = generators[prompt] if generators is not None else None
+        idx = torch.tensor(batch_rows, device=probs.device)
+        picked[idx] = torch.multinomial(probs[idx], 1, generator=gen).squeeze(1)
+    return picked
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    cum = sorted_p.cumsum(dim=-1)
+    sorted_p[(cum - sorted_p) > top_p] = 0.0  # keep the smallest prefix whose mass reaches top_p
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)

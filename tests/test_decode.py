@@ -1,0 +1,74 @@
+"""The sampling loop (elm_memory/backends/decode.py) against model.generate, on real SmolLM2 fp32 weights."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from elm_memory.backends.decode import DecodeOptions, sample
+from elm_memory.models.prompting import PromptBuilder
+
+pytestmark = pytest.mark.model
+LEVERS = [(s, d) for s in (False, True) for d in (False, True)]
+
+
+@pytest.fixture(scope="module")
+def batch(tiny_loaded):
+    pb = PromptBuilder(tiny_loaded.tokenizer)
+    ids = [list(pb.build(q).token_ids) for q in ("What is 2+3?", "Tom has 3 apples and buys 4 more. How many?")]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    return ids, input_ids, mask
+
+
+def _eos(loaded):
+    return [loaded.tokenizer.eos_token_id]
+
+
+@pytest.mark.parametrize("share, drop", LEVERS)
+def test_greedy_matches_model_generate_with_every_lever(tiny_loaded, batch, share, drop):
+    from transformers import GenerationConfig
+
+    _, input_ids, mask = batch
+    cfg = GenerationConfig(max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=_eos(tiny_loaded))
+    ref = tiny_loaded.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=cfg)
+    ref = ref[:, input_ids.shape[1] :].tolist()
+    out = sample(tiny_loaded.model, mask, DecodeOptions(24, share_prompt_kv=share, drop_finished=drop),
+                 input_ids=input_ids, eos_ids=_eos(tiny_loaded))  # fmt: skip
+    assert len(out) == 2
+    for (tokens, reason), expected in zip(out, ref, strict=True):
+        assert tokens == expected[: len(tokens)] and len(tokens) > 0
+        assert reason in ("stop", "length")
+
+
+def _sampled(loaded, input_ids, mask, seeds, **levers):
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    return sample(loaded.model, mask, DecodeOptions(32, temperature=0.8, n=4, **levers), input_ids=input_ids,
+                  eos_ids=_eos(loaded), generators=gens)  # fmt: skip
+
+
+def test_a_prompts_samples_depend_on_its_own_seed_not_on_its_batch(tiny_loaded, batch):
+    ids, input_ids, mask = batch
+    both = _sampled(tiny_loaded, input_ids, mask, [1, 2])
+    alone = _sampled(tiny_loaded, torch.tensor([ids[1]]), torch.ones(1, len(ids[1]), dtype=torch.long), [2])
+    assert [t for t, _ in both[4:]] == [t for t, _ in alone]
+    assert len({tuple(t) for t, _ in both[4:]}) > 1  # four samples, not four copies
+    other_seed = _sampled(tiny_loaded, input_ids, mask, [1, 3])
+    assert [t for t, _ in other_seed[:4]] == [t for t, _ in both[:4]]
+    assert [t for t, _ in other_seed[4:]] != [t for t, _ in both[4:]]
+
+
+@pytest.mark.parametrize("share, drop", LEVERS)
+def test_levers_do_not_change_what_is_sampled(tiny_loaded, batch, share, drop):
+    _, input_ids, mask = batch
+    reference = _sampled(tiny_loaded, input_ids, mask, [5, 6], share_prompt_kv=False, drop_finished=False)
+    assert _sampled(tiny_loaded, input_ids, mask, [5, 6], share_prompt_kv=share, drop_finished=drop) == reference
+
+
+def test_should_stop_ends_a_row_with_reason_answer(tiny_loaded, batch):
+    _, input_ids, mask = batch
+    stop_after = {0: 3, 1: 5}  # row -> tokens after which the callback stops it
+    out = sample(tiny_loaded.model, mask, DecodeOptions(20, share_prompt_kv=True, drop_finished=True),
+                 input_ids=input_ids, eos_ids=[], should_stop=lambda row, toks, tok: len(toks) >= stop_after[row])  # fmt: skip
+    assert [(len(t), r) for t, r in out] == [(3, "answer"), (5, "answer")]
