@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sys
 from pathlib import Path
 from typing import Annotated, Any, Optional
 
 import typer
+from typer.core import TyperCommand
 
 from elm_memory.cli_errors import handle_errors
 from elm_memory.store.cli import memories_app
@@ -44,6 +46,45 @@ SetOpt = Annotated[
 ]
 
 
+_OPTION_LIKE = re.compile(r"--?[A-Za-z][A-Za-z0-9_-]*(=.*)?", re.DOTALL)
+
+
+class QuestionCommand(TyperCommand):
+    """A command whose question may start with "-": ``elm solve "-3 + 5?"`` answers it.
+
+    Click reads every argument that starts with "-" as an option and stops with a usage
+    error. Here an argument that cannot be an option name (a digit, space or punctuation
+    after the dash) is taken as the question; ``--`` still ends the options for any other
+    question (``elm solve -- "-x"``).
+    """
+
+    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
+        takes_value = {  # duck-typed: typer may run on its own vendored copy of click
+            name: not (p.is_flag or p.count)
+            for p in self.get_params(ctx)
+            if getattr(p, "param_type_name", None) == "option"
+            for name in (*p.opts, *p.secondary_opts)
+        }
+        options: list[str] = []
+        positional: list[str] = []
+        i = 0
+        while i < len(args):
+            arg = args[i]
+            if arg == "--":
+                positional += args[i + 1 :]
+                break
+            if takes_value.get(arg) and i + 1 < len(args):
+                options += [arg, args[i + 1]]  # an option's value may itself start with "-"
+                i += 2
+                continue
+            # an option, or a mistyped one that click then reports
+            (options if _OPTION_LIKE.fullmatch(arg) else positional).append(arg)
+            i += 1
+        if any(a.startswith("-") and len(a) > 1 for a in positional):
+            args = [*options, "--", *positional]  # options first, questions in their order after "--"
+        return super().parse_args(ctx, args)
+
+
 def _load_config(
     config: Path | None,
     preset: str | None,
@@ -61,12 +102,14 @@ def _load_config(
         overrides = _deep_merge(overrides, {"backend": {"name": backend}})
     if server_url:
         overrides = _deep_merge(overrides, {"backend": {"server_url": server_url}})
-    if namespace:
-        overrides["namespace"] = namespace
+    if namespace is not None:  # "" is an error, not the default namespace
+        from elm_memory.store.names import validate_namespace
+
+        overrides["namespace"] = validate_namespace(namespace)
     return ELMConfig.load(config, preset=preset, overrides=overrides)
 
 
-@app.command()
+@app.command(cls=QuestionCommand)
 @handle_errors
 def solve(
     question: Annotated[str, typer.Argument(help="The question to answer.")],
@@ -97,55 +140,72 @@ def solve(
         typer.echo(f"warning: {w}", err=True)
 
 
-@app.command()
+@app.command(cls=QuestionCommand)
 @handle_errors
 def learn(
-    question: Annotated[str, typer.Argument(help="The question to learn a memory from (no answer needed).")],
+    questions: Annotated[
+        list[str],
+        typer.Argument(help="Question(s) to learn memories from (no answers needed); several train as one batch."),
+    ],
     config: ConfigOpt = None,
     preset: PresetOpt = None,
     namespace: NamespaceOpt = None,
     json_out: JsonOpt = False,
     set_: SetOpt = None,
-    save: Annotated[Optional[Path], typer.Option(help="Also write the memory to this .safetensors file.")] = None,
+    save: Annotated[
+        Optional[Path],
+        typer.Option(help="Also write the memory to this .safetensors file (several questions: a folder of them)."),
+    ] = None,
     backend: BackendOpt = None,
     server_url: ServerUrlOpt = None,
 ) -> None:
-    """Learn a latent memory from one question: GRPO on a soft prompt with majority-vote rewards."""
+    """Learn latent memories, one per question: GRPO on a soft prompt with majority-vote rewards.
+
+    Several questions are trained together (one rollout call and one forward/backward per step for
+    all of them); each memory is the one learning its question alone would give. ``--json``
+    prints one JSON object per line, one per memory."""
     from elm_memory.elm import ELM
 
     cfg = _load_config(config, preset, namespace, set_, backend, server_url)
     elm = ELM(cfg)
-    memory = elm.learn(question, namespace=cfg.namespace)
-    if save is not None:
-        memory.save(save)
-    s = memory.meta.stats
-    summary = {
-        "memory_id": memory.id,
-        "namespace": memory.meta.namespace,
-        "engine": s.engine,
-        "objective": s.objective,
-        "steps": s.steps,
-        "mean_reward": s.mean_reward,
-        "kl": s.kl,
-        "loss": s.loss,
-        "skipped_backward": s.skipped_backward,
-        "majority_answer": s.majority_answer,
-        "majority_share": s.majority_share,
-        "no_consensus": s.no_consensus,
-        "seconds": round(s.seconds, 2),
-        "saved_to": str(save) if save else None,
-    }
-    if json_out:
-        typer.echo(json.dumps(summary, ensure_ascii=False))
-        return
-    typer.echo(f"memory {memory.id} ({s.engine}/{s.objective}, {s.steps} steps, {s.seconds:.1f} s)")
-    rewards = ", ".join(f"{r:.2f}" for r in s.mean_reward) or "-"
-    typer.echo(f"  mean reward per step: {rewards}")
-    typer.echo(f"  majority answer: {s.majority_answer} (share {s.majority_share:.2f})")
-    if s.no_consensus:
-        typer.echo("  no rollout produced an answer: memory flagged no_consensus")
-    if save:
-        typer.echo(f"  saved to {save}")
+    memories = elm.learn_many(questions, namespace=cfg.namespace)
+    for memory in memories:
+        target = save
+        if save is not None and len(memories) > 1:
+            save.mkdir(parents=True, exist_ok=True)
+            target = save / f"{memory.id}.safetensors"
+        if target is not None:
+            memory.save(target)
+        s = memory.meta.stats
+        summary = {
+            "memory_id": memory.id,
+            "namespace": memory.meta.namespace,
+            "engine": s.engine,
+            "objective": s.objective,
+            "steps": s.steps,
+            "mean_reward": s.mean_reward,
+            "kl": s.kl,
+            "loss": s.loss,
+            "skipped_backward": s.skipped_backward,
+            "majority_answer": s.majority_answer,
+            "majority_share": s.majority_share,
+            "no_consensus": s.no_consensus,
+            "seconds": round(s.seconds, 2),
+            "saved_to": str(target) if target else None,
+        }
+        if json_out:
+            typer.echo(json.dumps(summary, ensure_ascii=False))
+            continue
+        typer.echo(f"memory {memory.id} ({s.engine}/{s.objective}, {s.steps} steps, {s.seconds:.1f} s)")
+        if len(memories) > 1:
+            typer.echo(f"  question: {memory.meta.question}")
+        rewards = ", ".join(f"{r:.2f}" for r in s.mean_reward) or "-"
+        typer.echo(f"  mean reward per step: {rewards}")
+        typer.echo(f"  majority answer: {s.majority_answer} (share {s.majority_share:.2f})")
+        if s.no_consensus:
+            typer.echo("  no rollout produced an answer: memory flagged no_consensus")
+        if target:
+            typer.echo(f"  saved to {target}")
 
 
 @app.command()

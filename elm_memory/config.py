@@ -146,7 +146,12 @@ class TrainingConfig(_Section):
         True, description="Skip the backward when all rewards in the group are equal (zero advantage)."
     )
     micro_batch_size: int | None = Field(
-        None, ge=1, description="Rollouts per forward/backward (gradient accumulation inside a step); None: all G."
+        None,
+        ge=1,
+        description=(
+            "Rollouts per forward/backward (gradient accumulation inside a step), counted across the memories "
+            "trained together; None: all of them (G per memory) in one."
+        ),
     )
     seed: int | None = Field(42, description="Seed for rollouts and init; None for nondeterministic.")
 
@@ -224,6 +229,15 @@ class LearnerConfig(_Section):
     max_attempts: int = Field(3, ge=1, description="A job failing this many times is marked failed.")
     poll_interval: float = Field(1.0, gt=0, description="Seconds between queue checks for jobs added by others.")
     queue_path: str | None = Field(None, description="SQLite job queue; default: `<store.path>/learner.sqlite3`.")
+    batch_size: int = Field(
+        4,
+        ge=1,
+        description=(
+            "Queued jobs learned together: up to this many memories share each rollout call and "
+            "forward/backward (same results as one at a time, more throughput); 1: one job at a time. "
+            "Also the batch of `elm offline` training. Ignored by training.engine=trl (one at a time)."
+        ),
+    )
 
 
 class ELMConfig(_Section):
@@ -340,10 +354,19 @@ def parse_override(text: str) -> dict[str, Any]:
     if "=" not in text:
         raise ConfigError(f"override {text!r} must look like section.key=value")
     dotted, raw = text.split("=", 1)
-    value = yaml.safe_load(raw) if raw else None
+    keys = dotted.strip().split(".")
+    if not all(k.strip() for k in keys):
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    # safe_load builds no Python objects (a !!python tag is an error); a bad value is the
+    # user's typo, so it is a ConfigError, as is "[[[..." nested past the recursion limit
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except (yaml.YAMLError, RecursionError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        raise ConfigError(f"override {shown!r}: the value is not valid YAML ({first})") from None
     out: dict[str, Any] = {}
     cur = out
-    keys = dotted.strip().split(".")
     for k in keys[:-1]:
         cur = cur.setdefault(k, {})
     cur[keys[-1]] = value

@@ -4,7 +4,9 @@ graph (``elm_memory.graph``), learning is ``elm_memory.training``."""
 
 from __future__ import annotations
 
+import json
 import threading
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -15,6 +17,7 @@ from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import LoadedModel, load_model
 from elm_memory.models.prompting import PromptBuilder, validate_question
 from elm_memory.registry import backends
+from elm_memory.store.names import validate_namespace
 
 
 @dataclass
@@ -66,6 +69,9 @@ class ELM:
         self._graph: Any = None
         self._context: Any = None
         self._lock = threading.Lock()  # lazy construction from several request threads
+        # the learner has its own lock: building it takes self._lock (retriever, loaded), and
+        # two learners would mean two background threads on one queue
+        self._learner_lock = threading.Lock()
         self._owns_backend = backend is None  # a backend we built (e.g. a vLLM engine) is ours to stop
 
     @classmethod
@@ -133,25 +139,34 @@ class ELM:
 
     @property
     def learner(self) -> Any:
-        if self._learner is None:
-            from pathlib import Path
+        if self._learner is not None:
+            return self._learner
+        with self._learner_lock:
+            if self._learner is None:
+                from pathlib import Path
 
-            from elm_memory.learner import build_learner, default_queue_path
+                from elm_memory.learner import build_learner, default_queue_path
 
-            lc = self.config.learner
-            if lc.mode == "background" and self.config.training.engine == "trl":
-                raise ConfigError("training.engine=trl wraps the shared model while training; use learner.mode=sync")
-            if lc.mode != "off" and self.retriever is None:
-                raise ConfigError("learning needs a memory store (store.kind is 'none'); set learner.mode=off")
-            queue = Path(lc.queue_path).expanduser() if lc.queue_path else default_queue_path(self.config.store.path)
-            self._learner = build_learner(
-                lc.mode,
-                self._run_learn_job,
-                queue,
-                scope=self.loaded.info.fingerprint,
-                max_attempts=lc.max_attempts,
-                poll_interval=lc.poll_interval,
-            )
+                lc = self.config.learner
+                if lc.mode == "background" and self.config.training.engine == "trl":
+                    raise ConfigError(
+                        "training.engine=trl wraps the shared model while training; use learner.mode=sync"
+                    )
+                if lc.mode != "off" and self.retriever is None:
+                    raise ConfigError("learning needs a memory store (store.kind is 'none'); set learner.mode=off")
+                queue = (
+                    Path(lc.queue_path).expanduser() if lc.queue_path else default_queue_path(self.config.store.path)
+                )
+                self._learner = build_learner(
+                    lc.mode,
+                    self._run_learn_job,
+                    queue,
+                    scope=self.loaded.info.fingerprint,
+                    max_attempts=lc.max_attempts,
+                    poll_interval=lc.poll_interval,
+                    batch_size=lc.batch_size,
+                    learn_many_fn=self._run_learn_jobs,
+                )
         return self._learner
 
     @property
@@ -181,8 +196,9 @@ class ELM:
     def answer(self, question: Any, *, namespace: str | None = None, learn: bool = True) -> AnswerResult:
         """Answer one question through the ELM graph; then submit it for learning (unless ``learn=False``)."""
         question = validate_question(question)  # before any model loading: bad input fails fast
+        namespace = validate_namespace(self.config.namespace if namespace is None else namespace)
         out = self.graph.invoke(
-            {"question": question, "namespace": namespace or self.config.namespace, "learn": learn},
+            {"question": question, "namespace": namespace, "learn": learn},
             context=self.context(),
         )
         return AnswerResult(
@@ -215,6 +231,8 @@ class ELM:
         from elm_memory.training.learn import learn_memory
 
         question = validate_question(question)
+        # before any model work: the store would refuse it only after training
+        namespace = validate_namespace((config or self.config).namespace if namespace is None else namespace)
         memory = learn_memory(
             question,
             config=config or self.config,
@@ -229,11 +247,77 @@ class ELM:
             self.retriever.index_memory(memory)
         return memory
 
+    def learn_many(
+        self,
+        questions: Sequence[Any],
+        *,
+        namespace: str | Sequence[str] | None = None,
+        progress: bool | None = None,
+        store: bool = True,
+        memory_ids: Sequence[str | None] | None = None,
+        config: ELMConfig | None = None,
+        batch_size: int | None = None,
+    ) -> list[LatentMemory]:
+        """Learn one memory per question, ``batch_size`` at a time (None: all together) trained in
+        one batch (each memory equals the one :meth:`learn` makes alone), and store each batch's
+        memories once it completes. ``namespace``: one for all, or one per question."""
+        from elm_memory.training.learn import learn_memories
+
+        cfg = config or self.config
+        questions = [validate_question(q) for q in questions]
+        if namespace is None or isinstance(namespace, str):
+            namespaces = [namespace] * len(questions)
+        else:
+            namespaces = list(namespace)
+        # before any model work: the store would refuse them only after training
+        namespaces = [validate_namespace(cfg.namespace if ns is None else ns) for ns in namespaces]
+        ids = list(memory_ids) if memory_ids is not None else [None] * len(questions)
+        if len(namespaces) != len(questions) or len(ids) != len(questions):
+            raise ConfigError("learn_many needs one namespace and one memory id per question")
+        size = batch_size or max(1, len(questions))
+        memories: list[LatentMemory] = []
+        for start in range(0, len(questions), size):
+            part = slice(start, start + size)
+            batch = learn_memories(
+                questions[part], config=cfg, loaded=self.loaded, backend=self.backend, prompts=self.prompts,
+                namespace=namespaces[part], progress=progress, memory_ids=ids[part],
+            )  # fmt: skip
+            if store and self.retriever is not None:
+                for memory in batch:
+                    self.retriever.index_memory(memory)
+            memories.extend(batch)
+        return memories
+
+    def _job_config(self, job: Any) -> ELMConfig:
+        if not job.config_overrides:
+            return self.config
+        return ELMConfig.from_dict(_deep_merge(self.config.model_dump(mode="json"), job.config_overrides))
+
+    def _run_learn_jobs(self, jobs: list[Any]) -> list[str | Exception]:
+        """The learner's batch: jobs with the same config overrides train together. A group that
+        fails gives its exception to each of its jobs; the learner then reruns those alone."""
+        groups: dict[str, list[int]] = {}
+        for i, job in enumerate(jobs):
+            groups.setdefault(json.dumps(job.config_overrides, sort_keys=True), []).append(i)
+        results: list[str | Exception] = [RuntimeError("not run")] * len(jobs)
+        for idx in groups.values():
+            group = [jobs[i] for i in idx]
+            try:
+                memories = self.learn_many(
+                    [j.question for j in group], namespace=[j.namespace for j in group],
+                    memory_ids=[j.job_id for j in group], config=self._job_config(group[0]), progress=False,
+                )  # fmt: skip
+            except Exception as exc:
+                for i in idx:
+                    results[i] = exc
+            else:
+                for i, memory in zip(idx, memories, strict=True):
+                    results[i] = memory.id
+        return results
+
     def _run_learn_job(self, job: Any) -> str:
         """The learner's job: the memory id is the job id, so a re-run overwrites, never duplicates."""
-        config = self.config
-        if job.config_overrides:
-            config = ELMConfig.from_dict(_deep_merge(self.config.model_dump(mode="json"), job.config_overrides))
+        config = self._job_config(job)
         memory = self.learn(job.question, namespace=job.namespace, memory_id=job.job_id, config=config,
                             progress=False)  # fmt: skip
         return memory.id
