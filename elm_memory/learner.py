@@ -18,6 +18,14 @@ by ``LearnerConfig.mode`` and built by :func:`build_learner`:
 The learning itself is an injected callable ``learn_fn(job) -> memory_id | None``; this
 module knows nothing about torch, models or stores.
 
+Batches. With ``batch_size > 1`` and a ``learn_many_fn(jobs) -> [memory_id | None |
+Exception, ...]`` (one entry per job, in order), a worker claims up to ``batch_size``
+pending jobs at once and learns them in one call (several memories trained together).
+Each job keeps its own ledger row (claim, heartbeat, complete, fail). The batch is only an
+optimisation: if ``learn_many_fn`` raises, or returns an Exception for a job, that job is
+run again alone with ``learn_fn`` within the same attempt, and that run's outcome is what
+is recorded, so one bad job fails alone and never takes its batch-mates with it.
+
 Durability. Jobs live in one SQLite file (WAL; committed before ``submit`` returns), by convention
 ``<store path>/learner.sqlite3``. A job moves ``pending -> running -> done | failed``.
 Claiming is an atomic transaction, so several workers (threads or processes) can drain
@@ -84,6 +92,7 @@ TicketStatus = Literal["pending", "running", "done", "failed", "skipped"]
 STATES: tuple[JobState, ...] = ("pending", "running", "done", "failed")
 TERMINAL = frozenset({"done", "failed"})
 LearnFn = Callable[["LearnJob"], "str | None"]
+LearnManyFn = Callable[[list["LearnJob"]], "list[str | None | Exception]"]
 
 QUEUE_FILENAME = "learner.sqlite3"
 SCHEMA_VERSION = 1
@@ -447,6 +456,29 @@ class JobQueue:
             row = conn.execute("SELECT * FROM jobs WHERE seq = ?", (row["seq"],)).fetchone()
         return self._record(row)
 
+    def claim_many(self, owner: str, limit: int) -> list[JobRecord]:
+        """Atomically move the ``limit`` oldest pending jobs (or fewer) to ``running``, in order."""
+        if limit <= 1:
+            rec = self.claim(owner)
+            return [] if rec is None else [rec]
+        with self._db() as conn:  # cheap read first: no write lock while the queue is idle
+            if conn.execute("SELECT 1 FROM jobs WHERE state = 'pending' LIMIT 1").fetchone() is None:
+                return []
+        with self._tx() as conn:
+            seqs = [r["seq"] for r in conn.execute(
+                "SELECT seq FROM jobs WHERE state = 'pending' ORDER BY seq LIMIT ?", (int(limit),)
+            ).fetchall()]  # fmt: skip
+            now = time.time()
+            rows = []
+            for seq in seqs:
+                conn.execute(
+                    "UPDATE jobs SET state = 'running', attempts = attempts + 1, owner = ?, started_at = ?,"
+                    " heartbeat_at = ?, finished_at = NULL WHERE seq = ?",
+                    (owner, now, now, seq),
+                )
+                rows.append(conn.execute("SELECT * FROM jobs WHERE seq = ?", (seq,)).fetchone())
+        return [self._record(r) for r in rows]
+
     def complete(self, job_id: str, owner: str, memory_id: str | None) -> bool:
         """``running -> done``; False if ``owner`` no longer holds the job."""
         with self._tx() as conn:
@@ -621,11 +653,20 @@ class _QueueLearner:
         scope: str = "",
         max_attempts: int = 3,
         poll_interval: float = 1.0,
+        batch_size: int = 1,
+        learn_many_fn: LearnManyFn | None = None,
     ):
         if not callable(learn_fn):
             raise ConfigError("learn_fn must be callable")
+        if learn_many_fn is not None and not callable(learn_many_fn):
+            raise ConfigError("learn_many_fn must be callable")
+        if not isinstance(batch_size, int) or batch_size < 1:
+            raise ConfigError("learner batch_size must be an integer >= 1")
         self.queue = queue if isinstance(queue, JobQueue) else JobQueue(queue, max_attempts=max_attempts)
         self.learn_fn = learn_fn
+        self.learn_many_fn = learn_many_fn
+        # Without a learn_many_fn there is nothing to gain from holding several claims at once.
+        self.batch_size = batch_size if learn_many_fn is not None else 1
         self.scope = scope
         self.poll_interval = poll_interval
         self._cv = threading.Condition()
@@ -683,6 +724,76 @@ class _QueueLearner:
             raise LearnerError(f"no learn job {job_id!r} in {self.queue.path}")
         return rec.state in TERMINAL
 
+    def _claim(self, owner: str) -> list[JobRecord]:
+        """Up to ``batch_size`` of the oldest pending jobs, claimed for ``owner``."""
+        return self.queue.claim_many(owner, self.batch_size)
+
+    def _run_batch(self, recs: list[JobRecord], owner: str) -> None:
+        """Learn claimed jobs together with ``learn_many_fn``; a job the batch did not complete
+        (the call raised, or returned an Exception for it) runs again alone with ``learn_fn``."""
+        if len(recs) == 1 or self.learn_many_fn is None:
+            for i, rec in enumerate(recs):
+                try:
+                    self._run_one(rec, owner)
+                except BaseException:
+                    self._release(recs[i + 1 :], owner)
+                    raise
+            return
+        jobs = [r.job for r in recs]
+        self._current = jobs[0].job_id
+        log.info("learning %d jobs together: %s", len(jobs), ", ".join(j.job_id[:12] for j in jobs))
+        t0 = time.monotonic()
+        beating = threading.Event()
+        threading.Thread(
+            target=self._heartbeat, args=([j.job_id for j in jobs], owner, beating),
+            name="elm-memory-learner-heartbeat", daemon=True,
+        ).start()  # fmt: skip
+        try:
+            try:
+                results: list[Any] | None = list(self.learn_many_fn(jobs))
+                if len(results) != len(jobs):
+                    log.warning("learn_many_fn returned %d results for %d jobs; running them alone",
+                                len(results), len(jobs))  # fmt: skip
+                    results = None
+            except Exception as exc:
+                log.warning("batch of %d jobs failed (%s: %s); running them one at a time",
+                            len(jobs), type(exc).__name__, exc)  # fmt: skip
+                results = None
+            except BaseException:
+                self._release(recs, owner)
+                log.warning("batch of %d jobs interrupted; back to pending", len(jobs))
+                raise
+            alone = []
+            for rec, result in zip(recs, results or [None] * len(recs), strict=True):
+                if results is None or isinstance(result, BaseException):
+                    alone.append(rec)
+                else:
+                    self._complete(rec.job, owner, result, t0)
+            for i, rec in enumerate(alone):
+                try:
+                    self._run_one(rec, owner)
+                except BaseException:
+                    self._release(alone[i + 1 :], owner)
+                    raise
+        finally:
+            beating.set()
+            self._current = None
+            self._notify()
+
+    def _release(self, recs: list[JobRecord], owner: str) -> None:
+        for rec in recs:
+            with contextlib.suppress(LearnerError):
+                self.queue.release(rec.job_id, owner)
+
+    def _complete(self, job: LearnJob, owner: str, memory_id: Any, t0: float) -> None:
+        if memory_id is not None and not isinstance(memory_id, str):
+            memory_id = str(memory_id)
+        short = job.job_id[:12]
+        if self.queue.complete(job.job_id, owner, memory_id):
+            log.info("job %s done in %.1fs -> memory %s", short, time.monotonic() - t0, memory_id)
+        else:
+            log.warning("job %s finished but was no longer held by this worker; not recorded again", short)
+
     def _run_one(self, rec: JobRecord, owner: str) -> None:
         """Run ``learn_fn`` on a claimed job and record the outcome. Exceptions are a failed
         attempt; interrupts (BaseException) release the job and propagate."""
@@ -695,8 +806,9 @@ class _QueueLearner:
         t0 = time.monotonic()
         beating = threading.Event()
         threading.Thread(
-            target=self._heartbeat, args=(job.job_id, owner, beating), name="elm-memory-learner-heartbeat", daemon=True
-        ).start()
+            target=self._heartbeat, args=([job.job_id], owner, beating), name="elm-memory-learner-heartbeat",
+            daemon=True,
+        ).start()  # fmt: skip
         try:
             memory_id = self.learn_fn(job)
         except Exception as exc:
@@ -714,22 +826,18 @@ class _QueueLearner:
             log.warning("job %s interrupted (%s); back to pending", short, type(exc).__name__)
             raise
         else:
-            if memory_id is not None and not isinstance(memory_id, str):
-                memory_id = str(memory_id)
-            if self.queue.complete(job.job_id, owner, memory_id):
-                log.info("job %s done in %.1fs -> memory %s", short, time.monotonic() - t0, memory_id)
-            else:
-                log.warning("job %s finished but was no longer held by this worker; not recorded again", short)
+            self._complete(job, owner, memory_id, t0)
         finally:
             beating.set()
             self._current = None
             self._notify()
 
-    def _heartbeat(self, job_id: str, owner: str, stop: threading.Event) -> None:
-        while not stop.wait(self.queue.lease / 4):
+    def _heartbeat(self, job_ids: list[str], owner: str, stop: threading.Event) -> None:
+        """Beat for each job still held; stop once none is (all finished or taken away)."""
+        held = list(job_ids)
+        while held and not stop.wait(self.queue.lease / 4):
             try:
-                if not self.queue.heartbeat(job_id, owner):
-                    return
+                held = [j for j in held if self.queue.heartbeat(j, owner)]
             except LearnerError:
                 return
 
@@ -737,8 +845,9 @@ class _QueueLearner:
 class SyncLearner(_QueueLearner):
     """Learns inline: ``submit`` returns when the job is done or failed (retries included).
 
-    The queue is drained in FIFO order on the caller's thread, one job at a time (a lock
-    serialises concurrent callers), so jobs left pending by a crash run before the new one.
+    The queue is drained in FIFO order on the caller's thread, one job (or one batch, see
+    ``batch_size``) at a time (a lock serialises concurrent callers), so jobs left pending
+    by a crash run before the new one.
     """
 
     mode = "sync"
@@ -777,9 +886,9 @@ class SyncLearner(_QueueLearner):
             with self._cv:
                 gen = self._gen
             with self._run_lock:
-                rec = self.queue.claim(self.owner)
-                if rec is not None:
-                    self._run_one(rec, self.owner)
+                recs = self._claim(self.owner)
+                if recs:
+                    self._run_batch(recs, self.owner)
                     continue
             # Nothing we can run: the job is held by another worker. Wait for it.
             self.queue.recover()
@@ -796,8 +905,8 @@ class SyncLearner(_QueueLearner):
         if self._closed:
             return
         with self._run_lock:
-            while wait and (rec := self.queue.claim(self.owner)) is not None:
-                self._run_one(rec, self.owner)
+            while wait and (recs := self._claim(self.owner)):
+                self._run_batch(recs, self.owner)
             self._closed = True
             _unregister(self.owner)
             self.queue.close()
@@ -913,15 +1022,15 @@ class BackgroundLearner(_QueueLearner):
                     if self._stop and not self._drain_on_stop:
                         break
                 try:
-                    rec = self.queue.claim(owner)
+                    recs = self._claim(owner)
                 except LearnerError:
                     log.exception("learner worker cannot claim a job; retrying in %.1fs", self.poll_interval)
-                    rec = None
-                if rec is not None:
+                    recs = []
+                if recs:
                     try:
-                        self._run_one(rec, owner)
+                        self._run_batch(recs, owner)
                     except LearnerError:  # the queue failed while recording an outcome
-                        log.exception("learner worker could not record job %s", rec.job_id[:12])
+                        log.exception("learner worker could not record jobs %s", ", ".join(r.job_id[:12] for r in recs))
                     continue
                 with self._cv:
                     if self._stop:
@@ -984,9 +1093,12 @@ def build_learner(
     scope: str = "",
     max_attempts: int = 3,
     poll_interval: float = 1.0,
+    batch_size: int = 1,
+    learn_many_fn: LearnManyFn | None = None,
 ) -> MemoryLearner:
     """The learner for ``LearnerConfig.mode``. ``queue_path`` is the SQLite file (see
-    :func:`default_queue_path`); ``scope`` is mixed into job ids (use the model fingerprint)."""
+    :func:`default_queue_path`); ``scope`` is mixed into job ids (use the model fingerprint);
+    ``batch_size`` jobs at most are learned together by ``learn_many_fn`` (see the module docstring)."""
     if mode == "off":
         return NoLearner(scope=scope)
     if mode not in ("sync", "background"):
@@ -994,4 +1106,7 @@ def build_learner(
     if learn_fn is None or queue_path is None:
         raise ConfigError(f"learner mode {mode!r} needs a learn_fn and a queue path")
     cls = SyncLearner if mode == "sync" else BackgroundLearner
-    return cls(learn_fn, queue_path, scope=scope, max_attempts=max_attempts, poll_interval=poll_interval)
+    return cls(
+        learn_fn, queue_path, scope=scope, max_attempts=max_attempts, poll_interval=poll_interval,
+        batch_size=batch_size, learn_many_fn=learn_many_fn,
+    )  # fmt: skip

@@ -46,11 +46,18 @@ def answer_budget(limit: int, max_context: int, prompt_tokens: int, reserve: int
 
 @dataclass(frozen=True)
 class PromptInput:
-    """Token ids plus an optional soft prompt inserted before token ``soft_prompt_at``."""
+    """Token ids plus an optional soft prompt inserted before token ``soft_prompt_at``.
+
+    ``seed``: this prompt's own sampling seed. When set, the prompt's completions depend on
+    it alone, not on the other prompts of the call or their order (what training several
+    memories in one call needs to equal training each alone). The ``hf`` backend honours it;
+    backends that do not fall back to the call's ``SamplingParams.seed``.
+    """
 
     token_ids: tuple[int, ...]
     soft_prompt: torch.Tensor | None = None  # (k, hidden)
     soft_prompt_at: int = 0
+    seed: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.soft_prompt_at <= len(self.token_ids):

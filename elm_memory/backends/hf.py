@@ -3,6 +3,12 @@
 Prompts without a soft prompt take the plain ``input_ids`` path; as soon as one prompt
 in a batch carries a soft prompt, the whole batch is fed as embeddings (left-padded).
 The model is the one frozen instance the rest of the library shares.
+
+Seeds: a call's ``SamplingParams.seed`` seeds torch's global generator (the samples of a
+prompt then depend on the whole batch). A prompt with its own ``PromptInput.seed`` is
+sampled from its own generator instead (prompts of that call without one get
+``seed + i * n``, as the vLLM backend): its samples are the same alone or in any batch,
+up to float rounding of the batched forward.
 """
 
 from __future__ import annotations
@@ -45,6 +51,38 @@ class _StopAtAnswer:
         return self.closed.clone()
 
 
+class _SeededSampler:
+    """Temperature / top-p sampling from one CPU generator per prompt, as a logits processor.
+
+    Rows are prompt-major (prompt ``i``'s ``n`` samples are rows ``i*n .. i*n+n-1``). Each step
+    draws ``n`` uniforms from each prompt's generator and inverts the row's CDF; the returned
+    scores keep only the drawn token, which generate's greedy pick then takes. A prompt's
+    draws therefore never depend on the other prompts in the batch (a finished batch-mate
+    keeps drawing, but only after its own samples are complete).
+    """
+
+    def __init__(self, seeds: list[int], n: int, temperature: float, top_p: float):
+        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
+        self.n = n
+        self.temperature = temperature
+        self.top_p = top_p
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        u = torch.cat([torch.rand(self.n, generator=g, dtype=torch.float64) for g in self.generators])
+        probs = torch.softmax(scores.float() / self.temperature, dim=-1).double()
+        if self.top_p < 1.0:
+            # keep the most likely tokens until their mass reaches top_p (at least one)
+            sorted_p, order = probs.sort(dim=-1, descending=True)
+            sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= self.top_p, 0.0)
+            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        cdf = probs.cumsum(-1)
+        target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
+        # right=True: the first token whose CDF exceeds the draw, so zero-probability tokens are never picked
+        token = torch.searchsorted(cdf, target, right=True).clamp(max=scores.shape[-1] - 1)
+        out = torch.full_like(scores, float("-inf"))
+        return out.scatter_(1, token, 0.0)
+
+
 class HFBackend:
     """:class:`~elm_memory.backends.base.GenerationBackend` on a transformers model."""
 
@@ -80,7 +118,7 @@ class HFBackend:
         out: list[list[Generation]] = []
         per_call = max(1, self.batch_size // max(1, params.n))
         for start in range(0, len(inputs), per_call):
-            out.extend(self._generate_batch(inputs[start : start + per_call], params))
+            out.extend(self._generate_batch(inputs[start : start + per_call], params, offset=start))
         return out
 
     @torch.no_grad()
@@ -100,8 +138,16 @@ class HFBackend:
         return results
 
     # -- internals -----------------------------------------------------------------
-    def _generate_batch(self, batch: list[PromptInput], params: SamplingParams) -> list[list[Generation]]:
-        from transformers import GenerationConfig, StoppingCriteriaList
+    def _generate_batch(
+        self, batch: list[PromptInput], params: SamplingParams, offset: int = 0
+    ) -> list[list[Generation]]:
+        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
+
+        # Per-prompt generators: we sample ourselves (a logits processor) and let generate pick
+        # the one token left, greedily; generate cannot return n sequences greedily, so the
+        # prompts are repeated n times here instead.
+        per_prompt = not params.greedy and any(p.seed is not None for p in batch)
+        reps = params.n if per_prompt else 1
 
         use_embeds = any(p.soft_prompt is not None for p in batch)
         lengths = [p.length for p in batch]
@@ -111,13 +157,14 @@ class HFBackend:
             mask[i, width - n :] = 1  # left padding: new tokens follow every prompt directly
         # An explicit config so a model's generation_config.json (top_k, repetition penalty...)
         # never changes what "greedy" or "temperature 0.8" means here.
+        sample = not params.greedy and not per_prompt
         gen_cfg = GenerationConfig(
             max_new_tokens=params.max_new_tokens,
-            do_sample=not params.greedy,
-            temperature=params.temperature if not params.greedy else None,
-            top_p=params.top_p if not params.greedy else None,
+            do_sample=sample,
+            temperature=params.temperature if sample else None,
+            top_p=params.top_p if sample else None,
             top_k=None,
-            num_return_sequences=params.n,
+            num_return_sequences=params.n // reps,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids,
             return_dict_in_generate=False,
@@ -136,11 +183,20 @@ class HFBackend:
                 ids[i, width - lengths[i] :] = torch.tensor(p.token_ids, dtype=torch.long)
             kwargs["input_ids"] = ids
             prompt_len = width
+        if reps > 1:
+            for key in ("attention_mask", "inputs_embeds", "input_ids"):
+                if key in kwargs:
+                    kwargs[key] = kwargs[key].repeat_interleave(reps, dim=0)
+        if per_prompt:
+            seeds = [self._prompt_seed(p, params, offset + i) for i, p in enumerate(batch)]
+            kwargs["logits_processor"] = LogitsProcessorList(
+                [_SeededSampler(seeds, params.n, params.temperature, params.top_p)]
+            )
         stopper = None
         if params.stop_at_answer:
             stopper = _StopAtAnswer(self.tokenizer, prompt_len)
             kwargs["stopping_criteria"] = StoppingCriteriaList([stopper])
-        if params.seed is not None:
+        if params.seed is not None and not per_prompt:
             torch.manual_seed(params.seed)
         sequences = self.model.generate(**kwargs)
         new = sequences[:, prompt_len:].tolist()
@@ -158,6 +214,14 @@ class HFBackend:
                     g.logprobs = lp
             out.append(gens)
         return out
+
+    @staticmethod
+    def _prompt_seed(prompt: PromptInput, params: SamplingParams, index: int) -> int:
+        if prompt.seed is not None:
+            return prompt.seed
+        if params.seed is not None:
+            return params.seed + index * params.n
+        return int(torch.randint(0, 2**62, ()).item())  # unseeded: from the global generator
 
     def _finish(self, tokens: list[int], answered: bool) -> Generation:
         kept: list[int] = []

@@ -106,16 +106,20 @@ def run_offline(
                                    "gold": p.answer, "response": text})  # fmt: skip
                     bar.advance()
             elm = _learning_elm(runtime, out) if todo_train else None
-            for p in todo_train:
-                bar.describe(f"learning memory {len(memories) + 1}/{n_mem}")
-                memory = elm.learn(p.question, namespace=NAMESPACE, progress=False)
-                s = memory.meta.stats
-                row = {"memory_id": memory.id, "question_id": p.id, "question": p.question,
-                       "majority_answer": s.majority_answer, "mean_reward": s.mean_reward,
-                       "no_consensus": s.no_consensus, "seconds": s.seconds}  # fmt: skip
-                mem_log.append(row)
-                memories[memory.id] = row
-                bar.advance()
+            # learner.batch_size memories train together (each equal to the memory trained alone)
+            for batch in _chunks(todo_train, config.learner.batch_size):
+                first = len(memories) + 1
+                span = f"{first}" if len(batch) == 1 else f"{first}-{first + len(batch) - 1}"
+                bar.describe(f"learning memory {span}/{n_mem}")
+                learned_batch = elm.learn_many([p.question for p in batch], namespace=NAMESPACE, progress=False)
+                for p, memory in zip(batch, learned_batch, strict=True):
+                    s = memory.meta.stats
+                    row = {"memory_id": memory.id, "question_id": p.id, "question": p.question,
+                           "majority_answer": s.majority_answer, "mean_reward": s.mean_reward,
+                           "no_consensus": s.no_consensus, "seconds": s.seconds}  # fmt: skip
+                    mem_log.append(row)
+                    memories[memory.id] = row
+                    bar.advance()
             store = _store(runtime, source or out)
             for i, (mid, row) in enumerate(memories.items(), 1):
                 todo = [p for p in problems if (mid, p.id) not in evaluated]

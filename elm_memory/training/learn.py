@@ -1,4 +1,4 @@
-"""Learn one memory: pick the engine, initialise from the question, train, package.
+"""Learn memories: pick the engine, initialise from the question, train, package.
 
 This is the only place that knows both engines; both return a soft prompt and
 :class:`~elm_memory.memory.TrainingStats`, so their memories have the same format.
@@ -6,6 +6,7 @@ This is the only place that knows both engines; both return a soft prompt and
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 import torch
@@ -26,6 +27,10 @@ class Trainer(Protocol):
         self, prompt_ids: Any, init: torch.Tensor, *, at: int = 0, objective: str | None = None,
         progress: bool | None = None,
     ) -> TrainResult: ...  # fmt: skip
+
+    def train_many(
+        self, prompts: Any, *, objective: str | None = None, progress: bool | None = None
+    ) -> list[TrainResult]: ...
 
 
 def build_trainer(config: ELMConfig, loaded: LoadedModel, backend: GenerationBackend) -> Trainer:
@@ -53,28 +58,59 @@ def learn_memory(
     Nothing is written anywhere: storing is the caller's (store's) job, so an interrupted
     or failed training leaves no trace.
     """
-    question = validate_question(question)
+    [memory] = learn_memories(
+        [question], config=config, loaded=loaded, backend=backend, prompts=prompts, namespace=namespace,
+        trainer=trainer, progress=progress, memory_ids=[memory_id],
+    )  # fmt: skip
+    return memory
+
+
+def learn_memories(
+    questions: Sequence[str],
+    *,
+    config: ELMConfig,
+    loaded: LoadedModel,
+    backend: GenerationBackend,
+    prompts: PromptBuilder,
+    namespace: str | Sequence[str] | None = None,
+    trainer: Trainer | None = None,
+    progress: bool | None = None,
+    memory_ids: Sequence[str | None] | None = None,
+) -> list[LatentMemory]:
+    """One memory per question, trained together (:meth:`NativeTrainer.train_many`: each
+    equals the memory trained alone); ``namespace`` is one for all or one per question.
+    Nothing is written anywhere, and one failure (e.g. a NaN) fails the whole call."""
+    questions = [validate_question(q) for q in questions]
+    namespaces = [namespace] * len(questions) if namespace is None or isinstance(namespace, str) else list(namespace)
+    ids = list(memory_ids) if memory_ids is not None else [None] * len(questions)
+    if len(namespaces) != len(questions) or len(ids) != len(questions):
+        raise ValueError("learn_memories needs one namespace and one memory id per question")
     k = config.memory.num_tokens
-    built = prompts.build(question, reserve=k + 1)
-    question_ids = loaded.tokenizer(question, add_special_tokens=False)["input_ids"]
-    init = init_soft_prompt(
-        loaded.model.get_input_embeddings(), question_ids, k, config.memory.init, config.training.seed
-    )
-    at = built.memory_position(config.prompt.soft_prompt_position)
+    items = []
+    for question in questions:
+        built = prompts.build(question, reserve=k + 1)
+        question_ids = loaded.tokenizer(question, add_special_tokens=False)["input_ids"]
+        init = init_soft_prompt(
+            loaded.model.get_input_embeddings(), question_ids, k, config.memory.init, config.training.seed
+        )
+        items.append((built.token_ids, init, built.memory_position(config.prompt.soft_prompt_position)))
     trainer = trainer or build_trainer(config, loaded, backend)
-    result = trainer.train(built.token_ids, init, at=at, progress=progress)
+    results = trainer.train_many(items, progress=progress)
     recipe = {
         "training": config.training.model_dump(mode="json"),
         "memory": config.memory.model_dump(mode="json"),
         "soft_prompt_position": config.prompt.soft_prompt_position,
         "prompt_template": config.prompt.template,
     }
-    return LatentMemory.create(
-        result.soft_prompt,
-        question=question,
-        namespace=namespace or config.namespace,
-        model=loaded.info,
-        config=recipe,
-        stats=result.stats,
-        memory_id=memory_id,
-    )
+    return [
+        LatentMemory.create(
+            result.soft_prompt,
+            question=question,
+            namespace=ns or config.namespace,
+            model=loaded.info,
+            config=recipe,
+            stats=result.stats,
+            memory_id=mid,
+        )
+        for question, ns, mid, result in zip(questions, namespaces, ids, results, strict=True)
+    ]

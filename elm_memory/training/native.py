@@ -10,6 +10,10 @@ One step:
   4. one forward with the soft prompt in the graph (logits only for completion positions),
      reference log-probs from the *initial* soft prompt under ``no_grad`` (no second model),
      Dr.GRPO loss, backward, clip, AdamW on the soft prompt only.
+
+Several memories train together (:meth:`NativeTrainer.train_many`): one backend call for
+all M x G rollouts, one forward/backward whose rows carry their own memory's soft prompt,
+and per memory everything else (optimizer, clipping, loss normaliser, skip, stats).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ class TrainResult:
 
 
 class NativeTrainer:
-    """Trains one soft prompt for one prompt. Stateless between calls; safe to reuse."""
+    """Trains soft prompts: one (:meth:`train`) or several together (:meth:`train_many`).
+    Stateless between calls; safe to reuse."""
 
     engine = "native"
 
@@ -53,59 +58,88 @@ class NativeTrainer:
     # -- log-probabilities -----------------------------------------------------------
     def completion_logps(
         self,
-        prompt_ids: Sequence[int],
-        soft_prompt: torch.Tensor,
-        at: int,
+        prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+        soft_prompt: torch.Tensor | Sequence[torch.Tensor],
+        at: int | Sequence[int],
         completions: Sequence[Sequence[int]],
+        *,
+        rows: Sequence[int] | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(B, T) log-probs of each completion token under [prompt with soft prompt at ``at``], and the mask.
 
+        Without ``rows`` every completion is scored under the one prompt given. With ``rows``
+        (several memories in one forward), ``prompt_ids``, ``soft_prompt`` and ``at`` hold one
+        entry per prompt and completion ``i`` is scored under prompt ``rows[i]``.
+
         Log-probs are of the temperature-scaled distribution the rollouts were sampled from
-        (as TRL computes them). Gradients flow into ``soft_prompt`` when it requires grad.
+        (as TRL computes them). Gradients flow into each soft prompt that requires grad, and only
+        from the rows of its own prompt.
         """
+        if rows is None:
+            prompt_ids, soft_prompt, at = [prompt_ids], [soft_prompt], [at]  # type: ignore[list-item]
+            rows = [0] * len(completions)
         model = self.model
         device = next(model.parameters()).device
         embed = model.get_input_embeddings()
-        ids = torch.tensor(list(prompt_ids), dtype=torch.long, device=device)
-        tok = embed(ids)
-        soft = soft_prompt.to(device=device, dtype=tok.dtype)
-        prompt_emb = torch.cat([tok[:at], soft, tok[at:]], dim=0)
+        composed: dict[int, torch.Tensor] = {}
+        for p in dict.fromkeys(rows):  # each prompt embedded once, however many rows it has
+            tok = embed(torch.tensor(list(prompt_ids[p]), dtype=torch.long, device=device))
+            soft = soft_prompt[p].to(device=device, dtype=tok.dtype)  # type: ignore[union-attr]
+            composed[p] = torch.cat([tok[: at[p]], soft, tok[at[p] :]], dim=0)  # type: ignore[index]
         B = len(completions)
+        P = max(e.shape[0] for e in composed.values())
         T = max(1, max(len(c) for c in completions))
         comp = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
         mask = torch.zeros(B, T, dtype=torch.long, device=device)
         for i, c in enumerate(completions):
             comp[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
             mask[i, : len(c)] = 1
-        full = torch.cat([prompt_emb.unsqueeze(0).expand(B, -1, -1), embed(comp)], dim=1)
-        attn = torch.cat([torch.ones(B, prompt_emb.shape[0], dtype=torch.long, device=device), mask], dim=1)
-        # Right padding is safe for a causal model: real tokens never attend to the pads after them.
-        logits = model(inputs_embeds=full, attention_mask=attn, logits_to_keep=T + 1, use_cache=False).logits
+        # Prompts are left-padded to a common length P, completions right-padded: every completion
+        # starts at column P, so one `logits_to_keep` serves all rows. Position ids count real tokens
+        # only, so each row sees exactly the positions it has alone (right pads are harmless for a
+        # causal model: real tokens never attend to the pads after them).
+        hidden = next(iter(composed.values())).shape[1]
+        pads = {p: P - e.shape[0] for p, e in composed.items()}
+        prompt_emb = torch.stack(
+            [torch.cat([composed[p].new_zeros(pads[p], hidden), composed[p]]) if pads[p] else composed[p] for p in rows]
+        )
+        prompt_mask = torch.ones(B, P, dtype=torch.long, device=device)
+        for i, p in enumerate(rows):
+            prompt_mask[i, : pads[p]] = 0
+        full = torch.cat([prompt_emb, embed(comp)], dim=1)
+        attn = torch.cat([prompt_mask, mask], dim=1)
+        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
+        logits = model(
+            inputs_embeds=full, attention_mask=attn, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False
+        ).logits
         logits = logits[:, :T, :]
-        rows = []
+        out = []
         for i in range(B):  # one row at a time keeps the fp32 copy of (T, vocab) small
             row = logits[i].float() / self.temperature
-            rows.append(row.gather(1, comp[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))
-        return torch.stack(rows), mask
+            out.append(row.gather(1, comp[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))
+        return torch.stack(out), mask
 
     def reference_logps(
         self,
-        prompt_ids: Sequence[int],
-        init: torch.Tensor,
-        at: int,
+        prompt_ids: Sequence[int] | Sequence[Sequence[int]],
+        init: torch.Tensor | Sequence[torch.Tensor],
+        at: int | Sequence[int],
         completions: Sequence[Sequence[int]],
         current: torch.Tensor | None = None,
+        *,
+        rows: Sequence[int] | None = None,
     ) -> torch.Tensor:
         """Log-probs under the reference policy (frozen model + initial soft prompt, or no soft prompt).
 
         ``current``: the policy's log-probs before any update, which *are* the initial-prompt
-        reference, so the extra forward is skipped at step 0.
+        reference, so the extra forward is skipped at step 0. ``rows``: as in :meth:`completion_logps`.
         """
         if self.cfg.reference_policy == "base_model":
-            init = init[:0]  # no soft prompt at all
+            # no soft prompt at all
+            init = init[:0] if rows is None else [t[:0] for t in init]  # type: ignore[union-attr,index]
         elif current is not None:
             return current.detach()
-        return self.completion_logps(prompt_ids, init, at, completions)[0].detach()
+        return self.completion_logps(prompt_ids, init, at, completions, rows=rows)[0].detach()
 
     # -- training --------------------------------------------------------------------
     def train(
@@ -117,114 +151,181 @@ class NativeTrainer:
         objective: str | None = None,
         progress: bool | None = None,
     ) -> TrainResult:
+        """Train one memory: :meth:`train_many` with M = 1."""
+        [result] = self.train_many([(prompt_ids, init, at)], objective=objective, progress=progress)
+        return result
+
+    def train_many(
+        self,
+        prompts: Sequence[tuple[Sequence[int], torch.Tensor, int]],
+        *,
+        objective: str | None = None,
+        progress: bool | None = None,
+    ) -> list[TrainResult]:
+        """Train M memories together, one per ``(prompt_ids, init, at)``; results in the same order.
+
+        Each step makes one backend call for all M x G rollouts (every prompt with its own
+        current soft prompt and the seed a lone run would use), then one forward/backward
+        over the rows of the memories whose group has non-uniform rewards. Memories share
+        no state: each has its own AdamW, its own gradient clipping, its own Dr.GRPO
+        normaliser and its own stats, so each result equals the memory trained alone, to float
+        rounding, provided a prompt's rollouts do not depend on its batch-mates: the ``hf``
+        backend honours ``PromptInput.seed`` for that; the vLLM backends seed prompt ``i`` of a
+        call with ``seed + i * n``, so there a batch is reproducible but not equal to lone runs.
+        A non-finite loss or soft prompt in any memory aborts the whole call (NonFiniteError);
+        callers that need to know which memory failed retrain them one at a time. Timings in
+        the stats are the batch's.
+        """
         cfg = self.cfg
         objective = objective or cfg.objective
         t_start = time.perf_counter()
-        stats = TrainingStats(engine=self.engine, objective=objective)
-        init = init.detach().to(torch.float32)
-        soft = torch.nn.Parameter(init.clone())
-        optim = torch.optim.AdamW([soft], lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        sft_target: list[int] | None = None
-        saw_answer = False
-
-        bar = tqdm(range(cfg.steps), desc="learning memory", unit="step", disable=_disable(progress), leave=False)
+        mems = [_Memory.start(ids, init, at, cfg, self.engine, objective) for ids, init, at in prompts]
+        if not mems:
+            return []
+        M = len(mems)
+        desc = "learning memory" if M == 1 else f"learning {M} memories"
+        bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=_disable(progress), leave=False)
         for step in bar:
-            # 1. rollouts (or the SFT target, generated once)
+            # 1. rollouts (or the SFT targets, generated once), one backend call for all memories
             t0 = time.perf_counter()
+            completions: list[list[list[int]]] = []
+            groups: list[GroupReward | None] = []
             if objective == "sft":
-                if sft_target is None:
-                    sft_target, answer = self._greedy_target(prompt_ids)
-                    stats.majority_answer, stats.majority_share = answer, 1.0 if answer is not None else 0.0
-                    saw_answer = answer is not None
-                completions = [sft_target]
-                group: GroupReward | None = None
+                if step == 0:
+                    for m, (target, answer) in zip(mems, self._greedy_targets([m.prompt_ids for m in mems])):
+                        m.sft_target = target
+                        m.stats.majority_answer, m.stats.majority_share = answer, 1.0 if answer is not None else 0.0
+                        m.saw_answer = answer is not None
+                completions = [[m.sft_target or []] for m in mems]
+                groups = [None] * M
             else:
-                # a copy: the optimizer updates `soft` in place, the rollout input must not change under it
-                rollouts = self._rollouts(prompt_ids, soft.detach().clone(), at, seed=_step_seed(cfg.seed, step))
-                completions = [g.token_ids for g in rollouts]
-                group = majority_vote_rewards([g.text for g in rollouts])
-                saw_answer = saw_answer or any(a is not None for a in group.answers)
-                stats.answers.append(group.answers)
-                stats.mean_reward.append(sum(group.rewards) / len(group.rewards))
-                stats.majority_answer, stats.majority_share = group.vote.answer, group.vote.share
-                stats.completion_tokens += sum(len(c) for c in completions)
-            stats.generation_seconds += time.perf_counter() - t0
+                # copies: the optimizers update the soft prompts in place, rollout inputs must not change under them
+                batch = [(m.prompt_ids, m.soft.detach().clone(), m.at) for m in mems]
+                for m, rollouts in zip(mems, self._rollouts_many(batch, seed=_step_seed(cfg.seed, step))):
+                    group = majority_vote_rewards([g.text for g in rollouts])
+                    comps = [g.token_ids for g in rollouts]
+                    completions.append(comps)
+                    groups.append(group)
+                    m.saw_answer = m.saw_answer or any(a is not None for a in group.answers)
+                    m.stats.answers.append(group.answers)
+                    m.stats.mean_reward.append(sum(group.rewards) / len(group.rewards))
+                    m.stats.majority_answer, m.stats.majority_share = group.vote.answer, group.vote.share
+                    m.stats.completion_tokens += sum(len(c) for c in comps)
+            gen_seconds = time.perf_counter() - t0
 
-            # 2. skip the backward when it cannot change anything
+            # 2. a memory whose rewards are all equal skips its own backward (its optimizer is not stepped)
             t1 = time.perf_counter()
-            if group is not None and cfg.skip_uniform_rewards and group.uniform:
-                stats.skipped_backward.append(True)
-                stats.loss.append(0.0)
-                stats.kl.append(stats.kl[-1] if stats.kl else 0.0)
-                stats.steps += 1
-                bar.set_postfix(reward=f"{stats.mean_reward[-1]:.2f}", skip="uniform")
-                continue
+            active = []
+            for i, (m, group) in enumerate(zip(mems, groups)):
+                m.stats.generation_seconds += gen_seconds
+                if group is not None and cfg.skip_uniform_rewards and group.uniform:
+                    m.stats.skipped_backward.append(True)
+                    m.stats.loss.append(0.0)
+                    m.stats.kl.append(m.stats.kl[-1] if m.stats.kl else 0.0)
+                    m.stats.steps += 1
+                else:
+                    active.append(i)
 
-            # 3. loss and update
-            optim.zero_grad(set_to_none=True)
-            loss_value, kl_value = self._backward(prompt_ids, soft, init, at, completions, group, step, objective)
-            if cfg.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_([soft], cfg.max_grad_norm)
-            optim.step()
-            if not torch.isfinite(soft).all():
-                raise NonFiniteError(f"soft prompt became non-finite at step {step + 1}; memory aborted")
-            stats.backward_seconds += time.perf_counter() - t1
-            stats.skipped_backward.append(False)
-            stats.loss.append(loss_value)
-            stats.kl.append(kl_value)
-            stats.steps += 1
-            postfix = {"loss": f"{loss_value:.4f}", "kl": f"{kl_value:.2e}"}
-            if stats.mean_reward:
-                postfix["reward"] = f"{stats.mean_reward[-1]:.2f}"
-            bar.set_postfix(postfix)
+            # 3. one loss over the active memories' rows, then a per-memory clip and update
+            if active:
+                for i in active:
+                    mems[i].optim.zero_grad(set_to_none=True)
+                losses, kls = self._backward(mems, active, completions, groups, step, objective)
+                for i in active:
+                    m = mems[i]
+                    if cfg.max_grad_norm is not None:
+                        torch.nn.utils.clip_grad_norm_([m.soft], cfg.max_grad_norm)  # per memory, never global
+                    m.optim.step()
+                    if not torch.isfinite(m.soft).all():
+                        raise NonFiniteError(
+                            f"{_which(i, M)}soft prompt became non-finite at step {step + 1}; memory aborted"
+                        )
+                bwd_seconds = time.perf_counter() - t1
+                for i in active:
+                    s = mems[i].stats
+                    s.backward_seconds += bwd_seconds
+                    s.skipped_backward.append(False)
+                    s.loss.append(losses[i])
+                    s.kl.append(kls[i])
+                    s.steps += 1
+            bar.set_postfix(_postfix(mems, active))
         bar.close()
-        stats.no_consensus = not saw_answer if cfg.steps > 0 else False
-        stats.seconds = time.perf_counter() - t_start
-        return TrainResult(soft_prompt=soft.detach().to("cpu", torch.float32).clone(), stats=stats)
+        seconds = time.perf_counter() - t_start
+        results = []
+        for m in mems:
+            m.stats.no_consensus = not m.saw_answer if cfg.steps > 0 else False
+            m.stats.seconds = seconds
+            results.append(TrainResult(soft_prompt=m.soft.detach().to("cpu", torch.float32).clone(), stats=m.stats))
+        return results
 
     def _backward(
         self,
-        prompt_ids: Sequence[int],
-        soft: torch.nn.Parameter,
-        init: torch.Tensor,
-        at: int,
-        completions: list[list[int]],
-        group: GroupReward | None,
+        mems: list[_Memory],
+        active: list[int],
+        completions: list[list[list[int]]],
+        groups: list[GroupReward | None],
         step: int,
         objective: str,
-    ) -> tuple[float, float]:
-        cfg = self.cfg
-        micro = cfg.micro_batch_size or len(completions)
-        total_loss, kl_sum, kl_rows = 0.0, 0.0, 0
-        group_tokens = sum(len(c) for c in completions)
-        adv = None
-        if group is not None:
-            adv = advantages_from_rewards(torch.tensor(group.rewards, dtype=torch.float32), cfg.scale_rewards)
-        for start in range(0, len(completions), micro):
-            chunk = completions[start : start + micro]
-            logps, mask = self.completion_logps(prompt_ids, soft, at, chunk)
-            if objective == "sft":
-                loss = sft_loss(logps, mask) * (len(chunk) / len(completions))
-                kl = torch.zeros(())
-            else:
-                ref = None
-                if cfg.beta != 0.0:
-                    with torch.no_grad():
-                        ref = self.reference_logps(prompt_ids, init, at, chunk, logps if step == 0 else None)
-                loss, kl = policy_loss(
-                    logps, ref, adv[start : start + micro], mask,
-                    beta=cfg.beta, loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
-                    group_size=len(completions), group_tokens=group_tokens,
-                )  # fmt: skip
-            if not torch.isfinite(loss):
-                raise NonFiniteError(f"loss is {loss.item()} at step {step + 1}; memory aborted")
-            loss.backward()
-            total_loss += loss.item()
-            kl_sum += kl.item() * len(chunk)
-            kl_rows += len(chunk)
-        return total_loss, kl_sum / max(1, kl_rows)
+    ) -> tuple[dict[int, float], dict[int, float]]:
+        """Backward of sum over active memories of each memory's own loss; (loss, mean KL) per memory.
 
-    def _rollouts(self, prompt_ids: Sequence[int], soft: torch.Tensor, at: int, seed: int | None) -> list[Any]:
+        Each loss depends only on its memory's rows, so each soft prompt's gradient is the one
+        it would get alone. Micro-batches (``micro_batch_size`` rows, across memories) accumulate.
+        """
+        cfg = self.cfg
+        rows = [(i, j) for i in active for j in range(len(completions[i]))]
+        micro = cfg.micro_batch_size or len(rows)
+        adv: dict[int, torch.Tensor] = {}
+        group_tokens = {i: sum(len(c) for c in completions[i]) for i in active}
+        for i in active:
+            group = groups[i]
+            if group is not None:
+                adv[i] = advantages_from_rewards(torch.tensor(group.rewards, dtype=torch.float32), cfg.scale_rewards)
+        all_ids = [m.prompt_ids for m in mems]
+        all_at = [m.at for m in mems]
+        loss_sum = dict.fromkeys(active, 0.0)
+        kl_sum = dict.fromkeys(active, 0.0)
+        kl_tokens = dict.fromkeys(active, 0)
+        for start in range(0, len(rows), micro):
+            chunk = rows[start : start + micro]
+            owner = [i for i, _ in chunk]
+            comps = [completions[i][j] for i, j in chunk]
+            logps, mask = self.completion_logps(all_ids, [m.soft for m in mems], all_at, comps, rows=owner)
+            ref = None
+            if objective != "sft" and cfg.beta != 0.0:
+                with torch.no_grad():
+                    ref = self.reference_logps(all_ids, [m.init for m in mems], all_at, comps,
+                                               logps if step == 0 else None, rows=owner)  # fmt: skip
+            total: torch.Tensor | None = None
+            for i in dict.fromkeys(owner):
+                sel = torch.tensor([r for r, o in enumerate(owner) if o == i], device=logps.device)
+                js = [j for o, j in chunk if o == i]
+                if objective == "sft":
+                    loss = sft_loss(logps[sel], mask[sel]) * (len(js) / len(completions[i]))
+                    kl = torch.zeros(())
+                else:
+                    loss, kl = policy_loss(
+                        logps[sel], None if ref is None else ref[sel], adv[i][js].to(logps.device), mask[sel],
+                        beta=cfg.beta, loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
+                        group_size=len(completions[i]), group_tokens=group_tokens[i],
+                    )  # fmt: skip
+                if not torch.isfinite(loss):
+                    which = _which(i, len(mems))
+                    raise NonFiniteError(f"{which}loss is {loss.item()} at step {step + 1}; memory aborted")
+                total = loss if total is None else total + loss
+                loss_sum[i] += loss.item()
+                n_tokens = int(mask[sel].sum().item())
+                kl_sum[i] += kl.item() * n_tokens  # policy_loss gives the token mean; keep the sum
+                kl_tokens[i] += n_tokens
+            assert total is not None
+            total.backward()
+        return loss_sum, {i: kl_sum[i] / max(1, kl_tokens[i]) for i in active}
+
+    def _rollouts_many(
+        self, prompts: Sequence[tuple[Sequence[int], torch.Tensor, int]], seed: int | None
+    ) -> list[list[Any]]:
+        """G rollouts per prompt in one backend call. Every prompt carries ``seed`` itself, so its
+        rollouts are those it would get alone, whatever else is in the call."""
         cfg = self.cfg
         params = SamplingParams(
             max_new_tokens=cfg.max_completion_length,
@@ -234,15 +335,66 @@ class NativeTrainer:
             seed=seed,
             stop_at_answer=cfg.stop_at_answer,
         )
-        [group] = self.backend.generate([PromptInput(tuple(prompt_ids), soft_prompt=soft, soft_prompt_at=at)], params)
+        inputs = [PromptInput(tuple(ids), soft_prompt=soft, soft_prompt_at=at, seed=seed) for ids, soft, at in prompts]
+        return self.backend.generate(inputs, params)
+
+    def _rollouts(self, prompt_ids: Sequence[int], soft: torch.Tensor, at: int, seed: int | None) -> list[Any]:
+        [group] = self._rollouts_many([(prompt_ids, soft, at)], seed)
         return group
 
-    def _greedy_target(self, prompt_ids: Sequence[int]) -> tuple[list[int], str | None]:
+    def _greedy_targets(self, prompts: Sequence[Sequence[int]]) -> list[tuple[list[int], str | None]]:
         from elm_memory.answers import extract_answer
 
         params = SamplingParams(max_new_tokens=self.cfg.max_completion_length, stop_at_answer=self.cfg.stop_at_answer)
-        [[g]] = self.backend.generate([PromptInput(tuple(prompt_ids))], params)
-        return g.token_ids, extract_answer(g.text)
+        gens = self.backend.generate([PromptInput(tuple(ids)) for ids in prompts], params)
+        return [(g.token_ids, extract_answer(g.text)) for [g] in gens]
+
+    def _greedy_target(self, prompt_ids: Sequence[int]) -> tuple[list[int], str | None]:
+        [target] = self._greedy_targets([prompt_ids])
+        return target
+
+
+@dataclass
+class _Memory:
+    """One memory's training state inside :meth:`NativeTrainer.train_many`."""
+
+    prompt_ids: list[int]
+    at: int
+    init: torch.Tensor
+    soft: torch.nn.Parameter
+    optim: torch.optim.Optimizer
+    stats: TrainingStats
+    sft_target: list[int] | None = None
+    saw_answer: bool = False
+
+    @classmethod
+    def start(
+        cls, prompt_ids: Sequence[int], init: torch.Tensor, at: int, cfg: TrainingConfig, engine: str, objective: str
+    ) -> _Memory:
+        init = init.detach().to(torch.float32)
+        soft = torch.nn.Parameter(init.clone())
+        # One AdamW per memory: its step count and moments move only when this memory updates.
+        optim = torch.optim.AdamW([soft], lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
+        stats = TrainingStats(engine=engine, objective=objective)
+        return cls(list(prompt_ids), at, init, soft, optim, stats)
+
+
+def _which(i: int, m: int) -> str:
+    return "" if m == 1 else f"memory {i + 1}/{m}: "
+
+
+def _postfix(mems: list[_Memory], active: list[int]) -> dict[str, str]:
+    """Progress-bar figures for a step: mean loss / KL over the updated memories, mean reward over all."""
+    out: dict[str, str] = {}
+    if active:
+        out["loss"] = f"{sum(mems[i].stats.loss[-1] for i in active) / len(active):.4f}"
+        out["kl"] = f"{sum(mems[i].stats.kl[-1] for i in active) / len(active):.2e}"
+    rewards = [m.stats.mean_reward[-1] for m in mems if m.stats.mean_reward]
+    if rewards:
+        out["reward"] = f"{sum(rewards) / len(rewards):.2f}"
+    if len(active) < len(mems):
+        out["skip"] = "uniform" if len(mems) == 1 else f"{len(mems) - len(active)}/{len(mems)}"
+    return out
 
 
 def _step_seed(seed: int | None, step: int) -> int | None:

@@ -39,6 +39,16 @@ class TRLTrainer:
         # TRL defaults gradient_checkpointing to True, ~4x slower here; `fastest` turns it off.
         self.fastest = fastest
 
+    def train_many(
+        self,
+        prompts: Sequence[tuple[Sequence[int], torch.Tensor, int]],
+        *,
+        objective: str | None = None,
+        progress: bool | None = None,
+    ) -> list[TrainResult]:
+        """One memory at a time: TRL's GRPOTrainer owns its loop, so the memories are not batched."""
+        return [self.train(ids, init, at=at, objective=objective, progress=progress) for ids, init, at in prompts]
+
     def train(
         self,
         prompt_ids: Sequence[int],
