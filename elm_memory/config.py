@@ -198,7 +198,14 @@ class StoreConfig(_Section):
     """Where memories live."""
 
     kind: str = Field("chroma", description="Memory store implementation (`none`: answer zero-shot, keep nothing).")
-    path: str = Field("~/.elm-memory/store", description="Folder of the embedded store (Chroma + blobs).")
+    path: str = Field(
+        "store",
+        validate_default=True,
+        description=(
+            "Folder of the embedded store (Chroma + blobs). Absolute or `~/...`: as given; relative: under "
+            "`$ELM_HOME` (default `~/.local/share/elm-memory`), never the current directory. Stored resolved."
+        ),
+    )
     url: str | None = Field(None, description="Chroma server URL (http://host:port); overrides `path` for rows.")
     hnsw: dict[str, Any] | None = Field(
         None,
@@ -208,12 +215,36 @@ class StoreConfig(_Section):
         ),
     )
 
+    @field_validator("path")
+    @classmethod
+    def _resolve_path(cls, v: str) -> str:
+        from elm_memory.store.location import resolve_store_path  # one rule, see store/location.py
+
+        return str(resolve_store_path(v))
+
 
 class BackendConfig(_Section):
     """Generation backend used for answers and rollouts."""
 
     name: str = Field("hf", description="`hf` (transformers), `vllm` (offline engine), `vllm-server`, or a plugin.")
     server_url: str | None = Field(None, description="Base URL of an OpenAI-compatible vLLM server.")
+    # Decode levers of the `hf` backend (benchmarks/learn_throughput.py measures each).
+    decode_loop: Literal["elm", "generate"] = Field(
+        "elm",
+        description=(
+            "`elm`: the library's sampling loop (elm_memory/backends/decode.py), which honours the two levers "
+            "below and samples each prompt from its own generator; `generate`: transformers' `generate`."
+        ),
+    )
+    share_prompt_kv: bool = Field(
+        True, description="Prefill each prompt once and repeat its KV cache for its n samples (`elm` loop)."
+    )
+    drop_finished: bool = Field(
+        True, description="Remove finished rows from the batch and the KV cache as they end (`elm` loop)."
+    )
+    max_batch_rows: int = Field(
+        64, ge=1, description="Most sequences decoded together by the `hf` backend (prompts x samples per call)."
+    )
 
 
 class LearnerConfig(_Section):

@@ -72,3 +72,25 @@ def test_should_stop_ends_a_row_with_reason_answer(tiny_loaded, batch):
     out = sample(tiny_loaded.model, mask, DecodeOptions(20, share_prompt_kv=True, drop_finished=True),
                  input_ids=input_ids, eos_ids=[], should_stop=lambda row, toks, tok: len(toks) >= stop_after[row])  # fmt: skip
     assert [(len(t), r) for t, r in out] == [(3, "answer"), (5, "answer")]
+
+
+def test_backend_decode_paths_agree_greedily_and_seeds_reproduce(tiny_loaded, batch):
+    from elm_memory.backends.base import PromptInput, SamplingParams
+    from elm_memory.backends.hf import HFBackend
+
+    ids, _, _ = batch
+    prompts = [PromptInput(tuple(x)) for x in ids]
+    loop, reference = HFBackend(tiny_loaded), HFBackend(tiny_loaded, decode_loop="generate")
+    greedy = SamplingParams(max_new_tokens=16)
+    assert [[g.token_ids for g in gs] for gs in loop.generate(prompts, greedy)] == [
+        [g.token_ids for g in gs] for gs in reference.generate(prompts, greedy)
+    ]
+    sampled = SamplingParams(max_new_tokens=16, temperature=0.8, n=3, seed=7)
+    for backend in (loop, reference):
+        first = [[g.token_ids for g in gs] for gs in backend.generate(prompts, sampled)]
+        again = [[g.token_ids for g in gs] for gs in backend.generate(prompts, sampled)]
+        assert first == again and len({tuple(t) for t in first[0]}) > 1
+    # one prompt's samples do not depend on its batch-mate (seed + i * n, as vLLM)
+    [alone] = loop.generate([PromptInput(tuple(ids[1]), seed=7 + 3)], sampled)
+    both = loop.generate(prompts, sampled)
+    assert [g.token_ids for g in alone] == [g.token_ids for g in both[1]]

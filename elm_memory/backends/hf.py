@@ -4,11 +4,14 @@ Prompts without a soft prompt take the plain ``input_ids`` path; as soon as one 
 in a batch carries a soft prompt, the whole batch is fed as embeddings (left-padded).
 The model is the one frozen instance the rest of the library shares.
 
-Seeds: a call's ``SamplingParams.seed`` seeds torch's global generator (the samples of a
-prompt then depend on the whole batch). A prompt with its own ``PromptInput.seed`` is
-sampled from its own generator instead (prompts of that call without one get
-``seed + i * n``, as the vLLM backend): its samples are the same alone or in any batch,
-up to float rounding of the batched forward.
+Decoding runs in the library's loop (:mod:`elm_memory.backends.decode`; ``backend.decode_loop:
+elm``), which prefills each prompt once for its n samples and drops finished rows, or in
+transformers' ``generate`` (``decode_loop: generate``, the reference).
+
+Seeds: each prompt is sampled from its own generator, seeded by ``PromptInput.seed`` or else
+by ``SamplingParams.seed + i * n`` (as the vLLM backend), so a prompt's samples are the same
+alone or in any batch, up to float rounding of the batched forward. Without any seed the
+global generator is used.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 import torch
 
 from elm_memory.answers import is_answer_closed
+from elm_memory.backends import decode
+from elm_memory.backends.decode import DecodeOptions
 from elm_memory.backends.base import (
     Generation,
     PromptInput,
@@ -51,49 +56,29 @@ class _StopAtAnswer:
         return self.closed.clone()
 
 
-class _SeededSampler:
-    """Temperature / top-p sampling from one CPU generator per prompt, as a logits processor.
-
-    Rows are prompt-major (prompt ``i``'s ``n`` samples are rows ``i*n .. i*n+n-1``). Each step
-    draws ``n`` uniforms from each prompt's generator and inverts the row's CDF; the returned
-    scores keep only the drawn token, which generate's greedy pick then takes. A prompt's
-    draws therefore never depend on the other prompts in the batch (a finished batch-mate
-    keeps drawing, but only after its own samples are complete).
-    """
-
-    def __init__(self, seeds: list[int], n: int, temperature: float, top_p: float):
-        self.generators = [torch.Generator().manual_seed(s) for s in seeds]
-        self.n = n
-        self.temperature = temperature
-        self.top_p = top_p
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        u = torch.cat([torch.rand(self.n, generator=g, dtype=torch.float64) for g in self.generators])
-        probs = torch.softmax(scores.float() / self.temperature, dim=-1).double()
-        if self.top_p < 1.0:
-            # keep the most likely tokens until their mass reaches top_p (at least one)
-            sorted_p, order = probs.sort(dim=-1, descending=True)
-            sorted_p = sorted_p.masked_fill(sorted_p.cumsum(-1) - sorted_p >= self.top_p, 0.0)
-            probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p)
-        cdf = probs.cumsum(-1)
-        target = (u.to(cdf.device) * cdf[:, -1]).unsqueeze(1)
-        # right=True: the first token whose CDF exceeds the draw, so zero-probability tokens are never picked
-        token = torch.searchsorted(cdf, target, right=True).clamp(max=scores.shape[-1] - 1)
-        out = torch.full_like(scores, float("-inf"))
-        return out.scatter_(1, token, 0.0)
-
-
 class HFBackend:
     """:class:`~elm_memory.backends.base.GenerationBackend` on a transformers model."""
 
     name = "hf"
 
-    def __init__(self, loaded: LoadedModel, *, batch_size: int = 16):
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        batch_size: int = 64,
+        decode_loop: str = "elm",
+        share_prompt_kv: bool = True,
+        drop_finished: bool = True,
+    ):
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.info = loaded.info
-        self.batch_size = batch_size
+        self.batch_size = batch_size  # most sequences (prompts x samples) decoded together
+        self.decode_loop = decode_loop
+        self.share_prompt_kv = share_prompt_kv
+        self.drop_finished = drop_finished
+        self._closes_brace: dict[int, bool] = {}  # token id -> its text contains "}" (stop-at-answer check)
         self.device = torch.device(loaded.info.device)
         eos = self.model.generation_config.eos_token_id
         eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
@@ -106,7 +91,14 @@ class HFBackend:
     def from_config(cls, cfg: Any, loaded: LoadedModel | None = None) -> HFBackend:
         from elm_memory.models.loading import load_model
 
-        return cls(loaded or load_model(cfg.model))
+        b = cfg.backend
+        return cls(
+            loaded or load_model(cfg.model),
+            batch_size=b.max_batch_rows,
+            decode_loop=b.decode_loop,
+            share_prompt_kv=b.share_prompt_kv,
+            drop_finished=b.drop_finished,
+        )
 
     # -- public --------------------------------------------------------------------
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
@@ -141,79 +133,119 @@ class HFBackend:
     def _generate_batch(
         self, batch: list[PromptInput], params: SamplingParams, offset: int = 0
     ) -> list[list[Generation]]:
-        from transformers import GenerationConfig, LogitsProcessorList, StoppingCriteriaList
-
-        # Per-prompt generators: we sample ourselves (a logits processor) and let generate pick
-        # the one token left, greedily; generate cannot return n sequences greedily, so the
-        # prompts are repeated n times here instead.
-        per_prompt = not params.greedy and any(p.seed is not None for p in batch)
-        reps = params.n if per_prompt else 1
-
-        use_embeds = any(p.soft_prompt is not None for p in batch)
-        lengths = [p.length for p in batch]
-        width = max(lengths)
-        mask = torch.zeros(len(batch), width, dtype=torch.long, device=self.device)
-        for i, n in enumerate(lengths):
-            mask[i, width - n :] = 1  # left padding: new tokens follow every prompt directly
-        # An explicit config so a model's generation_config.json (top_k, repetition penalty...)
-        # never changes what "greedy" or "temperature 0.8" means here.
-        sample = not params.greedy and not per_prompt
-        gen_cfg = GenerationConfig(
-            max_new_tokens=params.max_new_tokens,
-            do_sample=sample,
-            temperature=params.temperature if sample else None,
-            top_p=params.top_p if sample else None,
-            top_k=None,
-            num_return_sequences=params.n // reps,
-            pad_token_id=self.pad_id,
-            eos_token_id=self.eos_ids,
-            return_dict_in_generate=False,
-        )
-        kwargs: dict[str, Any] = {"attention_mask": mask, "generation_config": gen_cfg}
-        if use_embeds:
-            hidden = self.model.get_input_embeddings().weight.shape[1]
-            embeds = torch.zeros(len(batch), width, hidden, dtype=self.model.dtype, device=self.device)
-            for i, p in enumerate(batch):
-                embeds[i, width - lengths[i] :] = compose_embeddings(p, self.embed_tokens)
-            kwargs["inputs_embeds"] = embeds
-            prompt_len = 0  # with inputs_embeds, generate returns only the new tokens
+        inputs, mask = self._left_padded(batch)
+        seeds = [self._prompt_seed(p, params, offset + i) for i, p in enumerate(batch)] if not params.greedy else None
+        if self.decode_loop == "elm":
+            rows = self._decode_loop(batch, inputs, mask, params, seeds)
         else:
-            ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long, device=self.device)
-            for i, p in enumerate(batch):
-                ids[i, width - lengths[i] :] = torch.tensor(p.token_ids, dtype=torch.long)
-            kwargs["input_ids"] = ids
-            prompt_len = width
-        if reps > 1:
-            for key in ("attention_mask", "inputs_embeds", "input_ids"):
-                if key in kwargs:
-                    kwargs[key] = kwargs[key].repeat_interleave(reps, dim=0)
-        if per_prompt:
-            seeds = [self._prompt_seed(p, params, offset + i) for i, p in enumerate(batch)]
-            kwargs["logits_processor"] = LogitsProcessorList(
-                [_SeededSampler(seeds, params.n, params.temperature, params.top_p)]
-            )
-        stopper = None
-        if params.stop_at_answer:
-            stopper = _StopAtAnswer(self.tokenizer, prompt_len)
-            kwargs["stopping_criteria"] = StoppingCriteriaList([stopper])
-        if params.seed is not None and not per_prompt:
-            torch.manual_seed(params.seed)
-        sequences = self.model.generate(**kwargs)
-        new = sequences[:, prompt_len:].tolist()
-        answered = stopper.closed.tolist() if stopper is not None and stopper.closed is not None else None
+            rows = self._decode_generate(inputs, mask, params, seeds)
 
         out: list[list[Generation]] = []
         for i, prompt in enumerate(batch):
-            gens = []
-            for j in range(params.n):
-                row = i * params.n + j
-                gens.append(self._finish(new[row], answered[row] if answered else False))
+            gens = [self._finish(*rows[i * params.n + j]) for j in range(params.n)]
             if params.logprobs:
                 lps = self.token_logprobs(prompt, [g.token_ids for g in gens])
                 for g, lp in zip(gens, lps, strict=True):
                     g.logprobs = lp
             out.append(gens)
         return out
+
+    def _left_padded(self, batch: list[PromptInput]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """``input_ids`` (or ``inputs_embeds`` once any prompt has a soft prompt) and the mask, left-padded
+        so that new tokens follow every prompt directly."""
+        lengths = [p.length for p in batch]
+        width = max(lengths)
+        mask = torch.zeros(len(batch), width, dtype=torch.long, device=self.device)
+        for i, n in enumerate(lengths):
+            mask[i, width - n :] = 1
+        if any(p.soft_prompt is not None for p in batch):
+            hidden = self.model.get_input_embeddings().weight.shape[1]
+            embeds = torch.zeros(len(batch), width, hidden, dtype=self.model.dtype, device=self.device)
+            for i, p in enumerate(batch):
+                embeds[i, width - lengths[i] :] = compose_embeddings(p, self.embed_tokens)
+            return {"inputs_embeds": embeds}, mask
+        ids = torch.full((len(batch), width), self.pad_id, dtype=torch.long, device=self.device)
+        for i, p in enumerate(batch):
+            ids[i, width - lengths[i] :] = torch.tensor(p.token_ids, dtype=torch.long)
+        return {"input_ids": ids}, mask
+
+    def _decode_loop(
+        self,
+        batch: list[PromptInput],
+        inputs: dict[str, torch.Tensor],
+        mask: torch.Tensor,
+        params: SamplingParams,
+        seeds: list[int] | None,
+    ) -> list[tuple[list[int], str]]:
+        options = DecodeOptions(
+            max_new_tokens=params.max_new_tokens,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=params.top_p,
+            n=params.n,
+            share_prompt_kv=self.share_prompt_kv,
+            drop_finished=self.drop_finished,
+        )
+        generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] if seeds else None
+        stop = self._answer_closed if params.stop_at_answer else None
+        return decode.sample(
+            self.model, mask, options, eos_ids=self.eos_ids, generators=generators, should_stop=stop, **inputs
+        )
+
+    def _answer_closed(self, row: int, tokens: list[int], token: int) -> bool:
+        # Re-decode a row only after a token that contains "}": cheap enough to check every step.
+        brace = self._closes_brace.get(token)
+        if brace is None:
+            brace = self._closes_brace[token] = "}" in self.tokenizer.decode([token])
+        return brace and is_answer_closed(self.tokenizer.decode(tokens, skip_special_tokens=True))
+
+    def _decode_generate(
+        self, inputs: dict[str, torch.Tensor], mask: torch.Tensor, params: SamplingParams, seeds: list[int] | None
+    ) -> list[tuple[list[int], str]]:
+        """The reference path: transformers' ``generate``. Per-prompt seeds mean one call per prompt."""
+        if seeds is not None and len(seeds) > 1:
+            rows: list[tuple[list[int], str]] = []
+            for i, seed in enumerate(seeds):
+                one = {k: v[i : i + 1] for k, v in inputs.items()}
+                width = int(mask[i].sum())
+                one = {k: v[:, -width:] for k, v in one.items()}
+                rows.extend(self._decode_generate(one, mask[i : i + 1, -width:], params, [seed]))
+            return rows
+        from transformers import GenerationConfig, StoppingCriteriaList
+
+        # An explicit config so a model's generation_config.json (top_k, repetition penalty...)
+        # never changes what "greedy" or "temperature 0.8" means here.
+        gen_cfg = GenerationConfig(
+            max_new_tokens=params.max_new_tokens,
+            do_sample=not params.greedy,
+            temperature=params.temperature if not params.greedy else None,
+            top_p=params.top_p if not params.greedy else None,
+            top_k=None,
+            num_return_sequences=params.n,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_ids,
+            return_dict_in_generate=False,
+        )
+        # with inputs_embeds, generate returns only the new tokens
+        prompt_len = inputs["input_ids"].shape[1] if "input_ids" in inputs else 0
+        kwargs: dict[str, Any] = {"attention_mask": mask, "generation_config": gen_cfg, **inputs}
+        stopper = None
+        if params.stop_at_answer:
+            stopper = _StopAtAnswer(self.tokenizer, prompt_len)
+            kwargs["stopping_criteria"] = StoppingCriteriaList([stopper])
+        if seeds:
+            torch.manual_seed(seeds[0])
+        sequences = self.model.generate(**kwargs)[:, prompt_len:].tolist()
+        answered = stopper.closed.tolist() if stopper is not None and stopper.closed is not None else None
+        rows = []
+        for r, tokens in enumerate(sequences):
+            if answered and answered[r]:
+                # stopped by the answer criterion: what follows is padding, not completion
+                while tokens and tokens[-1] == self.pad_id:
+                    tokens.pop()
+                rows.append((tokens, "answer"))
+            else:
+                rows.append((tokens, "length"))
+        return rows
 
     @staticmethod
     def _prompt_seed(prompt: PromptInput, params: SamplingParams, index: int) -> int:
@@ -223,18 +255,13 @@ class HFBackend:
             return params.seed + index * params.n
         return int(torch.randint(0, 2**62, ()).item())  # unseeded: from the global generator
 
-    def _finish(self, tokens: list[int], answered: bool) -> Generation:
+    def _finish(self, tokens: list[int], reason: str) -> Generation:
+        """Cut at the first EOS (kept out of the completion); ``reason`` is the decoder's unless an EOS came first."""
         kept: list[int] = []
-        reason: str = "length"
         for t in tokens:
             if t in self.eos_ids:
                 reason = "stop"
                 break
             kept.append(t)
-        if answered:
-            # Stopped by the answer criterion: what follows is padding, not completion.
-            reason = "answer"
-            while kept and kept[-1] == self.pad_id:
-                kept.pop()
         text = self.tokenizer.decode(kept, skip_special_tokens=True)
         return Generation(text=text, token_ids=kept, finish_reason=reason)
