@@ -37,6 +37,11 @@ class IncompatibleMemoryError(ELMError, ValueError):
     """A memory was made for another model (hidden size or embedding fingerprint differ)."""
 
 
+class AdapterError(ELMError, ValueError):
+    """A memory cannot be written as a PEFT prompt-tuning adapter (not a prefix memory), or a folder
+    is not an adapter ELM can import (files, fields, token count)."""
+
+
 class TrainingError(ELMError):
     """Memory training failed; nothing was written."""
 

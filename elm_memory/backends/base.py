@@ -96,6 +96,17 @@ class GenerationBackend(Protocol):
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]: ...
 
 
+def sampling_seed(prompt: PromptInput, params: SamplingParams, index: int) -> int | None:
+    """The seed prompt ``index`` of a call samples with: its own ``PromptInput.seed``, else
+    ``params.seed + index * n`` (vLLM gives a request's n samples consecutive streams); None for
+    greedy decoding or when nothing is seeded. Every backend uses this rule."""
+    if params.greedy:
+        return None
+    if prompt.seed is not None:
+        return prompt.seed
+    return None if params.seed is None else params.seed + index * params.n
+
+
 def to_prompt_input(prompt: PromptLike, tokenizer: Any) -> PromptInput:
     """Normalise text / token ids / PromptInput to PromptInput (text is tokenised as-is)."""
     if isinstance(prompt, PromptInput):

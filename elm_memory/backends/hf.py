@@ -30,6 +30,7 @@ from elm_memory.backends.base import (
     PromptLike,
     SamplingParams,
     compose_embeddings,
+    sampling_seed,
     to_prompt_input,
 )
 from elm_memory.models.loading import LoadedModel
@@ -249,11 +250,9 @@ class HFBackend:
 
     @staticmethod
     def _prompt_seed(prompt: PromptInput, params: SamplingParams, index: int) -> int:
-        if prompt.seed is not None:
-            return prompt.seed
-        if params.seed is not None:
-            return params.seed + index * params.n
-        return int(torch.randint(0, 2**62, ()).item())  # unseeded: from the global generator
+        seed = sampling_seed(prompt, params, index)
+        # unseeded: drawn from the global generator, so torch.manual_seed still makes runs repeat
+        return seed if seed is not None else int(torch.randint(0, 2**62, ()).item())
 
     def _finish(self, tokens: list[int], reason: str) -> Generation:
         """Cut at the first EOS (kept out of the completion); ``reason`` is the decoder's unless an EOS came first."""

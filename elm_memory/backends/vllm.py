@@ -18,7 +18,7 @@ Semantics, kept equal to the transformers backend:
 * ``temperature == 0``: greedy. Otherwise temperature / top_p sampling with ``top_k``,
   ``min_p`` and penalties off (the model's ``generation_config.json`` is ignored:
   ``generation_config="vllm"``).
-* ``seed``: prompt ``i`` of a call gets seed ``seed + i * n`` (vLLM gives its ``n``
+* ``seed``: a prompt's own ``PromptInput.seed``, else prompt ``i`` of a call gets ``seed + i * n`` (vLLM gives its ``n``
   children ``+0..n-1``), so a call is reproducible; samples differ from the transformers
   backend's for the same seed (different RNG streams).
 * Generation stops at the EOS ids of ``generation_config.json`` and the tokenizer (as
@@ -51,6 +51,7 @@ from elm_memory.backends.base import (
     PromptLike,
     SamplingParams,
     compose_embeddings,
+    sampling_seed,
     to_prompt_input,
 )
 from elm_memory.errors import BackendError
@@ -335,7 +336,8 @@ class VLLMBackend:
                     "(raise model.max_context)"
                 )
             requests.append(self.prompt_request(p))
-            sps.append(self._sampling_params(params, min(params.max_new_tokens, room), i))
+            seed = sampling_seed(p, params, i)
+            sps.append(self._sampling_params(params, min(params.max_new_tokens, room), seed))
         try:
             outputs = self.llm.generate(requests, sps, use_tqdm=False)
         except Exception as exc:
@@ -381,10 +383,9 @@ class VLLMBackend:
         self.close()
 
     # -- internals -----------------------------------------------------------------------
-    def _sampling_params(self, params: SamplingParams, max_tokens: int, index: int) -> Any:
+    def _sampling_params(self, params: SamplingParams, max_tokens: int, seed: int | None) -> Any:
         from vllm import SamplingParams as VSamplingParams
 
-        seed = None if params.seed is None or params.greedy else params.seed + index * params.n
         return VSamplingParams(
             n=params.n,
             temperature=0.0 if params.greedy else params.temperature,

@@ -53,6 +53,7 @@ from elm_memory.backends.base import (
     PromptLike,
     SamplingParams,
     compose_embeddings,
+    sampling_seed,
     to_prompt_input,
 )
 from elm_memory.backends.vllm import (
@@ -262,8 +263,9 @@ class VLLMServerBackend:
             "skip_special_tokens": True,
             "return_token_ids": True,
         }
-        if params.seed is not None and not params.greedy:
-            body["seed"] = params.seed + index * params.n  # as the offline backend
+        seed = sampling_seed(prompt, params, index)
+        if seed is not None:
+            body["seed"] = seed
         if params.logprobs:
             body["logprobs"] = 1
         if params.stop_at_answer:

@@ -1,5 +1,9 @@
 """``elm memories ...``: inspect and maintain a memory store without loading a model.
 
+Every command finds its store as the model-running commands do: from ``--config``, ``--preset``
+and ``--set`` (``store.path``, resolved by :mod:`elm_memory.store.location`), or ``--store PATH``.
+Only importing a PEFT adapter loads the configured model (to rebuild the memory's keys).
+
 Register in the main CLI with ``app.add_typer(memories_app, name="memories")``. Commands
 raise typed :class:`~elm_memory.errors.ELMError` subclasses; each command is also
 wrapped here so it prints one ``error: ...`` line when used on its own.
@@ -15,10 +19,10 @@ from typing import TYPE_CHECKING, Annotated, Any, Optional
 import typer
 
 from elm_memory.cli_errors import handle_errors
-from elm_memory.config import StoreConfig
-from elm_memory.errors import StoreError
+from elm_memory.errors import ConfigError, StoreError
 
 if TYPE_CHECKING:  # torch and chromadb load only when a command runs
+    from elm_memory.config import ELMConfig
     from elm_memory.memory import LatentMemory
     from elm_memory.store.base import MemoryRecord
     from elm_memory.store.chroma import ChromaMemoryStore
@@ -28,20 +32,56 @@ memories_app = typer.Typer(
 )
 
 StoreOpt = Annotated[
-    Optional[Path], typer.Option("--store", help=f"Store folder (default {StoreConfig().path}).", show_default=False)
+    Optional[Path],
+    typer.Option("--store", help="Store folder; overrides the config's store.path (see `elm config show`).",
+                 show_default=False),
+]  # fmt: skip
+ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file (its store.* is used).")]
+PresetOpt = Annotated[
+    Optional[str], typer.Option("--preset", "-p", help="Named preset, e.g. cpu-tiny (the store its commands use).")
+]
+SetOpt = Annotated[
+    Optional[list[str]], typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
 ]
 UrlOpt = Annotated[Optional[str], typer.Option("--url", help="Chroma server URL (index rows there, blobs in --store).")]
 NamespaceOpt = Annotated[Optional[str], typer.Option("--namespace", "-n", help="Only this namespace.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
 
-def _open(store: Path | None, url: str | None, *, create: bool = False) -> ChromaMemoryStore:
-    from elm_memory.store.chroma import ChromaMemoryStore
+def _load_config(
+    config: Path | None, preset: str | None, sets: list[str] | None, store: Path | None, url: str | None
+) -> ELMConfig:
+    """The config every other command would use; ``--store`` (a path on this command line, so relative
+    to the current directory like any other) and ``--url`` override its ``store`` section."""
+    from elm_memory.config import ELMConfig, _deep_merge, parse_override
 
-    path = store if store is not None else Path(StoreConfig().path).expanduser()
-    if url is None and not create and not (path / "chroma").is_dir():
-        raise StoreError(f"no memory store at {path} (use --store PATH)")
-    return ChromaMemoryStore(path, url=url)
+    overrides: dict[str, Any] = {}
+    for item in sets or []:
+        overrides = _deep_merge(overrides, parse_override(item))
+    if store is not None:
+        overrides = _deep_merge(overrides, {"store": {"path": str(store.expanduser().absolute())}})
+    if url is not None:
+        overrides = _deep_merge(overrides, {"store": {"url": url}})
+    return ELMConfig.load(config, preset=preset, overrides=overrides)
+
+
+def _open(cfg: ELMConfig, *, create: bool = False) -> ChromaMemoryStore:
+    from elm_memory.store.chroma import ChromaMemoryStore
+    from elm_memory.store.location import LEGACY_STORE
+
+    if cfg.store.kind != "chroma":
+        raise StoreError(f"`elm memories` works on a chroma store; the config's store.kind is {cfg.store.kind!r}")
+    path = Path(cfg.store.path)
+    if cfg.store.url is None and not create and not (path / "chroma").is_dir():
+        legacy = LEGACY_STORE.expanduser()
+        hint = (
+            f"; memories of an older version are in {legacy} (use --store {legacy}, or move it there)"
+            if (legacy / "chroma").is_dir() and legacy != path
+            else ""
+        )
+        raise StoreError(f"no memory store at {path} (pick one with --preset, --config, --set store.path=... "
+                         f"or --store PATH){hint}")  # fmt: skip
+    return ChromaMemoryStore.from_config(cfg.store)
 
 
 def _prepared_models() -> dict[str, Any]:
@@ -105,9 +145,12 @@ def list_(
     limit: Annotated[Optional[int], typer.Option(min=1, help="At most this many (oldest first).")] = None,
     offset: Annotated[int, typer.Option(min=0)] = 0,
     json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
 ) -> None:
     """Memories in the store, oldest first (index rows only; no blob is opened)."""
-    records = _open(store, url).list(namespace, kind=kind, limit=limit, offset=offset)
+    records = _open(_load_config(config, preset, set_, store, url)).list(namespace, kind=kind, limit=limit, offset=offset)
     if json_out:
         typer.echo(json.dumps([r.to_dict() for r in records], ensure_ascii=False))
         return
@@ -127,9 +170,12 @@ def show(
     url: UrlOpt = None,
     namespace: NamespaceOpt = None,
     json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
 ) -> None:
     """One memory: metadata, training statistics, usage, soft-prompt and key shapes (blob validated)."""
-    s = _open(store, url)
+    s = _open(_load_config(config, preset, set_, store, url))
     record = s.record(memory_id, namespace)
     view = _memory_view(record, s.load(record))
     if json_out:
@@ -153,11 +199,14 @@ def delete(
     url: UrlOpt = None,
     namespace: NamespaceOpt = None,
     json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
 ) -> None:
     """Delete memories (blob and index rows)."""
     from elm_memory.store.base import MemoryNotFoundError
 
-    s = _open(store, url)
+    s = _open(_load_config(config, preset, set_, store, url))
     missing = [m for m in memory_ids if not s.delete(m, namespace)]
     if json_out:
         typer.echo(json.dumps({"deleted": [m for m in memory_ids if m not in missing], "missing": missing}))
@@ -230,9 +279,12 @@ def check(
     deep: Annotated[bool, typer.Option("--deep", help="Also re-hash every blob.")] = False,
     grace: Annotated[float, typer.Option(help="Keep temp files younger than this many seconds.")] = 600.0,
     json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
 ) -> None:
     """Find blobs without index rows, rows without blobs, stale and corrupt files; exit 1 if any remain unfixed."""
-    report = _open(store, url).check(repair=repair, deep=deep, temp_grace_seconds=grace)
+    report = _open(_load_config(config, preset, set_, store, url)).check(repair=repair, deep=deep, temp_grace_seconds=grace)
     if json_out:
         typer.echo(json.dumps(report.to_dict()))
     else:
