@@ -255,8 +255,9 @@ def learn_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
         "seconds": round(secs, 1),
         "memories_per_hour": round(3600 * m / secs, 2),
         "completion_tokens": sum(s.completion_tokens for s in stats),
-        "generation_s": round(sum(s.generation_seconds for s in stats), 1),
-        "backward_s": round(sum(s.backward_seconds for s in stats), 1),
+        # memories trained together share one clock: their stats hold the batch's times
+        "generation_s": round(sum(s.generation_seconds for s in stats) if m == 1 else stats[0].generation_seconds, 1),
+        "backward_s": round(sum(s.backward_seconds for s in stats) if m == 1 else stats[0].backward_seconds, 1),
         "mean_reward": [round(sum(s.mean_reward) / max(1, len(s.mean_reward)), 3) for s in stats],
         "peak_rss_mb": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024),
     }

@@ -150,7 +150,8 @@ class TrainingConfig(_Section):
         ge=1,
         description=(
             "Rollouts per forward/backward (gradient accumulation inside a step), counted across the memories "
-            "trained together; None: all of them (G per memory) in one."
+            "trained together; None: G (one memory's group), which bounds activation memory when M memories "
+            "train together."
         ),
     )
     seed: int | None = Field(42, description="Seed for rollouts and init; None for nondeterministic.")

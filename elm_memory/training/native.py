@@ -170,8 +170,8 @@ class NativeTrainer:
         no state: each has its own AdamW, its own gradient clipping, its own Dr.GRPO
         normaliser and its own stats, so each result equals the memory trained alone, to float
         rounding, provided a prompt's rollouts do not depend on its batch-mates: the ``hf``
-        backend honours ``PromptInput.seed`` for that; the vLLM backends seed prompt ``i`` of a
-        call with ``seed + i * n``, so there a batch is reproducible but not equal to lone runs.
+        backend honours ``PromptInput.seed`` for that, and so do the vLLM backends (up to their own
+        batch-dependent numerics).
         A non-finite loss or soft prompt in any memory aborts the whole call (NonFiniteError);
         callers that need to know which memory failed retrain them one at a time. Timings in
         the stats are the batch's.
@@ -274,7 +274,8 @@ class NativeTrainer:
         """
         cfg = self.cfg
         rows = [(i, j) for i in active for j in range(len(completions[i]))]
-        micro = cfg.micro_batch_size or len(rows)
+        # default: one group's worth of rows per forward, so M memories cost M x the activations of one only in time
+        micro = cfg.micro_batch_size or cfg.num_generations
         adv: dict[int, torch.Tensor] = {}
         group_tokens = {i: sum(len(c) for c in completions[i]) for i in active}
         for i in active:
