@@ -71,3 +71,8 @@ class RegistryError(ELMError, KeyError):
 
 class BackendError(ELMError):
     """The generation backend is unavailable or failed."""
+
+
+class DatasetError(ConfigError):
+    """A question stream cannot be used: a vendored file fails its checksum, or a JSONL line has no usable
+    question, gold answer or id (the message names the file and line; raised before any model loads)."""

@@ -23,9 +23,10 @@ from integrations.agents import build_math_agent  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tiny", action="store_true", help="SmolLM2 with the cpu-tiny preset")
-    parser.add_argument("--store", default=".elm/example-store")
+    parser.add_argument("--store", help="store.path (relative: under $ELM_HOME); default: the preset's store")
     args = parser.parse_args()
-    cfg = ELMConfig.load(preset="cpu-tiny" if args.tiny else "cpu-demo", overrides={"store": {"path": args.store}})
+    overrides = {"store": {"path": args.store}} if args.store else None
+    cfg = ELMConfig.load(preset="cpu-tiny" if args.tiny else "cpu-demo", overrides=overrides)
     with ELM(cfg) as elm:
         agent = build_math_agent(lambda: elm)
         for question in [

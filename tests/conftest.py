@@ -9,6 +9,29 @@ import pytest
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
+
+def _isolated_elm_home() -> str:
+    """A temporary ``ELM_HOME`` for the test session, so that no test (nor a CLI it runs in a
+    subprocess) writes into the user's memory stores (``<ELM_HOME>/store*``); its ``models`` and
+    ``downloads`` link to the real cache, so prepared models are reused, not prepared again."""
+    import atexit
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    from elm_memory.models.prepare import elm_home
+
+    real = elm_home()
+    home = Path(tempfile.mkdtemp(prefix="elm-test-home-"))
+    for name in ("models", "downloads"):
+        (real / name).mkdir(parents=True, exist_ok=True)
+        (home / name).symlink_to(real / name, target_is_directory=True)
+    atexit.register(shutil.rmtree, home, True)  # removes the links, never what they point to
+    return str(home)
+
+
+os.environ["ELM_HOME"] = _isolated_elm_home()
+
 TINY = "packaged:smollm2-135m"
 DEFAULT = "packaged:qwen2.5-coder-0.5b"
 

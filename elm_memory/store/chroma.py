@@ -223,8 +223,10 @@ class ChromaMemoryStore:
 
     @classmethod
     def from_config(cls, cfg: StoreConfig, model: ModelInfo | None = None, **kwargs: Any) -> ChromaMemoryStore:
+        from elm_memory.store.location import resolve_store_path  # a copy made with model_copy skips validation
+
         kwargs.setdefault("hnsw", cfg.hnsw)
-        return cls(cfg.path, url=cfg.url, model=model, **kwargs)
+        return cls(resolve_store_path(cfg.path), url=cfg.url, model=model, **kwargs)
 
     def _connect(self) -> Any:
         import chromadb

@@ -150,7 +150,8 @@ def list_(
     set_: SetOpt = None,
 ) -> None:
     """Memories in the store, oldest first (index rows only; no blob is opened)."""
-    records = _open(_load_config(config, preset, set_, store, url)).list(namespace, kind=kind, limit=limit, offset=offset)
+    s = _open(_load_config(config, preset, set_, store, url))
+    records = s.list(namespace, kind=kind, limit=limit, offset=offset)
     if json_out:
         typer.echo(json.dumps([r.to_dict() for r in records], ensure_ascii=False))
         return
@@ -220,17 +221,37 @@ def delete(
 @memories_app.command("export")
 @handle_errors
 def export(
-    out: Annotated[Path, typer.Argument(help="Folder (one <id>.safetensors per memory) or, for one id, a file.")],
+    targets: Annotated[
+        list[str],
+        typer.Argument(
+            help="[ID ...] OUT. OUT: a folder (one <id>.safetensors per memory) or, for one id, a file; "
+            "with --format peft, the adapter folder (several memories: one subfolder per id).",
+            metavar="[ID]... OUT",
+            show_default=False,
+        ),
+    ],
     memory_ids: Annotated[Optional[list[str]], typer.Option("--id", help="Memory id (repeatable).")] = None,
+    format_: Annotated[
+        str, typer.Option("--format", help="`safetensors` (ELM memory files) or `peft` (prompt-tuning adapter).")
+    ] = "safetensors",
     store: StoreOpt = None,
     url: UrlOpt = None,
     namespace: NamespaceOpt = None,
     json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
 ) -> None:
-    """Write memories as standalone safetensors files (what `elm memories import` reads)."""
+    """Write memories as standalone safetensors files (what `elm memories import` reads), or as PEFT
+    prompt-tuning adapters (`PeftModel.from_pretrained(base, OUT)`; prefix memories only)."""
     from elm_memory.store.base import MemoryNotFoundError
 
-    s = _open(store, url)
+    if format_ not in ("safetensors", "peft"):
+        raise ConfigError(f"--format must be safetensors or peft, got {format_!r}")
+    out = Path(targets[-1])
+    memory_ids = [*targets[:-1], *(memory_ids or [])]
+    cfg = _load_config(config, preset, set_, store, url)
+    s = _open(cfg)
     records = s.list(namespace)
     if memory_ids:
         wanted = set(memory_ids)
@@ -238,36 +259,107 @@ def export(
         missing = wanted - {r.id for r in records}
         if missing:
             raise MemoryNotFoundError(f"no memory {sorted(missing)[0]!r} in the store")
-    single_file = len(records) == 1 and memory_ids and out.suffix == ".safetensors"
-    paths = [out if single_file else _export_path(out, r.id) for r in records]  # all checked before writing
-    written = []
-    for r, path in zip(records, paths, strict=True):
-        s.load(r).save(path)
-        written.append(str(path))
+    if format_ == "peft":
+        written = _export_peft(s, records, out, cfg)
+    else:
+        single_file = len(records) == 1 and memory_ids and out.suffix == ".safetensors"
+        paths = [out if single_file else _export_path(out, r.id) for r in records]  # all checked before writing
+        written = []
+        for r, path in zip(records, paths, strict=True):
+            s.load(r).save(path)
+            written.append(str(path))
     typer.echo(json.dumps({"written": written}) if json_out else f"exported {len(written)} memories to {out}")
+
+
+def _export_peft(s: ChromaMemoryStore, records: list[MemoryRecord], out: Path, cfg: ELMConfig) -> list[str]:
+    """One adapter folder per memory: ``out`` itself for one, ``out/<id>`` for several. Every memory is
+    loaded and checked (prefix position) before the first folder is written."""
+    from elm_memory.store.names import validate_memory_id
+    from elm_memory.store.peft_adapter import export_adapter, memory_position, require_prefix
+
+    memories = [s.load(r) for r in records]
+    for m in memories:
+        validate_memory_id(m.id)  # names a folder below
+        require_prefix(m, memory_position(m, cfg.prompt.soft_prompt_position))
+    models = _prepared_models()
+    written = []
+    for m in memories:
+        folder = out if len(memories) == 1 else out / m.id
+        info = models.get(m.meta.model_fingerprint)
+        base = info.path if info is not None else m.meta.model_name
+        written.append(str(export_adapter(m, folder, position="prefix", base_model=base)))
+    return written
 
 
 @memories_app.command("import")
 @handle_errors
 def import_(
-    files: Annotated[list[Path], typer.Argument(help="Memory .safetensors files (with their keys).")],
+    files: Annotated[
+        list[Path],
+        typer.Argument(help="Memory .safetensors files (with their keys), or PEFT adapter folders ELM exported."),
+    ],
     store: StoreOpt = None,
     url: UrlOpt = None,
     json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
 ) -> None:
-    """Add exported memory files to the store (validated; filed under their own model and namespace).
+    """Add exported memory files or PEFT adapters to the store (validated; filed under their own model and namespace).
 
     Refused, with nothing written: a malformed or oversized file, an id that is not hex or that
     another namespace or model already uses, shapes that disagree with the model (a model
-    prepared on this machine, else what the store already indexed for it)."""
+    prepared on this machine, else what the store already indexed for it). An adapter folder is
+    checked against the config (memory.num_tokens, prefix position, the model's hidden size and
+    embedding fingerprint); its keys are rebuilt with retrieval.key, which loads the model."""
+    from elm_memory.errors import AdapterError
     from elm_memory.memory import LatentMemory
+    from elm_memory.store.peft_adapter import check_adapter, is_adapter_dir, read_adapter
 
-    memories = [LatentMemory.load(f) for f in files]
-    s = _open(store, url, create=True)
-    s.known_models = _prepared_models()
+    cfg = _load_config(config, preset, set_, store, url)
+    memories, adapters = [], []
+    for f in files:
+        if is_adapter_dir(f):
+            memory, _ = read_adapter(f)
+            check_adapter(memory, f, cfg, None)  # cheap checks before the model loads
+            adapters.append((f, memory))
+        elif f.is_dir():
+            raise AdapterError(f"{f} is a folder without adapter_config.json (not a PEFT adapter)")
+        else:
+            memories.append(LatentMemory.load(f))
+    known = _prepared_models()
+    if adapters:
+        info = _rebuild_keys(adapters, cfg)
+        known[info.fingerprint] = info
+        memories += [m for _, m in adapters]
+    s = _open(cfg, create=True)
+    s.known_models = known
     s.put_many(memories)
     ids = [m.id for m in memories]
     typer.echo(json.dumps({"imported": ids}) if json_out else f"imported {len(ids)} memories")
+
+
+def _rebuild_keys(adapters: list[tuple[Path, LatentMemory]], cfg: ELMConfig) -> Any:
+    """Load the configured model, check each adapter against it and fill its keys with the configured
+    key builder (what :class:`~elm_memory.retrieval.retriever.Retriever` files new memories with)."""
+    import torch
+
+    from elm_memory.models.loading import load_model
+    from elm_memory.registry import key_builders
+    from elm_memory.retrieval.retriever import tokenize_question
+    from elm_memory.store.peft_adapter import check_adapter
+
+    builder = key_builders.get(cfg.retrieval.key)()
+    loaded = load_model(cfg.model)
+    for folder, memory in adapters:
+        check_adapter(memory, folder, cfg, loaded.info)
+    memories = [m for _, m in adapters]
+    ids = [tokenize_question(loaded.tokenizer, m.meta.question) for m in memories]
+    keys = builder.memory_keys(loaded, [m.soft_prompt for m in memories], ids)
+    for m, key in zip(memories, keys, strict=True):
+        m.keys = {builder.kind: key.detach().to("cpu", torch.float32).contiguous()}
+        m.validate()
+    return loaded.info
 
 
 @memories_app.command("check")
@@ -284,7 +376,8 @@ def check(
     set_: SetOpt = None,
 ) -> None:
     """Find blobs without index rows, rows without blobs, stale and corrupt files; exit 1 if any remain unfixed."""
-    report = _open(_load_config(config, preset, set_, store, url)).check(repair=repair, deep=deep, temp_grace_seconds=grace)
+    s = _open(_load_config(config, preset, set_, store, url))
+    report = s.check(repair=repair, deep=deep, temp_grace_seconds=grace)
     if json_out:
         typer.echo(json.dumps(report.to_dict()))
     else:
