@@ -50,6 +50,13 @@ class ModelConfig(_Section):
         ),
     )
     device: str = Field("auto", description="`auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:1`, ...")
+    attn_implementation: Literal["auto", "eager", "sdpa"] = Field(
+        "auto",
+        description=(
+            "transformers attention kernel. `auto`: `sdpa` on CUDA, `eager` on CPU, where PyTorch's SDPA kernel "
+            "made a one-token decode step 1.5-1.9x slower at batch 32 (benchmarks/learn_throughput.py)."
+        ),
+    )
     max_context: int | None = Field(
         None, description="Longest prompt+completion accepted; default: the model's `max_position_embeddings`."
     )

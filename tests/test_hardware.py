@@ -140,3 +140,9 @@ def test_elm_env_text_names_the_decision():
     )  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert "dtype float32 (requested float32)" in r.stdout and "torch cpu path" in r.stdout
+
+
+def test_attention_kernel_follows_the_device_unless_set():
+    assert place(AVX2_EPYC)[0].attn_implementation == "eager"
+    assert place(H100)[0].attn_implementation == "sdpa"
+    assert place(AVX2_EPYC, attn_implementation="sdpa")[0].attn_implementation == "sdpa"

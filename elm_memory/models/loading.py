@@ -122,7 +122,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     dtype = getattr(torch, _DTYPES[placement.dtype])
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=placement.attn_implementation)
     except OSError as exc:
         hint = "" if os.environ.get("HF_HUB_OFFLINE") != "1" else " (HF_HUB_OFFLINE=1 is set)"
         raise ModelNotFoundError(f"cannot load model {cfg.name_or_path!r}{hint}: {exc}".splitlines()[0]) from None
