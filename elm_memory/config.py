@@ -152,6 +152,13 @@ class TrainingConfig(_Section):
     skip_uniform_rewards: bool = Field(
         True, description="Skip the backward when all rewards in the group are equal (zero advantage)."
     )
+    share_prompt_kv: bool = Field(
+        True,
+        description=(
+            "Speed lever: score a memory's G rollouts against one forward of its prompt (KV cache repeated per "
+            "rollout) instead of G copies of the prompt; same loss up to float rounding."
+        ),
+    )
     micro_batch_size: int | None = Field(
         None,
         ge=1,

@@ -330,3 +330,22 @@ def test_elm_learner_batch_trains_jobs_with_equal_overrides_together(rand_loaded
     results = elm._run_learn_jobs(jobs)
     assert results == [j.job_id for j in jobs]  # the memory id is the job id
     assert calls == [([QUESTIONS[0], QUESTIONS[1]], 2), (["What is 7 * 6?"], 1)]
+
+
+def test_shared_prompt_forward_gives_the_same_logps_and_gradients(rand_loaded, rand_backend):
+    """training.share_prompt_kv: one prompt forward per memory, KV repeated per rollout, equals G copies."""
+    items = _items()
+    comps = [[5, 9, 11, 3], [7, 7], [2, 4, 6, 8, 10, 12], [13], [9, 9, 9]]  # right-padded, different lengths
+    owner = [0, 1, 0, 2, 1]
+    results = []
+    for share in (False, True):
+        trainer = NativeTrainer(rand_loaded, rand_backend, _cfg(share_prompt_kv=share))
+        softs = [init.clone().requires_grad_(True) for _, init, _ in items]
+        logps, mask = trainer.completion_logps([i[0] for i in items], softs, [i[2] for i in items], comps, rows=owner)
+        (logps * mask).sum().backward()
+        results.append((logps.detach(), mask, [s.grad.clone() for s in softs]))
+    (lp_a, mask_a, g_a), (lp_b, mask_b, g_b) = results
+    assert torch.equal(mask_a, mask_b)
+    assert torch.allclose(lp_a * mask_a, lp_b * mask_b, atol=1e-5)
+    for a, b in zip(g_a, g_b, strict=True):
+        assert a.abs().sum() > 0 and torch.allclose(a, b, rtol=1e-4, atol=1e-5), (a - b).abs().max()

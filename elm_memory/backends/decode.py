@@ -128,23 +128,30 @@ def _pick(
 ) -> torch.Tensor:
     """One token per batch row: greedy, or sampled at the temperature (nucleus when top_p < 1).
 
-    Sampling goes prompt by prompt so that each prompt consumes only its own generator.
+    Sampling inverts each row's CDF at a uniform draw. The draws come from each prompt's own
+    generator (a handful of numbers per step), the inversion is one vectorised search over the
+    whole batch: per-prompt seeds cost no per-prompt pass over the vocabulary.
     """
     if options.temperature <= 0.0:
         return logits.argmax(dim=-1)
     probs = torch.softmax(logits.float() / options.temperature, dim=-1)
     if options.top_p < 1.0:
         probs = _nucleus(probs, options.top_p)
-    picked = torch.zeros(probs.shape[0], dtype=torch.long, device=probs.device)
+    if generators is None:
+        return torch.multinomial(probs, 1).squeeze(1)
+    u = torch.zeros(probs.shape[0], dtype=torch.float64)
     by_prompt: dict[int, list[int]] = {}
     for b, row in enumerate(live):
         if alive[b]:
             by_prompt.setdefault(row // n, []).append(b)
     for prompt, batch_rows in by_prompt.items():
-        gen = generators[prompt] if generators is not None else None
-        idx = torch.tensor(batch_rows, device=probs.device)
-        picked[idx] = torch.multinomial(probs[idx], 1, generator=gen).squeeze(1)
-    return picked
+        gen = generators[prompt]
+        device = gen.device if gen is not None else "cpu"
+        u[batch_rows] = torch.rand(len(batch_rows), generator=gen, dtype=torch.float64, device=device).cpu()
+    cdf = probs.cumsum(dim=-1)
+    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    # right=True: the first token whose CDF exceeds the draw, so a zero-probability token is never picked
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:

@@ -94,11 +94,29 @@ class NativeTrainer:
         for i, c in enumerate(completions):
             comp[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
             mask[i, : len(c)] = 1
+        hidden = next(iter(composed.values())).shape[1]
+        if self.cfg.share_prompt_kv:
+            logits = self._logits_shared_prompt(composed, rows, comp, mask, hidden)
+        else:
+            logits = self._logits_full_rows(composed, rows, comp, mask, P, hidden)
+        out = []
+        for i in range(B):  # one row at a time keeps the fp32 copy of (T, vocab) small
+            row = logits[i].float() / self.temperature
+            out.append(row.gather(1, comp[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))
+        return torch.stack(out), mask
+
+    def _logits_full_rows(
+        self, composed: dict[int, torch.Tensor], rows: Sequence[int], comp: torch.Tensor, mask: torch.Tensor,
+        P: int, hidden: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """(B, T, vocab) logits for the completion tokens, each row carrying its own copy of its prompt."""
+        B, T = comp.shape
+        device = comp.device
+        embed = self.model.get_input_embeddings()
         # Prompts are left-padded to a common length P, completions right-padded: every completion
         # starts at column P, so one `logits_to_keep` serves all rows. Position ids count real tokens
         # only, so each row sees exactly the positions it has alone (right pads are harmless for a
         # causal model: real tokens never attend to the pads after them).
-        hidden = next(iter(composed.values())).shape[1]
         pads = {p: P - e.shape[0] for p, e in composed.items()}
         prompt_emb = torch.stack(
             [torch.cat([composed[p].new_zeros(pads[p], hidden), composed[p]]) if pads[p] else composed[p] for p in rows]
@@ -109,15 +127,47 @@ class NativeTrainer:
         full = torch.cat([prompt_emb, embed(comp)], dim=1)
         attn = torch.cat([prompt_mask, mask], dim=1)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = model(
+        logits = self.model(
             inputs_embeds=full, attention_mask=attn, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False
         ).logits
-        logits = logits[:, :T, :]
-        out = []
-        for i in range(B):  # one row at a time keeps the fp32 copy of (T, vocab) small
-            row = logits[i].float() / self.temperature
-            out.append(row.gather(1, comp[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))
-        return torch.stack(out), mask
+        return logits[:, :T, :]
+
+    def _logits_shared_prompt(
+        self, composed: dict[int, torch.Tensor], rows: Sequence[int], comp: torch.Tensor, mask: torch.Tensor,
+        hidden: int,
+    ) -> torch.Tensor:  # fmt: skip
+        """As :meth:`_logits_full_rows`, but each prompt goes through the model once and its KV cache is
+        repeated for its rows (``training.share_prompt_kv``): G rollouts of a memory cost one prompt
+        forward/backward instead of G. Gradients reach the soft prompt through the cached keys/values."""
+        from transformers import DynamicCache
+
+        B, T = comp.shape
+        device = comp.device
+        embed = self.model.get_input_embeddings()
+        order = list(composed)  # the distinct prompts, each once
+        P = max(e.shape[0] for e in composed.values())
+        lengths = torch.tensor([composed[p].shape[0] for p in order], device=device)
+        prompt_emb = torch.stack(
+            [torch.cat([composed[p].new_zeros(P - composed[p].shape[0], hidden), composed[p]]) for p in order]
+        )
+        prompt_mask = (torch.arange(P, device=device).unsqueeze(0) >= (P - lengths).unsqueeze(1)).long()
+        cache = DynamicCache()
+        out = self.model(
+            inputs_embeds=prompt_emb, attention_mask=prompt_mask,
+            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache, use_cache=True,
+            logits_to_keep=1,
+        )  # fmt: skip
+        index = {p: u for u, p in enumerate(order)}
+        which = torch.tensor([index[p] for p in rows], device=device)
+        cache.batch_select_indices(which)  # row i now holds its prompt's keys/values (differentiable)
+        first = out.logits[:, -1, :][which]  # predicts each completion's first token
+        attn = torch.cat([prompt_mask[which], mask], dim=1)
+        positions = lengths[which].unsqueeze(1) + torch.arange(T, device=device).unsqueeze(0)
+        rest = self.model(
+            inputs_embeds=embed(comp), attention_mask=attn, position_ids=positions, past_key_values=cache,
+            use_cache=True, logits_to_keep=T,
+        ).logits  # fmt: skip
+        return torch.cat([first.unsqueeze(1), rest[:, : T - 1, :]], dim=1)
 
     def reference_logps(
         self,
