@@ -14,7 +14,6 @@ import json
 import numbers
 import os
 import re
-import tempfile
 import time
 import uuid
 from dataclasses import asdict, dataclass, field
@@ -23,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elm_memory.atomic import write_bytes_atomic
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError
 from elm_memory.store.names import validate_memory_id
 
@@ -234,19 +234,7 @@ class LatentMemory:
 
     def save(self, path: str | os.PathLike[str]) -> Path:
         """Write atomically (temp file, fsync, rename): a crash leaves the old file or none."""
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        data = self.to_bytes()
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-        try:
-            with os.fdopen(fd, "wb") as fh:
-                fh.write(data)
-                fh.flush()
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
-        return path
+        return write_bytes_atomic(path, self.to_bytes())
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> LatentMemory:

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from elm_memory.atomic import write_bytes_atomic
 from elm_memory.errors import ConfigError
 
 
@@ -50,20 +50,8 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
     A crash mid-write leaves the old file or the new one, never half of one; NaN/inf are
     refused because they are not JSON and would break other readers.
     """
-    target = Path(path)
-    target.parent.mkdir(parents=True, exist_ok=True)
     text = json.dumps(obj, indent=2, ensure_ascii=False, allow_nan=False) + "\n"
-    fd, tmp = tempfile.mkstemp(prefix=f".{target.name}.", suffix=".tmp", dir=target.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as handle:
-            handle.write(text)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, target)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-    return target
+    return write_bytes_atomic(path, text.encode("utf-8"))
 
 
 def check_manifest(out_dir: Path, manifest: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:

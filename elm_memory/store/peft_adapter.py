@@ -22,13 +22,13 @@ from __future__ import annotations
 
 import json
 import os
-import tempfile
 from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elm_memory.atomic import write_bytes_atomic
 from elm_memory.errors import AdapterError, IncompatibleMemoryError, MemoryFormatError
 from elm_memory.memory import MAX_FILE_BYTES, MAX_HEADER_BYTES, LatentMemory, MemoryMeta
 
@@ -95,9 +95,9 @@ def export_adapter(memory: LatentMemory, out: str | os.PathLike[str], *, positio
     out = Path(out)
     try:
         out.mkdir(parents=True, exist_ok=True)
-        _write_atomic(out / ADAPTER_WEIGHTS, weights)
-        _write_atomic(out / ELM_METADATA, json.dumps(elm, ensure_ascii=False, indent=1).encode("utf-8"))
-        _write_atomic(out / ADAPTER_CONFIG, json.dumps(config, indent=2).encode("utf-8"))  # last: marks it complete
+        write_bytes_atomic(out / ADAPTER_WEIGHTS, weights)
+        write_bytes_atomic(out / ELM_METADATA, json.dumps(elm, ensure_ascii=False, indent=1).encode("utf-8"))
+        write_bytes_atomic(out / ADAPTER_CONFIG, json.dumps(config, indent=2).encode("utf-8"))  # last: marks it complete
     except OSError as exc:
         raise AdapterError(f"cannot write the adapter to {out}: {exc.strerror or exc}") from None
     return out
@@ -226,13 +226,3 @@ def _read_weights(path: Path) -> torch.Tensor:
     return prompt.to(torch.float32)
 
 
-def _write_atomic(path: Path, data: bytes) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
