@@ -211,7 +211,9 @@ def learn(
 @app.command()
 @handle_errors
 def demo(
-    dataset: Annotated[str, typer.Option(help="Vendored dataset: gsm8k, math500, amc23, aime24.")] = "gsm8k",
+    dataset: Annotated[
+        str, typer.Option(help="Vendored dataset: gsm8k, math500, amc23, aime24, synth-arith (toy).")
+    ] = "gsm8k",
     limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 3,
     method: MethodOpt = None,
     out: Annotated[
@@ -255,7 +257,8 @@ def _methods(values: list[str] | None, default: list[str]) -> list[str]:
 @app.command()
 @handle_errors
 def stream(
-    dataset: Annotated[str, typer.Option(help="gsm8k, math500, amc23, aime24, or a JSONL file with question/answer.")],
+    dataset: Annotated[str, typer.Option(help="gsm8k, math500, amc23, aime24, synth-arith (toy), "
+                                              "or a JSONL file with question/answer.")],
     out: Annotated[Path, typer.Option(help="Run directory (records, summary, plots, memory pools). Re-run to resume.")],
     method: MethodOpt = None,
     limit: Annotated[Optional[int], typer.Option(min=1, help="Questions to run (after shuffling).")] = None,
@@ -310,7 +313,8 @@ def _print_run(result, json_out: bool, files: str = "records.jsonl, summary.json
 @app.command()
 @handle_errors
 def offline(
-    dataset: Annotated[str, typer.Option(help="gsm8k, math500, amc23, aime24, or a JSONL file with question/answer.")],
+    dataset: Annotated[str, typer.Option(help="gsm8k, math500, amc23, aime24, synth-arith (toy), "
+                                              "or a JSONL file with question/answer.")],
     out: Annotated[Path, typer.Option(help="Run directory (records, summary, plots, memories). Re-run to resume.")],
     limit: Annotated[Optional[int], typer.Option(min=1, help="Questions in the set (after shuffling).")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Order seed; the subset is the first --limit. Default 17.")] = 17,
