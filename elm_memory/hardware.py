@@ -126,9 +126,8 @@ def resolve_placement(
     reasons: list[str] = []
     notes: list[str] = []
 
-    device = model_cfg.device
-    if device == "auto":
-        device = "cuda" if hw.gpus else "cpu"
+    device = resolve_device(model_cfg.device, hw)
+    if model_cfg.device == "auto":
         reasons.append("device auto: " + ("CUDA is available" if hw.gpus else "no CUDA device"))
     on_cuda = device.startswith("cuda")
     gpu = hw.gpu(device)
@@ -190,6 +189,13 @@ def resolve_placement(
         device=device, dtype=dtype, num_threads=threads, attn_implementation=attn,
         reasons=tuple(reasons), warnings=tuple(notes),
     )  # fmt: skip
+
+
+def resolve_device(device: str, hardware: Hardware | None = None) -> str:
+    """``auto`` -> ``cuda`` when a CUDA device exists, else ``cpu``; anything else as given."""
+    if device != "auto":
+        return device
+    return "cuda" if (hardware or Hardware.detect()).gpus else "cpu"
 
 
 def apply_threads(placement: Placement) -> None:

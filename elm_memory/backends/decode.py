@@ -64,24 +64,16 @@ def sample(
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    if options.share_prompt_kv or n == 1:
-        out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=positions,
-                    past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
-        logits = out.logits[:, -1, :]
-        if n > 1:
-            cache.batch_repeat_interleave(n)
-            logits = logits.repeat_interleave(n, dim=0)
-        mask = mask.repeat_interleave(n, dim=0)
-        positions = positions.repeat_interleave(n, dim=0)
-    else:  # the reference behaviour: n copies of each prompt through the prefill
-        rep = (lambda t: t.repeat_interleave(n, dim=0)) if n > 1 else (lambda t: t)
-        mask, positions = rep(mask), rep(positions)
-        out = model(
-            input_ids=rep(input_ids) if input_ids is not None else None,
-            inputs_embeds=rep(inputs_embeds) if inputs_embeds is not None else None,
-            attention_mask=mask, position_ids=positions, past_key_values=cache, use_cache=True, logits_to_keep=1,
-        )  # fmt: skip
-        logits = out.logits[:, -1, :]
+    if n > 1 and not options.share_prompt_kv:  # the reference behaviour: n copies of each prompt prefilled
+        input_ids, inputs_embeds, mask, positions = (
+            None if t is None else t.repeat_interleave(n, dim=0) for t in (input_ids, inputs_embeds, mask, positions)
+        )
+    out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=positions,
+                past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+    logits = out.logits[:, -1, :]
+    if n > 1 and options.share_prompt_kv:  # one prefill per prompt, its KV repeated for its n samples
+        cache.batch_repeat_interleave(n)
+        logits, mask, positions = (t.repeat_interleave(n, dim=0) for t in (logits, mask, positions))
 
     rows = B * n
     tokens: list[list[int]] = [[] for _ in range(rows)]

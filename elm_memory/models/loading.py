@@ -14,7 +14,7 @@ from typing import Any
 
 from elm_memory.config import ModelConfig
 from elm_memory.errors import ModelNotFoundError
-from elm_memory.hardware import Hardware, Placement, apply_threads, resolve_placement
+from elm_memory.hardware import Placement, apply_threads, resolve_device, resolve_placement
 from elm_memory.models.packaged import PACKAGED_PREFIX
 from elm_memory.models.prepare import MARKER, is_prepared, prepare_model, prepared_dir
 
@@ -87,10 +87,8 @@ def resolve_model_path(name_or_path: str, *, prepare: bool = True) -> str:
 
 
 def pick_device(device: str) -> str:
-    """``auto`` -> ``cuda`` when a CUDA device exists, else ``cpu`` (see :mod:`elm_memory.hardware`)."""
-    if device == "auto":
-        return "cuda" if Hardware.detect().gpus else "cpu"
-    return device
+    """``auto`` -> ``cuda`` when a CUDA device exists, else ``cpu`` (:func:`elm_memory.hardware.resolve_device`)."""
+    return resolve_device(device)
 
 
 def weight_fingerprint(weight: Any) -> str:

@@ -110,20 +110,13 @@ class NativeTrainer:
         P: int, hidden: int,
     ) -> torch.Tensor:  # fmt: skip
         """(B, T, vocab) logits for the completion tokens, each row carrying its own copy of its prompt."""
-        B, T = comp.shape
-        device = comp.device
+        T = comp.shape[1]
         embed = self.model.get_input_embeddings()
         # Prompts are left-padded to a common length P, completions right-padded: every completion
         # starts at column P, so one `logits_to_keep` serves all rows. Position ids count real tokens
         # only, so each row sees exactly the positions it has alone (right pads are harmless for a
         # causal model: real tokens never attend to the pads after them).
-        pads = {p: P - e.shape[0] for p, e in composed.items()}
-        prompt_emb = torch.stack(
-            [torch.cat([composed[p].new_zeros(pads[p], hidden), composed[p]]) if pads[p] else composed[p] for p in rows]
-        )
-        prompt_mask = torch.ones(B, P, dtype=torch.long, device=device)
-        for i, p in enumerate(rows):
-            prompt_mask[i, : pads[p]] = 0
+        prompt_emb, prompt_mask = _left_padded(composed, rows, P, hidden)
         full = torch.cat([prompt_emb, embed(comp)], dim=1)
         attn = torch.cat([prompt_mask, mask], dim=1)
         position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
@@ -147,10 +140,7 @@ class NativeTrainer:
         order = list(composed)  # the distinct prompts, each once
         P = max(e.shape[0] for e in composed.values())
         lengths = torch.tensor([composed[p].shape[0] for p in order], device=device)
-        prompt_emb = torch.stack(
-            [torch.cat([composed[p].new_zeros(P - composed[p].shape[0], hidden), composed[p]]) for p in order]
-        )
-        prompt_mask = (torch.arange(P, device=device).unsqueeze(0) >= (P - lengths).unsqueeze(1)).long()
+        prompt_emb, prompt_mask = _left_padded(composed, order, P, hidden)
         cache = DynamicCache()
         out = self.model(
             inputs_embeds=prompt_emb, attention_mask=prompt_mask,
@@ -446,6 +436,18 @@ def _postfix(mems: list[_Memory], active: list[int]) -> dict[str, str]:
     if len(active) < len(mems):
         out["skip"] = "uniform" if len(mems) == 1 else f"{len(mems) - len(active)}/{len(mems)}"
     return out
+
+
+def _left_padded(
+    composed: dict[int, torch.Tensor], keys: Sequence[int], width: int, hidden: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(len(keys), width, hidden) prompt embeddings ``composed[k]``, left-padded with zeros, and their mask."""
+    emb = torch.stack(
+        [torch.cat([composed[k].new_zeros(width - composed[k].shape[0], hidden), composed[k]]) for k in keys]
+    )
+    lengths = torch.tensor([composed[k].shape[0] for k in keys], device=emb.device)
+    mask = (torch.arange(width, device=emb.device).unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
+    return emb, mask
 
 
 def _step_seed(seed: int | None, step: int) -> int | None:
