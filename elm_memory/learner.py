@@ -732,22 +732,13 @@ class _QueueLearner:
         """Learn claimed jobs together with ``learn_many_fn``; a job the batch did not complete
         (the call raised, or returned an Exception for it) runs again alone with ``learn_fn``."""
         if len(recs) == 1 or self.learn_many_fn is None:
-            for i, rec in enumerate(recs):
-                try:
-                    self._run_one(rec, owner)
-                except BaseException:
-                    self._release(recs[i + 1 :], owner)
-                    raise
+            self._run_alone(recs, owner)
             return
         jobs = [r.job for r in recs]
         self._current = jobs[0].job_id
         log.info("learning %d jobs together: %s", len(jobs), ", ".join(j.job_id[:12] for j in jobs))
         t0 = time.monotonic()
-        beating = threading.Event()
-        threading.Thread(
-            target=self._heartbeat, args=([j.job_id for j in jobs], owner, beating),
-            name="elm-memory-learner-heartbeat", daemon=True,
-        ).start()  # fmt: skip
+        beating = self._start_heartbeat([j.job_id for j in jobs], owner)
         try:
             try:
                 results: list[Any] | None = list(self.learn_many_fn(jobs))
@@ -769,16 +760,28 @@ class _QueueLearner:
                     alone.append(rec)
                 else:
                     self._complete(rec.job, owner, result, t0)
-            for i, rec in enumerate(alone):
-                try:
-                    self._run_one(rec, owner)
-                except BaseException:
-                    self._release(alone[i + 1 :], owner)
-                    raise
+            self._run_alone(alone, owner)
         finally:
             beating.set()
             self._current = None
             self._notify()
+
+    def _run_alone(self, recs: list[JobRecord], owner: str) -> None:
+        """One job at a time; an interrupt releases the jobs not yet run, then propagates."""
+        for i, rec in enumerate(recs):
+            try:
+                self._run_one(rec, owner)
+            except BaseException:
+                self._release(recs[i + 1 :], owner)
+                raise
+
+    def _start_heartbeat(self, job_ids: list[str], owner: str) -> threading.Event:
+        """Keep the leases of ``job_ids`` alive until the returned event is set."""
+        beating = threading.Event()
+        threading.Thread(
+            target=self._heartbeat, args=(job_ids, owner, beating), name="elm-memory-learner-heartbeat", daemon=True
+        ).start()
+        return beating
 
     def _release(self, recs: list[JobRecord], owner: str) -> None:
         for rec in recs:
@@ -804,11 +807,7 @@ class _QueueLearner:
             "learning job %s (attempt %d/%d, namespace %r)", short, job.attempts, self.queue.max_attempts, job.namespace
         )
         t0 = time.monotonic()
-        beating = threading.Event()
-        threading.Thread(
-            target=self._heartbeat, args=([job.job_id], owner, beating), name="elm-memory-learner-heartbeat",
-            daemon=True,
-        ).start()  # fmt: skip
+        beating = self._start_heartbeat([job.job_id], owner)
         try:
             memory_id = self.learn_fn(job)
         except Exception as exc:
