@@ -54,7 +54,7 @@ def main() -> None:
     seeds = load_dataset("gsm8k", limit=n)  # memories come from these...
     tests = load_dataset("gsm8k", limit=n, offset=n)  # ...and are retrieved for these
     elm = ELM(cfg)
-    ctx = elm.context()
+    elm.services()  # build every part before timing
     zero_shot = ELM(cfg.model_copy(update={"store": cfg.store.model_copy(update={"kind": "none"})}),
                     loaded=elm.loaded, backend=elm.backend, verifier=elm.verifier)  # fmt: skip
     for p in seeds:
@@ -76,12 +76,11 @@ def main() -> None:
             "similarity": full.similarity,
             "retrieve_s": full.timings.get("retrieve", 0.0),
             "dual_generate_s": full.timings.get("dual_generate", 0.0),
-            "verifier_s": full.timings.get("route", 0.0) if full.route == "verifier" else 0.0,
+            "verifier_s": full.timings.get("verify", 0.0),
             "zero_shot_tokens": sum(len(c.get("token_ids", [])) for c in zs.candidates),
             "elm_tokens": [len(c.get("token_ids", [])) for c in full.candidates],
         })  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
-    del ctx
 
     def ratio(sel):
         sel = [r for r in rows if sel(r)]

@@ -189,12 +189,26 @@ class RetrievalConfig(_Section):
         None, description="Ignore memories whose cosine similarity is below this; None keeps the top-1."
     )
     skip_no_consensus: bool = Field(True, description="Never retrieve memories whose rollouts found no answer.")
+    min_majority_share: float = Field(
+        0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Never retrieve memories whose training vote was weak: the share of the last GRPO step's rollouts "
+            "that gave the majority answer (`stats.majority_share`) is below this. Default 0.0 = off, as in the "
+            "paper, which uses every memory. 0.5 keeps only memories learned from a strict majority: a weak vote "
+            "means the rewards mostly taught agreement with a near-random answer."
+        ),
+    )
 
 
 class VerifierConfig(_Section):
     """Scorer that routes between the zero-shot and the memory answer when they disagree."""
 
-    name: str = Field("prm", description="`prm` (paper), `self_certainty` (CPU default), `logprob`, or a plugin.")
+    name: str = Field(
+        "prm",
+        description="`prm` (paper), `self_certainty` (CPU default), `logprob`, `consistency`, or a plugin.",
+    )
     model: str = Field("Qwen/Qwen2.5-Math-PRM-7B", description="PRM model id or path (for `prm`).")
     aggregate: Literal["min", "last", "product", "mean"] = Field("min", description="PRM step-score aggregation.")
     trust_remote_code: bool | None = Field(
@@ -205,6 +219,32 @@ class VerifierConfig(_Section):
         description=(
             "Policy-model verifiers score both answers under the same plain prompt (`plain`, comparable scores) "
             "or each under the prompt it was generated from, memory included (`own`)."
+        ),
+    )
+    consistency_samples: int = Field(
+        4,
+        ge=1,
+        description=(
+            "`consistency`: zero-shot samples drawn per disagreement (one batched call); each answer scores the "
+            "fraction of samples that agree with it. Default 4: half a training step's G=8 rollouts, so routing "
+            "costs less than learning, yet no single stray sample decides."
+        ),
+    )
+    consistency_max_new_tokens: int = Field(
+        512,
+        ge=1,
+        description=(
+            "`consistency`: longest sample, in tokens. Samples stop at their first closed \\boxed{} and a "
+            "sample cut off before one counts for no answer; 512 covers typical GSM8K/MATH solutions at a "
+            "quarter of the 2048-token answer budget."
+        ),
+    )
+    consistency_temperature: float = Field(
+        0.7,
+        gt=0.0,
+        description=(
+            "`consistency`: sampling temperature (> 0: greedy samples would all be one answer). 0.7 is a common "
+            "self-consistency setting: diverse enough to disagree, rarely incoherent."
         ),
     )
 
@@ -229,6 +269,43 @@ class StoreConfig(_Section):
             "max_neighbors 32 and ef_search 800 for kv keys (recall@1 >= 0.995 at 100k, see benchmarks)."
         ),
     )
+    # Server-only settings (need `url`); names follow chromadb.HttpClient and its token auth.
+    tenant: str = Field(
+        "default_tenant",
+        min_length=1,
+        description="Chroma tenant on the server (`url`). Default `default_tenant`, the one every server has.",
+    )
+    database: str = Field(
+        "default_database",
+        min_length=1,
+        description=(
+            "Chroma database within `tenant` on the server. Default `default_database`. Tenant and database must "
+            "exist (create them with chromadb's AdminClient); the store creates only collections."
+        ),
+    )
+    headers: dict[str, str] | None = Field(
+        None,
+        description=(
+            "Extra HTTP headers sent with every request to the server, e.g. for a proxy. Default none. "
+            "`elm config show` prints them and eval runs save them in their manifest: keep secrets in `token_env`."
+        ),
+    )
+    token_env: str | None = Field(
+        None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description=(
+            "Name of the environment variable holding a static auth token (Chroma's token auth), read when the "
+            "store connects; the variable must then be set. Default none: no token from us (chromadb's own "
+            "CHROMA_CLIENT_AUTH_* variables still apply)."
+        ),
+    )
+    token_header: Literal["Authorization", "X-Chroma-Token"] = Field(
+        "Authorization",
+        description=(
+            "How the token is sent, as chromadb's TokenTransportHeader: `Authorization` (default; "
+            "`Bearer <token>`, what `chroma run` with token auth expects) or `X-Chroma-Token` (Chroma Cloud)."
+        ),
+    )
 
     @field_validator("path")
     @classmethod
@@ -237,12 +314,46 @@ class StoreConfig(_Section):
 
         return str(resolve_store_path(v))
 
+    @field_validator("tenant", "database", "headers", "token_env")
+    @classmethod
+    def _needs_url(cls, v: Any, info: Any) -> Any:
+        # only explicitly set values reach here (defaults are not validated): the embedded store has no
+        # tenants or HTTP, so a server setting without a server is a mistake, not something to ignore
+        if "url" in info.data and info.data["url"] is None and v:
+            raise ValueError(f"store.{info.field_name} applies to a Chroma server: set store.url too")
+        return v
+
 
 class BackendConfig(_Section):
     """Generation backend used for answers and rollouts."""
 
     name: str = Field("hf", description="`hf` (transformers), `vllm` (offline engine), `vllm-server`, or a plugin.")
     server_url: str | None = Field(None, description="Base URL of an OpenAI-compatible vLLM server.")
+    server_api_key: str | None = Field(
+        None,
+        exclude=True,  # a secret: never written by `elm config show` nor saved with a run's config
+        repr=False,
+        description=(
+            "API key for the `vllm-server` backend, sent as `Authorization: Bearer KEY` (the server's "
+            "`--api-key`). Default None: `$ELM_VLLM_API_KEY`, else `$VLLM_API_KEY`, else no header."
+        ),
+    )
+    server_max_retries: int = Field(
+        3,
+        ge=0,
+        description=(
+            "Extra attempts of a `vllm-server` request after a refused or dropped connection, HTTP 429 or 5xx "
+            "(not after a timeout). Default 3; 0 disables retries."
+        ),
+    )
+    server_retry_backoff: float = Field(
+        0.5,
+        ge=0,
+        description=(
+            "Seconds before the first retry, doubled for each next one (with jitter, at least the server's "
+            "`Retry-After`, at most 30 s). Default 0.5."
+        ),
+    )
     # Decode levers of the `hf` backend (benchmarks/learn_throughput.py measures each).
     decode_loop: Literal["elm", "generate"] = Field(
         "elm",
@@ -290,6 +401,14 @@ class ELMConfig(_Section):
     """Everything ELM needs, with the paper's values as defaults."""
 
     namespace: str = Field("default", description="Memories are only retrieved within their namespace.")
+    namespace_template: str | None = Field(
+        None,
+        description=(
+            "Namespace per run from its context/configurable, LangMem-style: e.g. `user-{user_id}` keeps "
+            "each user's memories apart in one served graph. A run that names a namespace wins; "
+            "None: `namespace`."
+        ),
+    )
     model: ModelConfig = Field(default_factory=ModelConfig)
     prompt: PromptConfig = Field(default_factory=PromptConfig)
     generation: GenerationConfig = Field(default_factory=GenerationConfig)

@@ -34,6 +34,8 @@ class AnswerResult:
     timings: dict[str, float] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
     learn_job: dict[str, Any] | None = None
+    namespace: str | None = None
+    gate: dict[str, Any] | None = None  # why the retrieved memory was or was not used
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -67,7 +69,7 @@ class ELM:
         self._learner = learner
         self._prompts: PromptBuilder | None = None
         self._graph: Any = None
-        self._context: Any = None
+        self._services: Any = None
         self._lock = threading.Lock()  # lazy construction from several request threads
         # the learner has its own lock: building it takes self._lock (retriever, loaded), and
         # two learners would mean two background threads on one queue
@@ -171,18 +173,19 @@ class ELM:
 
     @property
     def graph(self) -> Any:
+        """The compiled ELM graph bound to this instance's services (usable as a subgraph)."""
         if self._graph is None:
             from elm_memory.graph import build_elm_graph
 
-            self._graph = build_elm_graph()
+            self._graph = build_elm_graph(self.services)
         return self._graph
 
-    def context(self) -> Any:
-        """The runtime dependencies the graph's nodes receive (see ``ELMContext``)."""
-        if self._context is None:
-            from elm_memory.graph import ELMContext
+    def services(self) -> Any:
+        """The live parts the graph's nodes use (see ``ELMServices``), built on first call."""
+        if self._services is None:
+            from elm_memory.graph import ELMServices
 
-            self._context = ELMContext(
+            services = ELMServices(
                 config=self.config,
                 backend=self.backend,
                 prompts=self.prompts,
@@ -190,17 +193,27 @@ class ELM:
                 verifier=self.verifier,
                 learner=self.learner,
             )
-        return self._context
+            with self._lock:
+                if self._services is None:
+                    self._services = services
+        return self._services
 
     # -- API -------------------------------------------------------------------------
-    def answer(self, question: Any, *, namespace: str | None = None, learn: bool = True) -> AnswerResult:
-        """Answer one question through the ELM graph; then submit it for learning (unless ``learn=False``)."""
+    def answer(
+        self, question: Any, *, namespace: str | None = None, learn: bool = True, context: Any = None
+    ) -> AnswerResult:
+        """Answer one question through the ELM graph; then submit it for learning (unless ``learn=False``).
+
+        ``context``: the run's JSON settings (``ELMRunContext`` or a dict, e.g. ``{"user_id": "ada"}``
+        to fill ``namespace_template``); an explicit ``namespace`` wins over it.
+        """
         question = validate_question(question)  # before any model loading: bad input fails fast
-        namespace = validate_namespace(self.config.namespace if namespace is None else namespace)
-        out = self.graph.invoke(
-            {"question": question, "namespace": namespace, "learn": learn},
-            context=self.context(),
-        )
+        run: dict[str, Any] = {"question": question, "learn": learn}
+        if namespace is not None:
+            run["namespace"] = validate_namespace(namespace)
+        elif not self.config.namespace_template:
+            validate_namespace(self.config.namespace)  # the graph would use it: refuse it before model work
+        out = self.graph.invoke(run, context=context)
         return AnswerResult(
             question=question,
             answer=out.get("answer"),
@@ -212,6 +225,8 @@ class ELM:
             timings=dict(out.get("timings") or {}),
             warnings=list(out.get("warnings") or []),
             learn_job=out.get("learn_job"),
+            namespace=out.get("namespace"),
+            gate=out.get("gate"),
         )
 
     def learn(

@@ -1,30 +1,15 @@
-"""The ELM graph as served by ``langgraph dev`` / LangGraph Server (see ``langgraph.json``).
+"""The ELM graph as served by ``langgraph dev`` / LangGraph Server (``elm`` in ``langgraph.json``).
 
-The server cannot pass a model in a request, so this module registers a factory that
-builds the ELM parts once per process from the environment:
-
-- ``ELM_CONFIG``: a YAML config file (optional)
-- ``ELM_PRESET``: a preset name (default ``cpu-demo``)
-
-Input: ``{"question": "...", "namespace": "...", "learn": true}``.
+Input: ``{"question": "...", "learn": true}``; context: ``{"user_id": "...", "namespace": "...",
+"learn": ...}`` (see :class:`~elm_memory.graph.ELMRunContext`). The model and store are built
+once per process on the first run (:mod:`elm_memory.graphs.serving`).
 """
 
 from __future__ import annotations
 
-import os
-
 from elm_memory.graph import build_elm_graph
-from elm_memory.graph.context import set_default_context_factory
+from elm_memory.graphs.serving import served_services
 
-
-def _context_from_env():
-    from elm_memory.config import ELMConfig
-    from elm_memory.elm import ELM
-
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    cfg = ELMConfig.load(os.environ.get("ELM_CONFIG") or None, preset=os.environ.get("ELM_PRESET", "cpu-demo"))
-    return ELM(cfg).context()
-
-
-set_default_context_factory(_context_from_env)
-graph = build_elm_graph(name="elm")
+# Undeclared context schema: the graph itself refuses unknown context keys by name (the server
+# would drop them silently); see build_elm_graph.
+graph = build_elm_graph(served_services, name="elm", declare_context_schema=False)

@@ -1,12 +1,13 @@
-"""A ReAct-style math agent whose math tool is ELM (served as ``math_agent``).
+"""A tool-calling math agent whose math tool is ELM (``math_agent`` in ``langgraph.json``).
 
-See ``examples/math_agent.py`` for the runnable walkthrough; this module only exposes
-the compiled graph for ``langgraph.json``.
+The chat model comes from ``ELM_AGENT_MODEL`` (see :func:`~elm_memory.graphs.serving.chat_model_from_env`),
+resolved on the first run; ELM is the process's served instance.
 """
 
 from __future__ import annotations
 
-from graphs.elm_graph import _context_from_env  # noqa: F401  (registers the served default context)
-from integrations.agents import build_math_agent
+from elm_memory.graphs.serving import chat_model_from_env, served_elm
+from elm_memory.integrations.agents import build_math_agent
+from elm_memory.integrations.tools import create_elm_tool
 
-graph = build_math_agent()
+graph = build_math_agent(chat_model_from_env, [create_elm_tool(served_elm)])

@@ -1,6 +1,7 @@
-"""Adapters that put ELM into other frameworks.
+"""Adapters that put ELM into other frameworks (installed as ``elm_memory.integrations``).
 
-- ``integrations.langchain``: ``ElmRunnable``, a LangChain ``Runnable`` (and tool via ``.as_tool()``)
-- ``integrations.langgraph``: ``elm_node``, a node for graphs whose state uses other key names
-- ``integrations.agents``: ``build_math_agent``, a ReAct-style agent that calls ELM as its math tool
+- ``tools``: ``create_elm_tool``, a LangChain tool for any tool-calling agent
+- ``agents``: ``build_math_agent``, a tool-calling agent (any LangChain chat model) with ELM as its tool
+- ``langchain``: ``ElmRunnable``, a LangChain ``Runnable``
+- ``langgraph``: ``elm_node``, a node for graphs whose state uses other key names
 """

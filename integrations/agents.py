@@ -1,68 +1,76 @@
-"""A ReAct-style agent (reason -> act -> observe) whose math tool is ELM.
+"""A tool-calling agent (reason -> act -> observe) whose math tool is ELM.
 
-The reasoning step here is a small deterministic policy (call the tool for a question,
-then report the tool's answer) so the example runs on a CPU without a tool-calling chat
-model; the graph shape is the standard ReAct loop, so replacing ``reason`` with a chat
-model bound to the same tool (``model.bind_tools([tool])``) is a one-node change.
+Any LangChain chat model with tool calling works, e.g. ``ChatOpenAI`` against the vLLM
+OpenAI server of the packaged model::
+
+    vllm serve PACKAGED_MODEL_DIR --enable-auto-tool-choice --tool-call-parser hermes
+    model = ChatOpenAI(model=PACKAGED_MODEL_DIR, base_url="http://127.0.0.1:8000/v1", api_key="EMPTY")
+    agent = build_math_agent(model, [create_elm_tool(elm)])
+    agent.invoke({"messages": [("user", "Tom has 3 apples and buys 4 more. How many?")]})
 """
 
 from __future__ import annotations
 
-import json
-import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
-from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
-from langchain_core.tools import StructuredTool
+from langchain_core.language_models import BaseChatModel
+from langchain_core.messages import AIMessage, SystemMessage
+from langchain_core.tools import BaseTool
 from langgraph.graph import END, START, MessagesState, StateGraph
 from langgraph.prebuilt import ToolNode
 
+from elm_memory.errors import ConfigError
+from elm_memory.graph.context import ELMRunContext
 
-def make_math_tool(elm_provider: Callable[[], Any]) -> StructuredTool:
-    def solve_math(question: str) -> str:
-        """Solve a math word problem step by step; returns JSON with the final answer and route."""
-        result = elm_provider().answer(question)
-        return json.dumps({"answer": result.answer, "route": result.route, "memory_id": result.memory_id})
-
-    return StructuredTool.from_function(solve_math, name="solve_math")
+SYSTEM_PROMPT = (
+    "You are a careful math assistant. For any math question, call the solve_math tool with the "
+    "complete problem, then state its answer to the user in one sentence."
+)
 
 
-def build_math_agent(elm_provider: Callable[[], Any] | None = None) -> Any:
-    """Compile the agent. ``elm_provider`` returns the ELM instance to use (built lazily)."""
-    if elm_provider is None:
-        from elm_memory.graph.context import resolve_context
+def build_math_agent(
+    model: BaseChatModel | Callable[[], BaseChatModel],
+    tools: Sequence[BaseTool],
+    *,
+    system_prompt: str | None = SYSTEM_PROMPT,
+    max_steps: int = 6,
+    name: str = "math_agent",
+) -> Any:
+    """Compile the agent. ``model`` may be a zero-argument callable (built on the first run, once).
 
-        class _Served:  # the served graph's process-wide ELM (graphs/elm_graph.py registers it)
-            def answer(self, question: str) -> Any:
-                from elm_memory.elm import ELM
+    ``max_steps`` bounds the reason/act loop: a model that keeps calling tools gets a final
+    message saying so instead of looping until LangGraph's recursion limit.
+    """
+    if not tools:
+        raise ConfigError("build_math_agent needs at least one tool (e.g. create_elm_tool(elm))")
+    bound: list[Any] = []
 
-                ctx = resolve_context(None)
-                return ELM(ctx.config, backend=ctx.backend, retriever=ctx.retriever, verifier=ctx.verifier,
-                           learner=ctx.learner).answer(question)  # fmt: skip
-
-        served = _Served()
-        elm_provider = lambda: served  # noqa: E731
-    tool = make_math_tool(elm_provider)
+    def chat_model() -> Any:
+        if not bound:  # one bind per process; a race builds it twice, harmlessly
+            instance = model() if not isinstance(model, BaseChatModel) and callable(model) else model
+            if not hasattr(instance, "bind_tools"):
+                raise ConfigError(f"{type(instance).__name__} is not a chat model with tool calling (no bind_tools)")
+            bound.append(instance.bind_tools(list(tools)))
+        return bound[0]
 
     def reason(state: MessagesState) -> dict[str, Any]:
-        last = state["messages"][-1]
-        if isinstance(last, ToolMessage):
-            answer = json.loads(last.content)["answer"]
-            return {"messages": [AIMessage(content=f"The answer is {answer}.")]}
-        if isinstance(last, HumanMessage):
-            call = {"name": tool.name, "args": {"question": last.content}, "id": f"call_{uuid.uuid4().hex[:8]}"}
-            return {"messages": [AIMessage(content="", tool_calls=[call])]}
-        return {"messages": [AIMessage(content="I can only solve math questions.")]}
+        steps = sum(1 for m in state["messages"] if isinstance(m, AIMessage) and m.tool_calls)
+        if steps >= max_steps:
+            return {"messages": [AIMessage(content=f"Stopped after {max_steps} tool calls without a final answer.")]}
+        messages = list(state["messages"])
+        if system_prompt:
+            messages = [SystemMessage(system_prompt), *messages]
+        return {"messages": [chat_model().invoke(messages)]}
 
     def next_step(state: MessagesState) -> str:
         last = state["messages"][-1]
         return "act" if isinstance(last, AIMessage) and last.tool_calls else END
 
-    graph = StateGraph(MessagesState)
+    graph = StateGraph(MessagesState, context_schema=ELMRunContext)
     graph.add_node("reason", reason)
-    graph.add_node("act", ToolNode([tool]))
+    graph.add_node("act", ToolNode(list(tools)))
     graph.add_edge(START, "reason")
     graph.add_conditional_edges("reason", next_step, {"act": "act", END: END})
     graph.add_edge("act", "reason")
-    return graph.compile(name="math_agent")
+    return graph.compile(name=name)

@@ -1,7 +1,7 @@
 """Use ELM inside LangGraph graphs whose state does not have ELM's shape.
 
 Graphs that share the ``question``/``answer`` keys can add the compiled ELM graph itself
-as a node (``parent.add_node("solve", build_elm_graph())`` and pass ``context=elm.context()``).
+as a node (``parent.add_node("solve", elm.graph)``; runs may pass ``context={"user_id": ...}``).
 Graphs with other key names wrap it with :func:`elm_node`::
 
     builder.add_node("math", elm_node(elm, question_key="user_query", answer_key="math_answer"))

@@ -10,7 +10,7 @@ import torch
 
 from elm_memory.config import ELMConfig
 from elm_memory.elm import ELM
-from elm_memory.graph import ELMContext, build_elm_graph
+from elm_memory.graph import ELMRunContext, build_elm_graph
 
 pytestmark = pytest.mark.model
 
@@ -61,14 +61,15 @@ def test_first_question_has_no_memory_then_memory_is_retrieved(tiny_elm):
 
 def test_verifier_route_picks_the_higher_score(tiny_elm):
     tiny_elm.answer(Q1)
-    tiny_elm._context = None
+    tiny_elm._services = None
     tiny_elm._verifier = FixedVerifier([0.1, 0.9])
     r = tiny_elm.answer(Q2, learn=False)
     # SmolLM2 writes no \boxed{}: None vs None never "agree", so the verifier decides.
     assert r.route == "verifier" and tiny_elm.verifier.calls == 1
+    assert r.timings["verify"] > 0 and r.timings["total"] >= r.timings["verify"]  # its own node
     assert [c["score"] for c in r.candidates] == [0.1, 0.9]
     assert r.response == r.candidates[1]["response"]
-    tiny_elm._context = None
+    tiny_elm._services = None
     tiny_elm._verifier = FixedVerifier([0.5, 0.5])  # tie: the zero-shot answer is kept
     r = tiny_elm.answer(Q2, learn=False)
     assert r.route == "verifier" and r.response == r.candidates[0]["response"]
@@ -84,7 +85,7 @@ def test_namespaces_are_hard_filters(tiny_elm):
 
 def test_failures_degrade_to_zero_shot_with_a_warning(tiny_elm, monkeypatch):
     tiny_elm.answer(Q1)
-    tiny_elm._context = None
+    tiny_elm._services = None
 
     def broken(*args, **kwargs):
         raise RuntimeError("verifier exploded")
@@ -131,26 +132,55 @@ def test_elm_graph_as_a_subgraph_of_a_parent_agent(tiny_elm):
     def report(state: Parent) -> Parent:
         return {"log": [*state["log"], f"route={state['route']}"]}
 
-    parent = StateGraph(Parent, context_schema=ELMContext)
+    parent = StateGraph(Parent, context_schema=ELMRunContext)
     parent.add_node("plan", plan)
-    parent.add_node("solve", build_elm_graph())  # the compiled ELM graph as a node
+    parent.add_node("solve", tiny_elm.graph)  # the compiled ELM graph as a node
     parent.add_node("report", report)
     parent.add_edge(START, "plan")
     parent.add_edge("plan", "solve")
     parent.add_edge("solve", "report")
     parent.add_edge("report", END)
-    out = parent.compile().invoke({"question": Q1}, context=tiny_elm.context())
+    out = parent.compile().invoke({"question": Q1}, context={"namespace": "parent-ns", "learn": False})
     assert out["log"] == ["planned", "route=zero_shot"] and "answer" in out
+    assert tiny_elm.retriever.store.count("parent-ns") == 0  # learn=False came through the context
 
 
-def test_state_survives_a_checkpointer(tiny_elm):
+def test_state_survives_a_checkpointer_and_each_run_starts_a_fresh_trace(tiny_elm):
     from langgraph.checkpoint.memory import InMemorySaver
 
-    graph = build_elm_graph(checkpointer=InMemorySaver())
+    graph = build_elm_graph(tiny_elm.services(), checkpointer=InMemorySaver())
     cfg = {"configurable": {"thread_id": "t1"}}
-    graph.invoke({"question": Q1, "learn": False}, cfg, context=tiny_elm.context())
+    graph.invoke({"question": Q1}, cfg)
     saved = graph.get_state(cfg).values
     assert saved["question"] == Q1 and saved["route"] == "zero_shot" and "timings" in saved
+    assert saved["learn_job"]["status"] == "done"
+    tiny_elm.retriever.retrieve = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down"))
+    graph.invoke({"question": Q2, "learn": False}, cfg)
+    second = graph.get_state(cfg).values
+    # reducers: this run's warning only, timings of this run, no learn job carried over
+    assert second["question"] == Q2 and second["learn_job"] is None
+    assert len(second["warnings"]) == 1 and "retrieval failed" in second["warnings"][0]
+    assert set(second["timings"]) == {"retrieve", "dual_generate", "route", "total"}
+
+
+def test_run_context_selects_the_namespace_and_refuses_unknown_keys(tmp_path, tiny_loaded, tiny_backend):
+    from elm_memory.errors import ConfigError
+
+    cfg = tiny_config(tmp_path)
+    cfg = cfg.model_copy(update={"namespace_template": "user-{user_id}"})
+    with ELM(cfg, loaded=tiny_loaded, backend=tiny_backend) as elm:
+        ada = elm.answer(Q1, context={"user_id": "ada"})
+        assert ada.namespace == "user-ada" and elm.retriever.store.count("user-ada") == 1
+        bob = elm.answer(Q2, context={"user_id": "bob"}, learn=False)
+        assert bob.namespace == "user-bob" and bob.memory_id is None  # ada's memory is not bob's
+        again = elm.answer(Q2, context={"user_id": "ada"}, learn=False)
+        assert again.memory_id == ada.learn_job["memory_id"]
+        assert elm.answer(Q2, namespace="explicit", context={"user_id": "ada"}, learn=False).namespace == "explicit"
+        with pytest.raises(ConfigError, match="user_id"):
+            elm.answer(Q2, learn=False)  # the template needs user_id and the run has none
+        with pytest.raises(Exception, match="colour"):
+            elm.answer(Q2, context={"user_id": "ada", "colour": "red"}, learn=False)
+        assert elm.retriever.store.count("user-ada") == 1 and elm.retriever.store.count("user-bob") == 0
 
 
 def test_config_swap_by_yaml_only(tmp_path, tiny_loaded, tiny_backend):
@@ -203,7 +233,7 @@ def test_16_concurrent_answers_with_background_learning(tmp_path, tiny_loaded, t
     questions = [f"What is {i} plus {i + 1}?" for i in range(16)]
     results: dict[int, object] = {}
     with ELM(cfg, loaded=tiny_loaded, backend=tiny_backend) as elm:
-        elm.context()
+        elm.services()
 
         def ask(i: int) -> None:
             results[i] = elm.answer(questions[i])

@@ -6,10 +6,11 @@ import json
 from typing import TypedDict
 
 import pytest
+from langchain_core.messages import AIMessage, HumanMessage, SystemMessage, ToolMessage
 
 from elm_memory.config import ELMConfig
 from elm_memory.elm import ELM
-from elm_memory.errors import InvalidQuestionError
+from elm_memory.errors import ConfigError, InvalidQuestionError
 
 pytestmark = pytest.mark.model
 Q = "What is 2+3?"
@@ -26,7 +27,7 @@ def elm(tmp_path, tiny_loaded, tiny_backend):
 
 
 def test_langchain_runnable_and_tool(elm):
-    from integrations.langchain import ElmRunnable
+    from elm_memory.integrations.langchain import ElmRunnable
 
     runnable = ElmRunnable(elm, learn=False)
     out = runnable.invoke({"question": Q})
@@ -42,7 +43,7 @@ def test_langchain_runnable_and_tool(elm):
 def test_elm_node_in_a_graph_with_other_state_keys(elm):
     from langgraph.graph import END, START, StateGraph
 
-    from integrations.langgraph import elm_node
+    from elm_memory.integrations.langgraph import elm_node
 
     class Other(TypedDict, total=False):
         user_query: str
@@ -58,33 +59,95 @@ def test_elm_node_in_a_graph_with_other_state_keys(elm):
     assert "math_answer" in out and out["trace"]["route"] == "zero_shot"
 
 
-def test_react_math_agent_calls_elm_as_its_tool(elm):
-    from langchain_core.messages import AIMessage, HumanMessage, ToolMessage
+def test_elm_tool_answers_and_follows_the_runs_namespace(tmp_path, tiny_loaded, tiny_backend):
+    from langgraph.graph import END, START, MessagesState, StateGraph
+    from langgraph.prebuilt import ToolNode
 
-    from integrations.agents import build_math_agent
+    from elm_memory.graph import ELMRunContext
+    from elm_memory.integrations.tools import create_elm_tool
 
-    agent = build_math_agent(lambda: elm)
+    cfg = ELMConfig.load(
+        preset="cpu-tiny",
+        overrides={"model": {"dtype": "float32"}, "store": {"path": str(tmp_path / "s")}, "training": {"steps": 0},
+                   "namespace_template": "user-{user_id}"},
+    )  # fmt: skip
+    with ELM(cfg, loaded=tiny_loaded, backend=tiny_backend) as elm:
+        tool = create_elm_tool(lambda: elm, include_trace=True)
+        assert tool.name == "solve_math" and set(tool.args) == {"question"}  # config is injected, not asked for
+        out = json.loads(tool.invoke({"question": Q}, config={"configurable": {"user_id": "cfg-user"}}))
+        assert out["namespace"] == "user-cfg-user" and out["route"] == "zero_shot"
+
+        g = StateGraph(MessagesState, context_schema=ELMRunContext)
+        g.add_node("act", ToolNode([tool]))
+        g.add_edge(START, "act")
+        g.add_edge("act", END)
+        call = AIMessage(content="", tool_calls=[{"name": "solve_math", "args": {"question": Q}, "id": "c1"}])
+        msgs = g.compile().invoke({"messages": [call]}, context={"user_id": "ada"})["messages"]
+        assert json.loads(msgs[-1].content)["namespace"] == "user-ada"
+        assert elm.retriever.store.count("user-ada") == 1 and elm.retriever.store.count("user-cfg-user") == 1
+
+
+def test_math_agent_with_a_tool_calling_chat_model(elm):
+    from elm_memory.integrations.agents import build_math_agent
+    from elm_memory.integrations.testing import ScriptedToolCaller
+    from elm_memory.integrations.tools import create_elm_tool
+
+    seen: list[list] = []
+
+    class Recording(ScriptedToolCaller):
+        def _generate(self, messages, *args, **kwargs):
+            seen.append(list(messages))
+            return super()._generate(messages, *args, **kwargs)
+
+    agent = build_math_agent(Recording(), [create_elm_tool(elm)])
     out = agent.invoke({"messages": [HumanMessage(Q)]})
     kinds = [type(m) for m in out["messages"]]
     assert kinds == [HumanMessage, AIMessage, ToolMessage, AIMessage]
     assert out["messages"][1].tool_calls[0]["name"] == "solve_math"
     tool_result = json.loads(out["messages"][2].content)
-    assert tool_result["route"] == "zero_shot"
     assert out["messages"][3].content == f"The answer is {tool_result['answer']}."
+    assert isinstance(seen[0][0], SystemMessage) and len(seen) == 2  # the model saw the system prompt, twice
     assert elm.retriever.store.count("default") == 1  # the tool call learned a memory
 
 
-def test_served_graphs_import_and_need_no_request_objects():
+def test_math_agent_stops_a_model_that_never_stops_calling_tools(elm):
+    from elm_memory.integrations.agents import build_math_agent
+    from elm_memory.integrations.testing import ScriptedToolCaller
+    from elm_memory.integrations.tools import create_elm_tool
+
+    class Looping(ScriptedToolCaller):
+        def _generate(self, messages, *args, **kwargs):
+            return super()._generate([HumanMessage(Q)], *args, **kwargs)  # always another tool call
+
+    agent = build_math_agent(Looping(), [create_elm_tool(elm, learn=False)], max_steps=2)
+    out = agent.invoke({"messages": [HumanMessage(Q)]})
+    assert out["messages"][-1].content == "Stopped after 2 tool calls without a final answer."
+    with pytest.raises(ConfigError, match="tool"):
+        build_math_agent(Looping(), [])
+
+
+def test_served_graphs_import_without_building_anything(monkeypatch):
     import importlib
 
-    from elm_memory.graph.context import set_default_context_factory
+    from elm_memory.graphs import serving
 
-    try:
-        served = importlib.import_module("graphs.elm_graph")
-        agent = importlib.import_module("graphs.math_agent")
-        assert set(served.graph.get_graph().nodes) >= {"retrieve", "dual_generate", "route", "respond", "learn_memory"}
-        assert set(agent.graph.get_graph().nodes) >= {"reason", "act"}
-        spec = json.loads(open("langgraph.json").read())
-        assert spec["graphs"]["elm"].endswith("graphs/elm_graph.py:graph")
-    finally:
-        set_default_context_factory(None)
+    monkeypatch.setattr(serving, "served_elm", lambda: (_ for _ in ()).throw(AssertionError("built at import")))
+    served = importlib.import_module("elm_memory.graphs.elm_graph")
+    agent = importlib.import_module("elm_memory.graphs.math_agent")
+    assert set(served.graph.get_graph().nodes) >= {"retrieve", "dual_generate", "route", "verify", "respond"}
+    assert set(agent.graph.get_graph().nodes) >= {"reason", "act"}
+    spec = json.loads(open("langgraph.json").read())
+    assert spec["graphs"] == {"elm": "elm_memory.graphs.elm_graph:graph",
+                              "math_agent": "elm_memory.graphs.math_agent:graph"}  # fmt: skip
+    monkeypatch.delenv("ELM_AGENT_MODEL", raising=False)
+    with pytest.raises(ConfigError, match="ELM_AGENT_MODEL"):
+        serving.chat_model_from_env()
+    monkeypatch.setenv("ELM_AGENT_MODEL", "elm_memory.integrations.testing:scripted_tool_caller")
+    assert type(serving.chat_model_from_env()).__name__ == "ScriptedToolCaller"
+    monkeypatch.setenv("ELM_AGENT_MODEL", "openai:packaged-qwen")
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")  # built only: nothing is sent
+    chat = serving.chat_model_from_env()
+    assert type(chat).__name__ == "ChatOpenAI" and chat.model_name == "packaged-qwen"
+    monkeypatch.setenv("ELM_AGENT_MODEL", "no.such.module:factory")
+    with pytest.raises(ConfigError, match="cannot import"):
+        serving.chat_model_from_env()

@@ -1,10 +1,11 @@
 """Where the ELM graph is wired.
 
-    START -> retrieve -> dual_generate -> route -> respond -> [learn_memory] -> END
+    START -> retrieve -> dual_generate -> route -> [verify] -> respond -> [learn_memory] -> END
 
-``learn_memory`` runs after ``respond`` has produced the answer and only *submits* a job
-to the learner (background mode returns at once; sync mode is the paper's strict online
-protocol, where memory i exists before question i+1 is answered).
+``verify`` runs only when the two answers disagree, so traces and Studio show that branch
+and its time. ``learn_memory`` runs after ``respond`` has produced the answer and only
+*submits* a job to the learner (background mode returns at once; sync mode is the paper's
+strict online protocol, where memory i exists before question i+1 is answered).
 """
 
 from __future__ import annotations
@@ -13,23 +14,41 @@ from typing import Any
 
 from langgraph.graph import END, START, StateGraph
 
-from elm_memory.graph import nodes
-from elm_memory.graph.context import ELMContext
+from elm_memory.graph.context import ELMRunContext
+from elm_memory.graph.nodes import ELMNodes, ServicesProvider, after_respond, after_route
+from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import ELMInput, ELMOutput, ELMState
 
 
-def build_elm_graph(*, checkpointer: Any = None, name: str = "elm") -> Any:
-    """The compiled ELM graph. Invoke with ``context=ELMContext(...)``."""
-    graph = StateGraph(ELMState, context_schema=ELMContext, input_schema=ELMInput, output_schema=ELMOutput)
+def build_elm_graph(
+    services: ELMServices | ServicesProvider,
+    *,
+    checkpointer: Any = None,
+    name: str = "elm",
+    declare_context_schema: bool = True,
+) -> Any:
+    """The compiled ELM graph, bound to ``services`` (or a callable returning them, called per
+    node so a served graph can build them on first use). Runs take JSON settings as
+    ``context`` (:class:`ELMRunContext`: ``user_id``, ``namespace``, ``learn``).
+
+    ``declare_context_schema=False`` leaves the schema out of the compiled graph and has the
+    first node validate the context instead: LangGraph Server silently drops context keys
+    that a declared schema lacks, so a served graph could not refuse a misspelt key.
+    """
+    nodes = ELMNodes(services)
+    schema = ELMRunContext if declare_context_schema else None
+    graph = StateGraph(ELMState, context_schema=schema, input_schema=ELMInput, output_schema=ELMOutput)
     graph.add_node("retrieve", nodes.retrieve)
     graph.add_node("dual_generate", nodes.dual_generate)
     graph.add_node("route", nodes.route)
+    graph.add_node("verify", nodes.verify)
     graph.add_node("respond", nodes.respond)
     graph.add_node("learn_memory", nodes.learn_memory)
     graph.add_edge(START, "retrieve")
     graph.add_edge("retrieve", "dual_generate")
     graph.add_edge("dual_generate", "route")
-    graph.add_edge("route", "respond")
-    graph.add_conditional_edges("respond", nodes.should_learn, {"learn_memory": "learn_memory", "__end__": END})
+    graph.add_conditional_edges("route", after_route, {"verify": "verify", "respond": "respond"})
+    graph.add_edge("verify", "respond")
+    graph.add_conditional_edges("respond", after_respond, {"learn_memory": "learn_memory", "__end__": END})
     graph.add_edge("learn_memory", END)
     return graph.compile(checkpointer=checkpointer, name=name)

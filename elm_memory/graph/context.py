@@ -1,71 +1,69 @@
-"""Runtime dependencies of the ELM graph, injected through LangGraph's ``context_schema``.
+"""What a run of the ELM graph may carry in its ``context``: small, JSON-only settings.
 
-Nothing here is global: two ELM instances (two models, two stores) can run graphs side
-by side. Any part may be None: no retriever means no memories (zero-shot only), no
-learner means nothing is learned, no verifier means disagreements fall back to zero-shot.
+LangGraph Server builds the run context from the request's JSON, so nothing live (model,
+store, learner) can be in it; those are :class:`~elm_memory.graph.services.ELMServices`,
+built once per process and bound to the graph when it is built.
+
+Namespaces follow LangMem's convention: the config's ``namespace_template`` (for example
+``"user-{user_id}"``) is filled from the run context and the run's ``configurable``, so
+one served graph keeps every user's memories apart without the client naming a namespace.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
-from dataclasses import dataclass, field
+import string
+from collections.abc import Mapping
 from typing import Any
 
-from elm_memory.backends.base import GenerationBackend
-from elm_memory.config import ELMConfig
-from elm_memory.models.prompting import PromptBuilder
+from pydantic import BaseModel, ConfigDict, Field
+
+from elm_memory.errors import ConfigError
+from elm_memory.store.names import validate_namespace
 
 
-@dataclass
-class ELMContext:
-    config: ELMConfig
-    backend: GenerationBackend
-    prompts: PromptBuilder
-    retriever: Any | None = None  # elm_memory.retrieval.Retriever
-    verifier: Any | None = None  # elm_memory.verifiers.Verifier
-    learner: Any | None = None  # elm_memory.learner.MemoryLearner
-    # Memories fetched by `retrieve` for `dual_generate` (state holds only their ids).
-    memory_cache: OrderedDict[str, Any] = field(default_factory=OrderedDict)
-    cache_size: int = 64
+class ELMRunContext(BaseModel):
+    """Per-run settings (``graph.invoke(..., context={...})`` or the server's ``context``).
 
-    def remember(self, memory: Any) -> None:
-        self.memory_cache[memory.id] = memory
-        self.memory_cache.move_to_end(memory.id)
-        while len(self.memory_cache) > self.cache_size:
-            self.memory_cache.popitem(last=False)
+    Unknown keys are refused with an error naming them (library calls; LangGraph Server
+    itself drops keys that are not in this schema before the graph sees them).
+    """
 
-    def memory(self, memory_id: str) -> Any:
-        if memory_id in self.memory_cache:
-            return self.memory_cache[memory_id]
-        if self.retriever is None:
-            raise KeyError(memory_id)
-        memory = self.retriever.store.get(memory_id)
-        self.remember(memory)
-        return memory
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    user_id: str | None = Field(None, description="Fills `{user_id}` in the config's `namespace_template`.")
+    namespace: str | None = Field(None, description="Memory namespace for this run (overrides the template).")
+    learn: bool | None = Field(None, description="Learn a memory from the question after answering (default: yes).")
 
 
-# -- serving entry points ------------------------------------------------------------------
-# `langgraph dev` / LangGraph Server cannot send live objects (models, stores) in a request,
-# so a served graph registers a factory that builds them once per process. Library users
-# pass `context=` explicitly and never touch this.
-_default_factory: Any = None
-_default_context: ELMContext | None = None
+def resolve_namespace(
+    state_namespace: str | None,
+    context: ELMRunContext | None,
+    configurable: Mapping[str, Any] | None,
+    *,
+    template: str | None,
+    default: str,
+) -> str:
+    """The run's namespace: the input's, else the context's, else the filled template, else the config's."""
+    for explicit in (state_namespace, context.namespace if context is not None else None):
+        if explicit is not None:
+            return validate_namespace(explicit)
+    if template:
+        return validate_namespace(fill_template(template, context, configurable))
+    return validate_namespace(default)
 
 
-def set_default_context_factory(factory: Any) -> None:
-    global _default_factory, _default_context
-    _default_factory, _default_context = factory, None
-
-
-def resolve_context(context: ELMContext | None) -> ELMContext:
-    """The run's injected context, else the served graph's process-wide default."""
-    global _default_context
+def fill_template(template: str, context: ELMRunContext | None, configurable: Mapping[str, Any] | None) -> str:
+    """``template`` with each ``{name}`` taken from the run context, then the run's configurable."""
+    values: dict[str, Any] = {k: v for k, v in (configurable or {}).items() if not str(k).startswith("__")}
     if context is not None:
-        return context
-    if _default_factory is None:
-        from elm_memory.errors import ConfigError
-
-        raise ConfigError("the ELM graph needs context=ELMContext(...) (see ELM.context())")
-    if _default_context is None:
-        _default_context = _default_factory()
-    return _default_context
+        values.update({k: v for k, v in context.model_dump().items() if v is not None})
+    names = [field for _, field, _, _ in string.Formatter().parse(template) if field is not None]
+    for name in names:
+        if not name.isidentifier():
+            raise ConfigError(f"namespace_template {template!r}: use plain {{name}} fields, got {{{name}}}")
+        if values.get(name) in (None, ""):
+            raise ConfigError(
+                f"namespace_template {template!r} needs {name!r}: pass it in the run's context "
+                f"(context={{'{name}': ...}}) or configurable"
+            )
+    return template.format(**{name: str(values[name]) for name in names})

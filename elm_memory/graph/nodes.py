@@ -1,92 +1,129 @@
-"""The ELM graph's nodes. Each reads the state, uses injected dependencies from the
-runtime context, and returns only the keys it changes.
+"""The ELM graph's nodes. Each reads the state, uses the live parts bound at build time
+(:class:`~elm_memory.graph.services.ELMServices`) and the run's JSON context, and returns
+only the keys it changes (``warnings`` and ``timings`` are reduced: a node returns its own).
 
-Failure policy: a store/retriever or verifier failure never fails the request; the
-node degrades to the zero-shot answer and records a warning in the trace.
+Failure policy: a store/retriever or verifier failure never fails the request; the node
+degrades to the zero-shot answer and records a warning in the trace. Bad input (an empty
+question, a namespace template without its variable) fails the run with a typed error.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 
+from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import Runtime
 
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
-from elm_memory.graph.context import ELMContext, resolve_context
-from elm_memory.graph.state import CandidateState, ELMState
+from elm_memory.graph.context import ELMRunContext, resolve_namespace
+from elm_memory.graph.services import ELMServices
+from elm_memory.graph.state import CandidateState, ELMState, Fresh, FreshTimings
 from elm_memory.models.prompting import validate_question
 
 log = logging.getLogger(__name__)
 
-
-def _timed(state: ELMState, name: str, t0: float) -> dict[str, float]:
-    return {**(state.get("timings") or {}), name: time.perf_counter() - t0}
+ServicesProvider = Callable[[], ELMServices]
 
 
-def _warn(state: ELMState, message: str) -> list[str]:
+def _elapsed(name: str, t0: float) -> dict[str, float]:
+    return {name: time.perf_counter() - t0}
+
+
+def _warning(message: str) -> list[str]:
     log.warning(message)
-    return [*(state.get("warnings") or []), message]
+    return [message]
 
 
-def retrieve(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, Any]:
-    """Top-1 memory of the request's namespace, or none (empty pool, below threshold, failure)."""
-    t0 = time.perf_counter()
-    ctx = resolve_context(runtime.context)
-    question = validate_question(state["question"])
-    namespace = state.get("namespace") or ctx.config.namespace
-    update: dict[str, Any] = {"question": question, "namespace": namespace, "memory_id": None, "similarity": None}
-    if ctx.retriever is not None:
-        r = ctx.config.retrieval
-        try:
-            hits = ctx.retriever.retrieve(
-                question, namespace, k=r.top_k, min_similarity=r.min_similarity, skip_no_consensus=r.skip_no_consensus
-            )
-        except Exception as exc:  # degrade, never fail the answer
-            update["warnings"] = _warn(state, f"retrieval failed, answering zero-shot: {exc}")
-            hits = []
-        if hits:
-            ctx.remember(hits[0].memory)
-            update["memory_id"], update["similarity"] = hits[0].memory.id, float(hits[0].score)
-    update["timings"] = _timed(state, "retrieve", t0)
-    return update
+class ELMNodes:
+    """The nodes, bound to one process's services (``services`` may build them on first use)."""
 
+    def __init__(self, services: ELMServices | ServicesProvider):
+        self._services: ServicesProvider = services if callable(services) else (lambda: services)
 
-def dual_generate(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, Any]:
-    """Zero-shot and memory-conditioned answers in ONE batched backend call (greedy by default)."""
-    t0 = time.perf_counter()
-    ctx = resolve_context(runtime.context)
-    cfg = ctx.config
-    k = cfg.memory.num_tokens
-    built = ctx.prompts.build(state["question"], reserve=k + 1)
-    inputs = [PromptInput(built.token_ids)]
-    kinds = ["zero_shot"]
-    warnings = state.get("warnings") or []
-    memory_id = state.get("memory_id")
-    if memory_id:
-        try:
-            memory = ctx.memory(memory_id)
-            memory.check_compatible(ctx.backend.info)
-            at = built.memory_position(cfg.prompt.soft_prompt_position)
-            inputs.append(PromptInput(built.token_ids, soft_prompt=memory.soft_prompt, soft_prompt_at=at))
-            kinds.append("memory")
-        except Exception as exc:
-            warnings = _warn(state, f"memory {memory_id[:8]} unusable, answering zero-shot: {exc}")
-            memory_id = None
-    g = cfg.generation
-    params = SamplingParams(
-        max_new_tokens=answer_budget(g.max_new_tokens, ctx.backend.info.max_context, len(built.token_ids), k),
-        temperature=g.temperature,
-        top_p=g.top_p,
-        stop_at_answer=g.stop_at_answer,
-        seed=cfg.training.seed,
-    )
-    results = ctx.backend.generate(inputs, params)
-    candidates: list[CandidateState] = []
-    for kind, [gen] in zip(kinds, results, strict=True):
-        candidates.append(
+    @property
+    def services(self) -> ELMServices:
+        return self._services()
+
+    # -- retrieve ------------------------------------------------------------------------
+    def retrieve(self, state: ELMState, runtime: Runtime[ELMRunContext], config: RunnableConfig) -> dict[str, Any]:
+        """Top-1 memory of the run's namespace, or none (empty pool, a gate, a failure)."""
+        t0 = time.perf_counter()
+        question = validate_question(state["question"])
+        context = _as_context(runtime.context)
+        svc = self.services
+        namespace = resolve_namespace(
+            state.get("namespace"),
+            context,
+            (config or {}).get("configurable"),
+            template=svc.config.namespace_template,
+            default=svc.config.namespace,
+        )
+        learn = state.get("learn")
+        if learn is None:
+            learn = context.learn if context is not None and context.learn is not None else True
+        update: dict[str, Any] = {
+            "question": question,
+            "namespace": namespace,
+            "learn": bool(learn),
+            "memory_id": None,
+            "similarity": None,
+            "gate": None,
+            "learn_job": None,
+            "warnings": Fresh(),
+        }
+        if svc.retriever is not None:
+            r = svc.config.retrieval
+            try:
+                hits, decision = svc.retriever.retrieve_with_gates(
+                    question, namespace, k=r.top_k, min_similarity=r.min_similarity,
+                    skip_no_consensus=r.skip_no_consensus, min_majority_share=r.min_majority_share,
+                )  # fmt: skip
+                update["gate"] = decision.to_dict()
+            except Exception as exc:  # degrade, never fail the answer
+                update["warnings"] = Fresh(_warning(f"retrieval failed, answering zero-shot: {exc}"))
+                hits = []
+            if hits:
+                svc.memories.put(hits[0].memory)
+                update["memory_id"], update["similarity"] = hits[0].memory.id, float(hits[0].score)
+        update["timings"] = FreshTimings(_elapsed("retrieve", t0))
+        return update
+
+    # -- dual_generate -------------------------------------------------------------------
+    def dual_generate(self, state: ELMState) -> dict[str, Any]:
+        """Zero-shot and memory-conditioned answers in ONE batched backend call (greedy by default)."""
+        t0 = time.perf_counter()
+        svc = self.services
+        cfg = svc.config
+        k = cfg.memory.num_tokens
+        built = svc.prompts.build(state["question"], reserve=k + 1)
+        inputs = [PromptInput(built.token_ids)]
+        kinds = ["zero_shot"]
+        warnings: list[str] = []
+        memory_id = state.get("memory_id")
+        if memory_id:
+            try:
+                memory = svc.memory(memory_id)
+                memory.check_compatible(svc.backend.info)
+                at = built.memory_position(cfg.prompt.soft_prompt_position)
+                inputs.append(PromptInput(built.token_ids, soft_prompt=memory.soft_prompt, soft_prompt_at=at))
+                kinds.append("memory")
+            except Exception as exc:
+                warnings += _warning(f"memory {memory_id[:8]} unusable, answering zero-shot: {exc}")
+                memory_id = None
+        g = cfg.generation
+        params = SamplingParams(
+            max_new_tokens=answer_budget(g.max_new_tokens, svc.backend.info.max_context, len(built.token_ids), k),
+            temperature=g.temperature,
+            top_p=g.top_p,
+            stop_at_answer=g.stop_at_answer,
+            seed=cfg.training.seed,
+        )
+        results = svc.backend.generate(inputs, params)
+        candidates = [
             CandidateState(
                 kind=kind,
                 answer=extract_answer(gen.text),
@@ -95,80 +132,117 @@ def dual_generate(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, An
                 finish_reason=gen.finish_reason,
                 score=None,
             )
-        )
-    return {
-        "candidates": candidates,
-        "memory_id": memory_id,
-        "warnings": warnings,
-        "timings": _timed(state, "dual_generate", t0),
-    }
+            for kind, [gen] in zip(kinds, results, strict=True)
+        ]
+        return {
+            "candidates": candidates,
+            "memory_id": memory_id,
+            "warnings": warnings,
+            "timings": _elapsed("dual_generate", t0),
+        }
 
+    # -- route / verify ------------------------------------------------------------------
+    def route(self, state: ELMState) -> dict[str, Any]:
+        """One candidate: zero-shot. Agreeing answers: they win. Otherwise the verifier decides."""
+        t0 = time.perf_counter()
+        candidates = state["candidates"]
+        zero = candidates[0]
+        if len(candidates) == 1:
+            decided: dict[str, Any] = {"route": "zero_shot", "answer": zero["answer"], "response": zero["response"]}
+        elif equivalent(zero["answer"], candidates[1]["answer"]):
+            decided = {"route": "agree", "answer": zero["answer"], "response": zero["response"]}
+        else:
+            decided = {"route": "verifier"}
+        return {**decided, "timings": _elapsed("route", t0)}
 
-def route(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, Any]:
-    """Agreeing answers win outright; otherwise the verifier's higher score (ties: zero-shot)."""
-    t0 = time.perf_counter()
-    ctx = resolve_context(runtime.context)
-    candidates = [dict(c) for c in state["candidates"]]
-    zero = candidates[0]
-    if len(candidates) == 1:
-        return {"route": "zero_shot", "answer": zero["answer"], "response": zero["response"],
-                "timings": _timed(state, "route", t0)}  # fmt: skip
-    memory = candidates[1]
-    if equivalent(zero["answer"], memory["answer"]):
-        return {"route": "agree", "answer": zero["answer"], "response": zero["response"],
-                "timings": _timed(state, "route", t0)}  # fmt: skip
-    warnings = state.get("warnings") or []
-    chosen = zero
-    if ctx.verifier is None:
-        warnings = _warn(state, "answers disagree and no verifier is configured: keeping zero-shot")
-    else:
+    def verify(self, state: ELMState) -> dict[str, Any]:
+        """Score both candidates; the memory's answer wins only with a strictly higher score."""
+        t0 = time.perf_counter()
+        svc = self.services
+        candidates = [dict(c) for c in state["candidates"]]
+        chosen = candidates[0]
+        warnings: list[str] = []
+        if svc.verifier is None:
+            warnings += _warning("answers disagree and no verifier is configured: keeping zero-shot")
+        else:
+            try:
+                from elm_memory.verifiers.base import Candidate
+
+                built = svc.prompts.build(state["question"])
+                scored = [
+                    Candidate(text=c["response"], token_ids=tuple(c["token_ids"]), prompt=PromptInput(built.token_ids),
+                              kind=c["kind"])  # fmt: skip
+                    for c in candidates
+                ]
+                scores = svc.verifier.score(state["question"], scored)
+                for c, s in zip(candidates, scores, strict=True):
+                    c["score"] = _json_float(s)
+                if scores[1] > scores[0]:
+                    chosen = candidates[1]
+            except Exception as exc:
+                warnings += _warning(f"verifier failed, keeping zero-shot: {exc}")
+        return {
+            "answer": chosen["answer"],
+            "response": chosen["response"],
+            "candidates": candidates,
+            "warnings": warnings,
+            "timings": _elapsed("verify", t0),
+        }
+
+    # -- respond / learn -----------------------------------------------------------------
+    def respond(self, state: ELMState) -> dict[str, Any]:
+        """Close the trace: total time of the answer path (learning is not part of it)."""
+        timings = state.get("timings") or {}
+        total = sum(v for k, v in timings.items() if k in ANSWER_PATH)
+        return {"timings": {"total": total}}
+
+    def learn_memory(self, state: ELMState) -> dict[str, Any]:
+        """Hand the question to the memory learner and return at once (sync mode waits: paper protocol)."""
+        svc = self.services
+        if svc.learner is None:
+            return {"learn_job": None}
         try:
-            from elm_memory.verifiers.base import Candidate
-
-            built = ctx.prompts.build(state["question"])
-            scored = [
-                Candidate(text=c["response"], token_ids=tuple(c["token_ids"]), prompt=PromptInput(built.token_ids),
-                          kind=c["kind"])  # fmt: skip
-                for c in candidates
-            ]
-            scores = ctx.verifier.score(state["question"], scored)
-            for c, s in zip(candidates, scores, strict=True):
-                c["score"] = _json_float(s)
-            if scores[1] > scores[0]:
-                chosen = memory
+            ticket = svc.learner.submit(state["question"], state["namespace"])
         except Exception as exc:
-            warnings = _warn(state, f"verifier failed, keeping zero-shot: {exc}")
-    return {
-        "route": "verifier",
-        "answer": chosen["answer"],
-        "response": chosen["response"],
-        "candidates": candidates,
-        "warnings": warnings,
-        "timings": _timed(state, "route", t0),
-    }
+            return {"learn_job": None, "warnings": _warning(f"could not submit the learning job: {exc}")}
+        return {"learn_job": {"job_id": ticket.job_id, "status": ticket.status, "memory_id": ticket.memory_id}}
 
 
-def respond(state: ELMState) -> dict[str, Any]:
-    """Close the trace: total time of the answer path (learning is not part of it)."""
-    timings = dict(state.get("timings") or {})
-    timings["total"] = sum(v for k, v in timings.items() if k in ("retrieve", "dual_generate", "route"))
-    return {"timings": timings, "warnings": state.get("warnings") or []}
+ANSWER_PATH = ("retrieve", "dual_generate", "route", "verify")
 
 
-def learn_memory(state: ELMState, runtime: Runtime[ELMContext]) -> dict[str, Any]:
-    """Hand the question to the memory learner and return at once (sync mode waits: paper protocol)."""
-    ctx = resolve_context(runtime.context)
-    if ctx.learner is None or not state.get("learn", True):
-        return {"learn_job": None}
-    try:
-        ticket = ctx.learner.submit(state["question"], state.get("namespace") or ctx.config.namespace)
-    except Exception as exc:
-        return {"learn_job": None, "warnings": _warn(state, f"could not submit the learning job: {exc}")}
-    return {"learn_job": {"job_id": ticket.job_id, "status": ticket.status, "memory_id": ticket.memory_id}}
+def after_route(state: ELMState) -> str:
+    return "verify" if state.get("route") == "verifier" else "respond"
 
 
-def should_learn(state: ELMState) -> str:
+def after_respond(state: ELMState) -> str:
     return "learn_memory" if state.get("learn", True) else "__end__"
+
+
+def _as_context(context: Any) -> ELMRunContext | None:
+    """The run context as :class:`ELMRunContext` (LangGraph coerces dicts; a parent graph may not)."""
+    if context is None or isinstance(context, ELMRunContext):
+        return context
+    from elm_memory.errors import ConfigError
+
+    if isinstance(context, dict):
+        unknown = sorted(set(context) - set(ELMRunContext.model_fields))
+        if unknown:
+            raise ConfigError(
+                f"unknown context key(s) {', '.join(map(repr, unknown))} for the ELM graph; "
+                f"allowed: {', '.join(ELMRunContext.model_fields)}"
+            )
+        try:
+            return ELMRunContext(**context)
+        except ValueError as exc:  # pydantic's ValidationError: one line, naming the field
+            first = exc.errors()[0] if hasattr(exc, "errors") else {}
+            field = ".".join(str(p) for p in first.get("loc", ())) or "context"
+            raise ConfigError(f"context.{field}: {first.get('msg', exc)}") from None
+
+    raise ConfigError(
+        f"the ELM graph's context is JSON settings (ELMRunContext or a dict), not {type(context).__name__}; "
+        "live parts are bound when the graph is built: build_elm_graph(elm.services())"
+    )
 
 
 def _json_float(x: float) -> float | None:

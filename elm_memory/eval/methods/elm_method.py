@@ -42,6 +42,7 @@ class ELMMethod:
             candidates=[{"kind": c.get("kind"), "answer": c.get("answer"), "score": c.get("score")}
                         for c in r.candidates],  # fmt: skip
             warnings=r.warnings,
+            extra={"gate": r.gate} if r.gate is not None else {},
         )
 
     def learn(self, question: str, question_id: str, output: MethodOutput) -> None:

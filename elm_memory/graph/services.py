@@ -1,0 +1,77 @@
+"""The live parts the ELM graph's nodes use: config, backend, prompts, retriever, verifier,
+learner. Built once per process (``ELM.services()``, or a served graph's provider) and
+bound to the graph when it is built -- never sent in a request.
+
+Any part may be None: no retriever means no memories (zero-shot only), no learner means
+nothing is learned, no verifier means disagreements fall back to zero-shot.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from elm_memory.backends.base import GenerationBackend
+from elm_memory.config import ELMConfig
+from elm_memory.models.prompting import PromptBuilder
+
+if TYPE_CHECKING:
+    from elm_memory.memory import LatentMemory
+
+
+class MemoryCache:
+    """Memories fetched by ``retrieve`` for ``dual_generate`` (the state holds only ids).
+
+    An LRU shared by every request thread of the process, so it takes a lock.
+    """
+
+    def __init__(self, size: int = 64):
+        self.size = size
+        self._items: OrderedDict[str, LatentMemory] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def put(self, memory: LatentMemory) -> None:
+        with self._lock:
+            self._items[memory.id] = memory
+            self._items.move_to_end(memory.id)
+            while len(self._items) > self.size:
+                self._items.popitem(last=False)
+
+    def get(self, memory_id: str) -> LatentMemory | None:
+        with self._lock:
+            memory = self._items.get(memory_id)
+            if memory is not None:
+                self._items.move_to_end(memory_id)
+            return memory
+
+    def discard(self, memory_id: str) -> None:
+        with self._lock:
+            self._items.pop(memory_id, None)
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._items)
+
+
+@dataclass
+class ELMServices:
+    config: ELMConfig
+    backend: GenerationBackend
+    prompts: PromptBuilder
+    retriever: Any | None = None  # elm_memory.retrieval.Retriever
+    verifier: Any | None = None  # elm_memory.verifiers.Verifier
+    learner: Any | None = None  # elm_memory.learner.MemoryLearner
+    memories: MemoryCache = field(default_factory=MemoryCache)
+
+    def memory(self, memory_id: str) -> LatentMemory:
+        """A retrieved memory: from the cache, else from the store."""
+        memory = self.memories.get(memory_id)
+        if memory is not None:
+            return memory
+        if self.retriever is None:
+            raise KeyError(memory_id)
+        memory = self.retriever.store.get(memory_id)
+        self.memories.put(memory)
+        return memory

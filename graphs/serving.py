@@ -1,0 +1,77 @@
+"""The one ELM instance of a serving process, built on first use from the environment.
+
+LangGraph Server imports every graph at start-up and sends only JSON with a run, so the
+model, store, verifier and learner are built here, once per process, and bound to the
+graphs; requests choose only what :class:`~elm_memory.graph.ELMRunContext` allows.
+
+- ``ELM_CONFIG``: a YAML config file (optional)
+- ``ELM_PRESET``: a preset name (default ``cpu-demo``)
+- ``ELM_SET``: ``section.key=value`` overrides separated by ``;`` (optional)
+- ``ELM_AGENT_MODEL``: the math agent's chat model (see :func:`chat_model_from_env`)
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import threading
+from typing import Any
+
+from elm_memory.errors import ConfigError
+
+_lock = threading.Lock()
+_elm: Any = None
+
+
+def served_elm() -> Any:
+    """The process's ELM, built on the first call (thread-safe)."""
+    global _elm
+    with _lock:
+        if _elm is None:
+            from elm_memory.config import ELMConfig, _deep_merge, parse_override
+            from elm_memory.elm import ELM
+
+            os.environ.setdefault("HF_HUB_OFFLINE", "1")
+            overrides: dict[str, Any] = {}
+            for item in filter(None, (part.strip() for part in os.environ.get("ELM_SET", "").split(";"))):
+                overrides = _deep_merge(overrides, parse_override(item))
+            cfg = ELMConfig.load(
+                os.environ.get("ELM_CONFIG") or None,
+                preset=os.environ.get("ELM_PRESET", "cpu-demo"),
+                overrides=overrides or None,
+            )
+            _elm = ELM(cfg)
+        return _elm
+
+
+def served_services() -> Any:
+    return served_elm().services()
+
+
+def chat_model_from_env() -> Any:
+    """The math agent's chat model, from ``ELM_AGENT_MODEL``:
+
+    - ``openai:MODEL``: ``ChatOpenAI`` (``langchain-openai``) against ``OPENAI_BASE_URL``, e.g. the
+      vLLM OpenAI server of the packaged model started with tool calling enabled;
+    - ``package.module:factory``: a callable returning any LangChain chat model with tool calling.
+    """
+    spec = os.environ.get("ELM_AGENT_MODEL", "").strip()
+    if not spec:
+        raise ConfigError(
+            "math_agent needs a tool-calling chat model: set ELM_AGENT_MODEL=openai:MODEL (with "
+            "OPENAI_BASE_URL, e.g. a vLLM server) or ELM_AGENT_MODEL=package.module:factory"
+        )
+    kind, _, rest = spec.partition(":")
+    if kind == "openai" and rest:
+        try:
+            from langchain_openai import ChatOpenAI
+        except ImportError as exc:
+            raise ConfigError("ELM_AGENT_MODEL=openai:... needs langchain-openai (pip install langchain-openai)") from exc
+        return ChatOpenAI(model=rest, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"), temperature=0)
+    if not rest:
+        raise ConfigError(f"ELM_AGENT_MODEL={spec!r}: expected openai:MODEL or package.module:factory")
+    try:
+        factory = getattr(importlib.import_module(kind), rest)
+    except (ImportError, AttributeError) as exc:
+        raise ConfigError(f"ELM_AGENT_MODEL={spec!r}: cannot import {rest!r} from {kind!r} ({exc})") from exc
+    return factory()

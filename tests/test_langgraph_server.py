@@ -1,0 +1,151 @@
+"""The served graphs under a real LangGraph Server (``langgraph dev``), driven by ``langgraph_sdk``.
+
+The server runs the repository's ``langgraph.json`` on 127.0.0.1 with the ``cpu-tiny`` preset
+(SmolLM2, one training step) and a scripted chat model for ``math_agent`` (no tool-calling
+model runs on a CPU test machine); it is stopped by PID.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.model
+
+ROOT = Path(__file__).resolve().parents[1]
+LANGGRAPH = Path(sys.executable).with_name("langgraph")
+pytest.importorskip("langgraph_sdk", reason="needs the dev extra (langgraph-sdk)")
+if not LANGGRAPH.exists() and shutil.which("langgraph") is None:
+    pytest.skip("needs the dev extra (langgraph-cli[inmem])", allow_module_level=True)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    store = tmp_path_factory.mktemp("served") / "store"
+    port = _free_port()
+    env = {
+        **os.environ,
+        "ELM_PRESET": "cpu-tiny",
+        "ELM_SET": ";".join([
+            "model.dtype=float32", "generation.max_new_tokens=24", "training.steps=1",
+            "training.num_generations=2", "training.max_completion_length=24",
+            "retrieval.skip_no_consensus=false", "namespace_template=user-{user_id}", f"store.path={store}",
+        ]),  # fmt: skip
+        "ELM_AGENT_MODEL": "elm_memory.integrations.testing:scripted_tool_caller",
+        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
+    }
+    cmd = [str(LANGGRAPH) if LANGGRAPH.exists() else "langgraph", "dev", "--host", "127.0.0.1", "--port", str(port),
+           "--no-browser", "--no-reload", "--config", str(ROOT / "langgraph.json")]  # fmt: skip
+    log = open(store.parent / "server.log", "wb")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/ok", timeout=2) as r:
+                    if r.status == 200:
+                        break
+            except OSError:
+                pass
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"langgraph dev did not start:\n{(store.parent / 'server.log').read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield {"url": url, "store": store}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers, by the PID we started
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(10)
+        log.close()
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_served_elm_graph_answers_learns_streams_and_isolates_users(server):
+    from langgraph_sdk import get_client
+
+    async def scenario():
+        client = get_client(url=server["url"])
+        thread = await client.threads.create()
+        first = await client.runs.wait(thread["thread_id"], "elm", input={"question": "What is 2 + 3?"},
+                                       context={"user_id": "ada"})  # fmt: skip
+        updates = []
+        async for event in client.runs.stream(
+            None, "elm", input={"question": "What is 2 + 4?", "learn": False}, context={"user_id": "ada"},
+            stream_mode="updates",
+        ):  # fmt: skip
+            if event.event == "updates":
+                updates.append(event.data)
+        bob = await client.runs.wait(None, "elm", input={"question": "What is 2 + 4?", "learn": False},
+                                     context={"user_id": "bob"})  # fmt: skip
+        return first, updates, bob
+
+    first, updates, bob = run(scenario())
+    assert first["namespace"] == "user-ada" and first["route"] == "zero_shot" and "response" in first
+    assert first["learn_job"]["status"] == "done" and first["gate"]["decision"] == "empty_pool"
+    memory_id = first["learn_job"]["memory_id"]
+    nodes = [next(iter(u)) for u in updates]
+    assert nodes[:3] == ["retrieve", "dual_generate", "route"] and nodes[-1] == "respond"
+    retrieved = updates[0]["retrieve"]
+    assert retrieved["memory_id"] == memory_id and retrieved["gate"]["decision"] == "used"
+    assert bob["namespace"] == "user-bob" and bob["memory_id"] is None  # ada's memory is not bob's
+
+
+def test_served_graph_refuses_bad_context_with_the_field_named(server):
+    from langgraph_sdk import get_client
+
+    async def ask(context):
+        client = get_client(url=server["url"])
+        with pytest.raises(Exception) as info:
+            await client.runs.wait(None, "elm", input={"question": "What is 1 + 1?"}, context=context)
+        return str(info.value)
+
+    assert "needs 'user_id'" in run(ask({"learn": True}))
+    assert "unknown context key(s) 'colour'" in run(ask({"user_id": "ada", "colour": "red"}))
+    assert "Traceback" not in run(ask({"learn": True}))
+
+
+def test_served_math_agent_calls_elm_in_the_users_namespace(server):
+    from langgraph_sdk import get_client
+
+    async def scenario():
+        client = get_client(url=server["url"])
+        return await client.runs.wait(None, "math_agent",
+                                      input={"messages": [{"role": "user", "content": "What is 2 + 5?"}]},
+                                      context={"user_id": "cy"})  # fmt: skip
+
+    out = run(scenario())
+    kinds = [m["type"] for m in out["messages"]]
+    assert kinds == ["human", "ai", "tool", "ai"] and out["messages"][1]["tool_calls"][0]["name"] == "solve_math"
+    assert out["messages"][-1]["content"].startswith("The answer is")
+
+
+def test_nothing_was_stored_for_refused_runs(server):
+    from elm_memory.config import ELMConfig
+    from elm_memory.store.chroma import ChromaMemoryStore
+
+    # runs after the others (file order): every namespace the server wrote is accounted for
+    cfg = ELMConfig.load(preset="cpu-tiny", overrides={"store": {"path": str(server["store"])}})
+    store = ChromaMemoryStore.from_config(cfg.store, model=None)
+    assert {ns: store.count(ns) for ns in store.namespaces()} == {"user-ada": 1, "user-cy": 1}
