@@ -83,6 +83,7 @@ stores.register("chroma", "elm_memory.store.chroma:ChromaMemoryStore")
 verifiers.register("prm", "elm_memory.verifiers.prm:PRMVerifier")
 verifiers.register("self_certainty", "elm_memory.verifiers.self_certainty:SelfCertaintyVerifier")
 verifiers.register("logprob", "elm_memory.verifiers.logprob:LogprobVerifier")
+verifiers.register("consistency", "elm_memory.verifiers.consistency:ConsistencyVerifier")
 # Prompt-embedding backends: vllm is imported only when an instance is created.
 backends.register("vllm", "elm_memory.backends.vllm:VLLMBackend")
 backends.register("vllm-server", "elm_memory.backends.vllm_server:VLLMServerBackend")

@@ -3,6 +3,7 @@ hard boundaries, usage is counted, no-consensus and thresholds are honoured."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from pathlib import Path
@@ -150,3 +151,98 @@ def test_from_config_and_incompatible_memory(smol: LoadedModel, tmp_path: Path) 
                                 model=type(smol.info)(**{**smol.info.to_dict(), "hidden_size": 64}))  # fmt: skip
     with pytest.raises(IncompatibleMemoryError):
         retriever.index_memory(alien)
+
+
+# ---- gates and the retrieval decision ------------------------------------------------------
+
+
+def test_weak_majority_gate_skips_weak_memories_and_says_so(smol: LoadedModel, tmp_path: Path) -> None:
+    import json
+
+    store = ChromaMemoryStore(tmp_path / "s", model=smol.info)
+    retriever = Retriever(store, InputKeyBuilder(), smol)
+    weak = question_memory(smol, QUESTIONS[0], majority_share=0.25)
+    strong = [question_memory(smol, q, majority_share=0.75) for q in QUESTIONS[1:]]
+    alone = question_memory(smol, QUESTIONS[0], namespace="alone", majority_share=0.25)
+    retriever.index_memories([weak, *strong, alone])
+
+    # off (the default): the weak memory is its own question's top-1
+    hits, d = retriever.retrieve_with_gates(QUESTIONS[0], "default")
+    assert hits[0].memory.id == weak.id and d.decision == "used" and d.used
+    assert d.candidate_id == weak.id and d.majority_share == pytest.approx(0.25) and d.skipped == 0
+    # on: the next memory is used, and the decision says a better one was gated out
+    hits, d = retriever.retrieve_with_gates(QUESTIONS[0], "default", min_majority_share=0.5)
+    assert [h.memory.id for h in hits] != [weak.id] and hits[0].memory.id in {m.id for m in strong}
+    assert d.decision == "used" and d.candidate_id == hits[0].memory.id
+    assert d.similarity == pytest.approx(hits[0].score) and d.majority_share == pytest.approx(0.75)
+    assert d.skipped == 1 and d.skipped_by == {"weak_majority": 1}
+    # nothing passes: the decision names the gate and the best candidate
+    hits, d = retriever.retrieve_with_gates(QUESTIONS[0], "alone", min_majority_share=0.5)
+    assert hits == [] and d.decision == "weak_majority" and d.candidate_id == alone.id
+    assert d.similarity == pytest.approx(1.0, abs=1e-5) and d.majority_share == pytest.approx(0.25)
+    assert d.threshold == pytest.approx(0.5) and d.skipped == 1
+    assert json.loads(json.dumps(d.to_dict())) == {
+        "decision": "weak_majority", "candidate_id": alone.id, "similarity": d.similarity, "majority_share": 0.25,
+        "threshold": 0.5, "skipped": 1, "skipped_by": {"weak_majority": 1},
+    }  # fmt: skip
+    assert all(r.usage == 0 for r in store.list("alone"))  # a gated memory is not counted as retrieved
+    # the retriever's own default (what retrieval.min_majority_share sets) applies to plain retrieve()
+    gated = Retriever(store, InputKeyBuilder(), smol, min_majority_share=0.5)
+    assert gated.retrieve(QUESTIONS[0], "alone") == []
+    assert gated.retrieve(QUESTIONS[0], "alone", min_majority_share=0.0)[0].memory.id == alone.id
+    cfg = ELMConfig.load(overrides={"retrieval": {"min_majority_share": 0.5}, "store": {"path": str(tmp_path / "c")}})
+    assert Retriever.from_config(cfg, smol).min_majority_share == 0.5
+    # a store whose rows lack the share: the blob's stats decide
+    real_query = store.query
+
+    def query_without_share(*args, **kwargs):
+        hits = real_query(*args, **kwargs)
+        return [dataclasses.replace(h, record=dataclasses.replace(h.record, stats={})) for h in hits]
+
+    store.query = query_without_share  # type: ignore[method-assign]
+    hits, d = retriever.retrieve_with_gates(QUESTIONS[0], "alone", min_majority_share=0.5)
+    assert hits == [] and d.decision == "weak_majority" and d.majority_share == pytest.approx(0.25)
+
+
+def test_each_gate_is_named_in_the_decision(smol: LoadedModel, tmp_path: Path) -> None:
+    store = ChromaMemoryStore(tmp_path / "s", model=smol.info)
+    retriever = Retriever(store, InputKeyBuilder(), smol)
+    nc = question_memory(smol, QUESTIONS[0], namespace="nc", no_consensus=True)
+    ok = question_memory(smol, QUESTIONS[1], namespace="nc", majority_share=1.0)
+    lost = question_memory(smol, QUESTIONS[2], namespace="lost", majority_share=1.0)
+    retriever.index_memories([nc, ok, lost])
+
+    hits, d = retriever.retrieve_with_gates("anything at all?", "nobody")
+    assert hits == [] and d.to_dict() == {
+        "decision": "empty_pool", "candidate_id": None, "similarity": None, "majority_share": None,
+        "threshold": None, "skipped": 0, "skipped_by": {},
+    }  # fmt: skip
+    # no consensus: the top candidate is skipped, the next one used
+    hits, d = retriever.retrieve_with_gates(QUESTIONS[0], "nc")
+    assert hits[0].memory.id == ok.id and d.decision == "used" and d.skipped_by == {"no_consensus": 1}
+    # ... and with a threshold only the no-consensus memory reaches, nothing is used and it is named
+    hits, d = retriever.retrieve_with_gates(QUESTIONS[0], "nc", min_similarity=hits[0].score + 1e-3)
+    assert hits == [] and d.decision == "no_consensus" and d.candidate_id == nc.id and d.threshold is None
+    assert d.skipped_by == {"no_consensus": 1, "below_min_similarity": 1}
+    # below min_similarity: the best candidate and the threshold
+    [top] = retriever.retrieve(QUESTIONS[1], "nc")
+    hits, d = retriever.retrieve_with_gates(QUESTIONS[1], "nc", min_similarity=top.score + 1e-3)
+    assert hits == [] and d.decision == "below_min_similarity" and d.candidate_id == ok.id
+    assert d.similarity == pytest.approx(top.score) and d.threshold == pytest.approx(top.score + 1e-3)
+    assert d.skipped == 1
+    # unreadable: a lost blob
+    store.blobs.delete(store.record(lost.id).blob)
+    hits, d = retriever.retrieve_with_gates(QUESTIONS[2], "lost")
+    assert hits == [] and d.decision == "unreadable" and d.candidate_id == lost.id
+
+
+def test_bad_majority_share_threshold_is_a_config_error(smol: LoadedModel, tmp_path: Path) -> None:
+    from elm_memory.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="min_majority_share"):
+        ELMConfig.load(overrides={"retrieval": {"min_majority_share": 1.5}})
+    store = ChromaMemoryStore(tmp_path / "s", model=smol.info)
+    with pytest.raises(ConfigError, match="min_majority_share"):
+        Retriever(store, InputKeyBuilder(), smol, min_majority_share=-0.1)
+    with pytest.raises(ConfigError, match="min_majority_share"):
+        Retriever(store, InputKeyBuilder(), smol).retrieve(QUESTIONS[0], "default", min_majority_share=2)

@@ -351,3 +351,108 @@ def test_prm_tokenizer_without_step_token_is_a_config_error(prm_parts, tiny_load
     plain_tok = AutoTokenizer.from_pretrained(tiny_loaded.info.path)
     with pytest.raises(ConfigError, match="step token"):
         PRMVerifier(model=model, tokenizer=plain_tok).score(QUESTION, [Candidate(STEPS_TEXT)])
+
+
+# ---- consistency ---------------------------------------------------------------------
+
+
+class FixedSamplesBackend:
+    """generate() returns the same fixed sample texts for every prompt and records each call."""
+
+    name = "fixed"
+
+    def __init__(self, texts, tokenizer=None, max_context=4096):
+        self.texts = list(texts)
+        self.tokenizer = tokenizer
+        self.info = types.SimpleNamespace(max_context=max_context)
+        self.calls = []
+
+    def generate(self, prompts, params):
+        from elm_memory.backends.base import Generation
+
+        self.calls.append((list(prompts), params))
+        assert params.n == len(self.texts)
+        return [[Generation(t, [], "answer") for t in self.texts] for _ in prompts]
+
+
+def test_consistency_scores_the_share_of_samples_that_agree():
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    backend = FixedSamplesBackend(["so \\boxed{7}"] * 3 + ["\\boxed{5}"])
+    soft = torch.zeros(2, 8)
+    memory_prompt = PromptInput((1, 2, 3), soft_prompt=soft, soft_prompt_at=0)
+    cands = [
+        Candidate("The answer is \\boxed{7}.", (9,), memory_prompt, kind="memory"),
+        Candidate("\\boxed{5}", (9,), PromptInput((1, 2, 3))),
+        Candidate("\\boxed{7.0}"),  # equivalent to 7
+        Candidate("no box at all"),
+        Candidate(""),
+    ]
+    v = ConsistencyVerifier(backend, samples=4, max_new_tokens=64, temperature=0.7, seed=3)
+    assert isinstance(v, Verifier) and v.name == "consistency"
+    assert v.score(QUESTION, cands) == [0.75, 0.25, 0.75, 0.0, 0.0]
+    [(prompts, params)] = backend.calls  # one batched call for all candidates
+    assert len(prompts) == 1 and prompts[0].token_ids == (1, 2, 3) and prompts[0].soft_prompt is None
+    assert (params.n, params.temperature, params.seed, params.max_new_tokens) == (4, 0.7, 3, 64)
+    assert params.stop_at_answer
+
+
+def test_consistency_ties_and_unanswerable_candidates_score_equal():
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    backend = FixedSamplesBackend(["\\boxed{1}", "\\boxed{2}", "cut off \\boxed{", "\\boxed{2}"])
+    v = ConsistencyVerifier(backend, samples=4)
+    zero, memory = v.score(QUESTION, [Candidate("\\boxed{3}", prompt=PromptInput((1,))), Candidate("\\boxed{4}")])
+    assert zero == memory == 0.0  # the graph's strict ">" keeps zero-shot
+    assert v.score(QUESTION, [Candidate("\\boxed{1}", prompt=PromptInput((1,))), Candidate("\\boxed{2}")]) == [
+        0.25, 0.5,
+    ]  # fmt: skip
+    calls = len(backend.calls)
+    assert v.score(QUESTION, [Candidate("none"), Candidate("")]) == [0.0, 0.0]
+    assert len(backend.calls) == calls  # nothing to agree with: no sampling
+
+
+def test_consistency_budget_fits_the_context_and_prompt_is_built_without_one(tiny_loaded):
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    backend = FixedSamplesBackend(["\\boxed{5}"] * 2, tokenizer=tiny_loaded.tokenizer, max_context=100)
+    v = ConsistencyVerifier(backend, samples=2, max_new_tokens=512)
+    assert v.score(QUESTION, [Candidate("\\boxed{5}"), Candidate("\\boxed{6}")]) == [1.0, 0.0]
+    [(prompts, params)] = backend.calls
+    built = PromptBuilder(tiny_loaded.tokenizer).build(QUESTION).token_ids
+    assert prompts[0].token_ids == tuple(built) and prompts[0].soft_prompt is None
+    assert params.max_new_tokens == 100 - len(built)
+
+
+def test_consistency_from_config_and_bad_settings():
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    backend = FixedSamplesBackend(["\\boxed{5}"] * 3)
+    cfg = ELMConfig.load(overrides={"verifier": {"name": "consistency", "consistency_samples": 3,
+                                                 "consistency_max_new_tokens": 32, "consistency_temperature": 1.0},
+                                    "training": {"seed": 11}})  # fmt: skip
+    v = build_verifier(cfg, backend)
+    assert isinstance(v, ConsistencyVerifier)
+    assert (v.samples, v.max_new_tokens, v.temperature, v.seed) == (3, 32, 1.0, 11)
+    defaults = ELMConfig.load().verifier
+    assert (defaults.consistency_samples, defaults.consistency_max_new_tokens, defaults.consistency_temperature) == (
+        4, 512, 0.7,
+    )  # fmt: skip
+    for bad in ({"consistency_temperature": 0.0}, {"consistency_samples": 0}, {"consistency_max_new_tokens": 0}):
+        with pytest.raises(ConfigError, match="consistency_"):
+            ELMConfig.load(overrides={"verifier": bad})
+    with pytest.raises(ConfigError, match="consistency_temperature"):
+        ConsistencyVerifier(backend, temperature=float("nan"))
+    with pytest.raises(BackendError, match="consistency"):
+        build_verifier(cfg, None)
+
+
+def test_consistency_on_the_real_backend(tiny_backend):
+    """Real sampling end to end: n seeded samples in one call, reproducible."""
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    v = ConsistencyVerifier(tiny_backend, samples=2, max_new_tokens=8, seed=0)
+    first = v.sample_answers(QUESTION)
+    assert len(first) == 2 and v.sample_answers(QUESTION) == first
+    [s] = v.score(QUESTION, [Candidate("\\boxed{5}")])
+    assert s in (0.0, 0.5, 1.0)

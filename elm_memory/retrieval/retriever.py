@@ -4,18 +4,24 @@
 memory -> vector, with the frozen model), a store (nearest neighbours inside one
 namespace) and the loaded model. It also files new memories (``index_memory``), so
 keys are always built by the same builder that later queries them.
+
+Gates. A candidate (best first) is passed over when its similarity is below
+``min_similarity`` (and so is everything after it), when it has no consensus (no rollout
+found an answer), when its training vote was weak (majority share below
+``min_majority_share``) or when its blob cannot be read. ``retrieve_with_gates`` says which
+gate did what, as a :class:`RetrievalDecision`.
 """
 
 from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from elm_memory.errors import MemoryFormatError, StoreError
+from elm_memory.errors import ConfigError, MemoryFormatError, StoreError
 from elm_memory.memory import LatentMemory
 from elm_memory.models.prompting import validate_question
 from elm_memory.retrieval.keys import KeyBuilder, QuestionIds
@@ -36,6 +42,86 @@ class Hit:
     score: float
 
 
+#: Why the top-1 memory was or wasn't used (see :class:`RetrievalDecision`).
+DecisionKind = Literal["used", "empty_pool", "below_min_similarity", "weak_majority", "no_consensus", "unreadable"]
+#: Gates, in the order a candidate meets them.
+GATES: tuple[DecisionKind, ...] = ("below_min_similarity", "no_consensus", "weak_majority", "unreadable")
+
+
+@dataclass(frozen=True)
+class RetrievalDecision:
+    """What happened to the best candidate of one query (top-1; JSON-able via :meth:`to_dict`).
+
+    ``decision``: ``"used"`` when a memory was returned; ``"empty_pool"`` when the namespace
+    has no memory of this key kind; otherwise the gate that rejected the best-scoring
+    candidate (nothing was returned). ``candidate_id``/``similarity``/``majority_share``:
+    the used memory when ``used``, else the best-scoring candidate (all None for
+    ``empty_pool``; ``majority_share`` None when the store row does not carry it).
+    ``threshold``: the rejecting gate's threshold (``min_similarity`` or
+    ``min_majority_share``); None for the other decisions. ``skipped``: candidates that
+    scored higher than the used one (or, when nothing was used, every candidate seen) and
+    were passed over; ``skipped_by`` counts them per gate. A ``used`` decision with
+    ``skipped > 0`` means a gate turned down a better match. Candidates below
+    ``min_similarity`` are counted once: the first one ends the scan.
+    """
+
+    decision: DecisionKind
+    candidate_id: str | None = None
+    similarity: float | None = None
+    majority_share: float | None = None
+    threshold: float | None = None
+    skipped: int = 0
+    skipped_by: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def used(self) -> bool:
+        return self.decision == "used"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "decision": self.decision,
+            "candidate_id": self.candidate_id,
+            "similarity": self.similarity,
+            "majority_share": self.majority_share,
+            "threshold": self.threshold,
+            "skipped": self.skipped,
+            "skipped_by": dict(self.skipped_by),
+        }
+
+
+def _record_share(record: Any) -> float | None:
+    """The training vote's majority share from an index row (no blob read); None if absent."""
+    value = (record.stats or {}).get("majority_share")
+    try:
+        return None if value is None else float(value)
+    except (TypeError, ValueError):
+        return None
+
+
+def _decide(kept: list[Hit], rejected: list[RetrievalDecision]) -> RetrievalDecision:
+    """The top-1 decision from the kept hits and the candidates rejected above the first of them."""
+    skipped: dict[str, int] = {}
+    for r in rejected:
+        skipped[r.decision] = skipped.get(r.decision, 0) + 1
+    if kept:
+        top = kept[0]
+        share = float(top.memory.meta.stats.majority_share)
+        return RetrievalDecision("used", top.memory.id, float(top.score), share, None, len(rejected), skipped)
+    if not rejected:
+        return RetrievalDecision("empty_pool")
+    best = rejected[0]
+    return RetrievalDecision(
+        best.decision, best.candidate_id, best.similarity, best.majority_share, best.threshold, len(rejected), skipped
+    )
+
+
+def _check_share(value: float) -> float:
+    """A majority share threshold in [0, 1] (typed error: it usually comes from user config)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ConfigError(f"min_majority_share must be a number in [0, 1], got {value!r}")
+    return float(value)
+
+
 def tokenize_question(tokenizer: Any, question: Any) -> list[int]:
     """Key tokens of a question: its own text, no template or special tokens (see keys.py)."""
     text = validate_question(question)
@@ -45,11 +131,22 @@ def tokenize_question(tokenizer: Any, question: Any) -> list[int]:
 class Retriever:
     """Query and index memories of one model with one key kind."""
 
-    def __init__(self, store: MemoryStore, key_builder: KeyBuilder, loaded: LoadedModel, *, record_usage: bool = True):
+    def __init__(
+        self,
+        store: MemoryStore,
+        key_builder: KeyBuilder,
+        loaded: LoadedModel,
+        *,
+        record_usage: bool = True,
+        min_majority_share: float = 0.0,
+    ):
         self.store = store
         self.key_builder = key_builder
         self.loaded = loaded
         self.record_usage = record_usage
+        # the default for ``retrieve(min_majority_share=None)``: kept here so callers that
+        # predate the gate (and pass only min_similarity/skip_no_consensus) still honour the config
+        self.min_majority_share = _check_share(min_majority_share)
 
     @classmethod
     def from_config(cls, cfg: ELMConfig, loaded: LoadedModel, **store_kwargs: Any) -> Retriever:
@@ -58,7 +155,7 @@ class Retriever:
 
         builder = key_builders.get(cfg.retrieval.key)()
         store = stores.get(cfg.store.kind).from_config(cfg.store, model=loaded.info, **store_kwargs)
-        return cls(store, builder, loaded)
+        return cls(store, builder, loaded, min_majority_share=cfg.retrieval.min_majority_share)
 
     @property
     def kind(self) -> str:
@@ -80,41 +177,102 @@ class Retriever:
         k: int = 1,
         min_similarity: float | None = None,
         skip_no_consensus: bool = True,
+        min_majority_share: float | None = None,
     ) -> list[Hit]:
         """The ``k`` most similar usable memories of ``namespace``, best first.
 
-        No-consensus memories (no rollout found an answer) are skipped by over-fetching
-        rather than a metadata filter, which would make every query slow. A row whose blob
-        is missing or corrupt is skipped with a warning (``elm memories check`` repairs it).
+        No-consensus and weak-vote memories are skipped by over-fetching rather than a
+        metadata filter, which would make every query slow. A row whose blob is missing or
+        corrupt is skipped with a warning (``elm memories check`` repairs it).
+        ``min_majority_share=None``: the retriever's own (``retrieval.min_majority_share``).
         """
+        return self.retrieve_with_gates(
+            question, namespace, k, min_similarity, skip_no_consensus, min_majority_share
+        )[0]
+
+    def retrieve_with_gates(
+        self,
+        question: str | QuestionIds,
+        namespace: str,
+        k: int = 1,
+        min_similarity: float | None = None,
+        skip_no_consensus: bool = True,
+        min_majority_share: float | None = None,
+    ) -> tuple[list[Hit], RetrievalDecision]:
+        """:meth:`retrieve` plus the :class:`RetrievalDecision` for its top-1 (``k < 1``: nothing
+        is queried and the decision is ``empty_pool``)."""
+        share = self.min_majority_share if min_majority_share is None else _check_share(min_majority_share)
         if k < 1:
-            return []
+            return [], RetrievalDecision("empty_pool")
         vector = self.query_key(question)
-        hits = self._search(vector, namespace, k, min_similarity, skip_no_consensus)
+        hits, decision = self._search(vector, namespace, k, min_similarity, skip_no_consensus, share)
         if hits and self.record_usage:
             self.store.record_usage(self.kind, namespace, [h.memory.id for h in hits])
-        return hits
+        return hits, decision
 
     def _search(
-        self, vector: torch.Tensor, namespace: str, k: int, min_similarity: float | None, skip_no_consensus: bool
-    ) -> list[Hit]:
-        fetch = k if not skip_no_consensus else 2 * k + 2
+        self,
+        vector: torch.Tensor,
+        namespace: str,
+        k: int,
+        min_similarity: float | None,
+        skip_no_consensus: bool,
+        min_majority_share: float = 0.0,
+    ) -> tuple[list[Hit], RetrievalDecision]:
+        gated = skip_no_consensus or min_majority_share > 0.0
+        fetch = 2 * k + 2 if gated else k
+        loaded: dict[str, LatentMemory | None] = {}  # blobs read in an earlier, smaller fetch
         while True:
             raw = self.store.query(self.kind, vector, namespace, k=fetch)
             kept: list[Hit] = []
+            rejected: list[RetrievalDecision] = []  # candidates ranked above the first kept one
             for h in raw:
-                if min_similarity is not None and h.score < min_similarity:
-                    return kept  # best-first: nothing below can pass
-                if skip_no_consensus and h.record.no_consensus:
+                gate, share, threshold = self._gate(h, loaded, min_similarity, skip_no_consensus, min_majority_share)
+                if gate is not None:
+                    if not kept:  # only what ranks above the top-1 explains the top-1
+                        rejected.append(RetrievalDecision(gate, h.record.id, float(h.score), share, threshold))
+                    if gate == "below_min_similarity":
+                        return kept, _decide(kept, rejected)  # best-first: nothing below can pass
                     continue
-                memory = self._load(h)
-                if memory is not None:
-                    kept.append(Hit(memory=memory, score=h.score))
-                    if len(kept) == k:
-                        return kept
+                memory = loaded[h.record.id]
+                assert memory is not None  # _gate rejects unreadable blobs
+                kept.append(Hit(memory=memory, score=h.score))
+                if len(kept) == k:
+                    return kept, _decide(kept, rejected)
             if len(raw) < fetch:  # the namespace has no more rows
-                return kept
+                return kept, _decide(kept, rejected)
             fetch *= 4
+
+    def _gate(
+        self,
+        h: StoreHit,
+        loaded: dict[str, LatentMemory | None],
+        min_similarity: float | None,
+        skip_no_consensus: bool,
+        min_majority_share: float,
+    ) -> tuple[DecisionKind | None, float | None, float | None]:
+        """(rejecting gate or None, the candidate's majority share, the gate's threshold).
+
+        Cheap row-metadata gates come first, so a rejected candidate's blob is never read;
+        a passing one is loaded into ``loaded``.
+        """
+        share = _record_share(h.record)
+        if min_similarity is not None and h.score < min_similarity:
+            return "below_min_similarity", share, float(min_similarity)
+        if skip_no_consensus and h.record.no_consensus:
+            return "no_consensus", share, None
+        if share is not None and share < min_majority_share:
+            return "weak_majority", share, min_majority_share
+        if h.record.id not in loaded:
+            loaded[h.record.id] = self._load(h)
+        memory = loaded[h.record.id]
+        if memory is None:
+            return "unreadable", share, None
+        if share is None:  # a store whose rows lack the share: the blob's own stats decide
+            share = float(memory.meta.stats.majority_share)
+            if share < min_majority_share:
+                return "weak_majority", share, min_majority_share
+        return None, share, None
 
     def _load(self, hit: StoreHit) -> LatentMemory | None:
         try:

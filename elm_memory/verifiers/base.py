@@ -11,6 +11,9 @@ responses with a :class:`Verifier` and keeps the higher score. A verifier is cho
     the policy's mean KL(uniform || p) over the response tokens (Kang et al. 2025).
 ``logprob``
     the policy's mean token log-probability of the response.
+``consistency``
+    the fraction of a few fresh zero-shot samples whose answer agrees with the response's
+    (needs only ``backend.generate``, so it works with every backend).
 
 Third parties register more through the ``elm_memory.verifiers`` entry-point group; the
 target is either a class with a ``from_config(cfg, backend)`` classmethod or a callable

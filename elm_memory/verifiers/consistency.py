@@ -1,0 +1,127 @@
+r"""``consistency``: self-consistency as a verifier. When the zero-shot and the memory answers
+disagree, draw a few fresh zero-shot samples of the question and score each candidate by
+the fraction of samples whose final ``\boxed{}`` answer is equivalent to the candidate's.
+
+Why: it asks the same question ELM's training reward asks (does the answer agree with the
+model's majority?), needs no second model, and only needs ``backend.generate``, so it also
+works with the vLLM backends, which expose no model for teacher forcing.
+
+Details:
+
+* The samples use the plain zero-shot prompt: the first candidate's prompt token ids with
+  any soft prompt dropped (the graph passes the prompt it answered with), else the prompt
+  built from the question with ``prompt`` config. Under a memory the samples would lean
+  towards that memory's answer, and the memory may come from a merely similar question.
+* One batched ``backend.generate`` call: ``n = samples`` completions, seeded with
+  ``seed`` (reproducible), each stopping at its first closed ``\boxed{}``. A sample cut off
+  before its box has no answer and agrees with nobody; it still counts in the denominator,
+  so a score is always "agreeing samples / samples drawn".
+* A candidate without an answer (no box, empty text) scores 0.0. Equal scores are equal
+  floats, so the graph's strict ``memory > zero-shot`` rule keeps zero-shot on a tie.
+* Answers are compared with :func:`elm_memory.answers.equivalent` (the vote's own rule).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any
+
+from elm_memory.answers import equivalent, extract_answer
+from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
+from elm_memory.errors import BackendError, ConfigError
+from elm_memory.verifiers.base import Candidate
+
+if TYPE_CHECKING:
+    from elm_memory.config import ELMConfig
+
+
+class ConsistencyVerifier:
+    """Fraction of fresh zero-shot samples that agree with each candidate's answer."""
+
+    name = "consistency"
+
+    def __init__(
+        self,
+        backend: Any,
+        *,
+        samples: int = 4,
+        max_new_tokens: int = 512,
+        temperature: float = 0.7,
+        top_p: float = 1.0,
+        seed: int | None = 42,
+        prompt_config: Any = None,
+    ):
+        if backend is None or not callable(getattr(backend, "generate", None)):
+            raise BackendError(
+                "verifier 'consistency' samples answers from the policy, but no backend with generate() was given"
+            )
+        if isinstance(samples, bool) or not isinstance(samples, int) or samples < 1:
+            raise ConfigError(f"verifier.consistency_samples must be an integer >= 1, got {samples!r}")
+        if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+            raise ConfigError(f"verifier.consistency_max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+        if not temperature > 0.0:  # also rejects NaN
+            raise ConfigError(
+                f"verifier.consistency_temperature must be > 0 (greedy samples are all one answer), got {temperature!r}"
+            )
+        self.backend = backend
+        self.samples = samples
+        self.max_new_tokens = max_new_tokens
+        self.temperature = float(temperature)
+        self.top_p = float(top_p)
+        self.seed = seed
+        self.prompt_config = prompt_config
+        self._prompts: Any = None
+
+    @classmethod
+    def from_config(cls, cfg: ELMConfig, backend: Any = None) -> ConsistencyVerifier:
+        v = cfg.verifier
+        return cls(
+            backend,
+            samples=v.consistency_samples,
+            max_new_tokens=v.consistency_max_new_tokens,
+            temperature=v.consistency_temperature,
+            top_p=cfg.generation.top_p,
+            seed=cfg.training.seed,  # the run's one seed, as the answer and the rollouts use
+            prompt_config=cfg.prompt,
+        )
+
+    # -- scoring -------------------------------------------------------------------
+    def score(self, question: str, responses: Sequence[Candidate]) -> list[float]:
+        answers = [extract_answer(c.text) if c.text else None for c in responses]
+        if not any(a is not None for a in answers):
+            return [0.0] * len(answers)  # nothing to agree with: skip the sampling
+        drawn = self.sample_answers(question, responses)
+        total = len(drawn)
+        return [
+            0.0 if a is None or not total else sum(equivalent(a, s) for s in drawn) / total for a in answers
+        ]
+
+    def sample_answers(self, question: str, responses: Sequence[Candidate] = ()) -> list[str | None]:
+        """The ``samples`` zero-shot answers of one batched, seeded generate call (None: no box)."""
+        prompt = self._sampling_prompt(question, responses)
+        max_context = getattr(getattr(self.backend, "info", None), "max_context", None)
+        budget = (
+            self.max_new_tokens
+            if max_context is None
+            else answer_budget(self.max_new_tokens, max_context, len(prompt.token_ids))
+        )
+        params = SamplingParams(
+            max_new_tokens=budget,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            n=self.samples,
+            seed=self.seed,
+            stop_at_answer=True,  # only the first box is read; the rest would be wasted tokens
+        )
+        [gens] = self.backend.generate([prompt], params)
+        return [extract_answer(g.text) for g in gens]
+
+    def _sampling_prompt(self, question: str, responses: Sequence[Candidate]) -> PromptInput:
+        for cand in responses:
+            if cand.prompt is not None:
+                return PromptInput(cand.prompt.token_ids)  # soft prompt dropped: zero-shot
+        if self._prompts is None:
+            from elm_memory.models.prompting import PromptBuilder
+
+            self._prompts = PromptBuilder(self.backend.tokenizer, self.prompt_config)
+        return PromptInput(self._prompts.build(question).token_ids)
