@@ -6,7 +6,13 @@ Layout under ``StoreConfig.path`` (``~`` expanded)::
     blobs/    content-addressed safetensors memories (see ``blobs.py``)
 
 With ``url`` the index rows live in a Chroma server (``chroma run``; the scale-out
-path) and the blobs stay in the local/shared folder.
+path) and the blobs stay in the local/shared folder. The server's tenant and database
+must exist (the store creates only collections); headers and a static token (read from
+an environment variable, sent as chromadb's token auth does) authenticate the client.
+
+Every write is cut into requests of at most the client's ``get_max_batch_size()`` rows
+(5461 for chromadb 1.5.9, embedded and server alike; more is refused), so an import of any
+size goes through.
 
 **One collection per (model fingerprint, key kind, namespace)**, cosine space. A
 namespace is therefore a structural boundary, not a ``where`` filter. Measured with
@@ -35,6 +41,7 @@ single-process: open one store per folder per process (use a server to share it)
 from __future__ import annotations
 
 import hashlib
+import os
 import re
 import time
 from collections.abc import Iterator, Mapping, Sequence
@@ -77,6 +84,9 @@ MUTABLE_HNSW = ("ef_search", "num_threads", "batch_size", "sync_threshold", "res
 SCHEMA = 1
 QUESTION_PREVIEW = 200
 _PAGE = 5000
+#: chromadb's DEFAULT_TENANT / DEFAULT_DATABASE (here so importing this module needs no chromadb)
+DEFAULT_TENANT = "default_tenant"
+DEFAULT_DATABASE = "default_database"
 
 
 def _slug(text: str, n: int) -> str:
@@ -209,9 +219,17 @@ class ChromaMemoryStore:
         hnsw: Mapping[str, Any] | None = None,
         client: Any = None,
         known_models: Mapping[str, ModelInfo] | None = None,
+        tenant: str = DEFAULT_TENANT,
+        database: str = DEFAULT_DATABASE,
+        headers: Mapping[str, str] | None = None,
+        token_env: str | None = None,
+        token_header: str = "Authorization",
     ):
         self.root = Path(path).expanduser()
         self.url = url
+        self.tenant, self.database = tenant, database
+        self.headers = dict(headers or {})
+        self.token_env, self.token_header = token_env, token_header
         self.model = model
         self.known_models = dict(known_models or {})
         self.hnsw = dict(hnsw or {})
@@ -226,7 +244,14 @@ class ChromaMemoryStore:
         from elm_memory.store.location import resolve_store_path  # a copy made with model_copy skips validation
 
         kwargs.setdefault("hnsw", cfg.hnsw)
-        return cls(resolve_store_path(cfg.path), url=cfg.url, model=model, **kwargs)
+        server = {
+            "tenant": cfg.tenant,
+            "database": cfg.database,
+            "headers": cfg.headers,
+            "token_env": cfg.token_env,
+            "token_header": cfg.token_header,
+        }
+        return cls(resolve_store_path(cfg.path), url=cfg.url, model=model, **{**server, **kwargs})
 
     def _connect(self) -> Any:
         import chromadb
@@ -234,22 +259,72 @@ class ChromaMemoryStore:
 
         settings = Settings(anonymized_telemetry=False)
         if self.url:
-            parts = urlsplit(self.url if "://" in self.url else f"http://{self.url}")
-            if parts.scheme not in ("http", "https") or not parts.hostname:
-                raise StoreError(f"store.url {self.url!r} is not an http(s)://host:port URL")
-            port = parts.port or (443 if parts.scheme == "https" else 8000)
-            with _chroma_errors(f"connecting to the Chroma server at {self.url}"):
-                client = chromadb.HttpClient(
-                    host=parts.hostname, port=port, ssl=parts.scheme == "https", settings=settings
-                )
-                client.heartbeat()
-            return client
+            return self._connect_server(settings)
+        if (self.tenant, self.database) != (DEFAULT_TENANT, DEFAULT_DATABASE) or self.headers or self.token_env:
+            raise StoreError("store.tenant, database, headers and token_env apply to a Chroma server: set store.url")
         try:
             (self.root / "chroma").mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise StoreError(f"cannot create the memory store at {self.root}: {exc.strerror or exc}") from None
         with _chroma_errors(f"opening the store at {self.root}"):
             return chromadb.PersistentClient(path=str(self.root / "chroma"), settings=settings)
+
+    def _connect_server(self, settings: Any) -> Any:
+        import chromadb
+        import chromadb.errors
+
+        url = str(self.url)
+        parts = urlsplit(url if "://" in url else f"http://{url}")
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise StoreError(f"store.url {self.url!r} is not an http(s)://host:port URL")
+        port = parts.port or (443 if parts.scheme == "https" else 8000)
+        if self.token_env:
+            token = os.environ.get(self.token_env, "")
+            if not token:
+                raise StoreError(f"store.token_env names ${self.token_env}, which is not set (or empty)")
+            if self.token_header.lower() in {h.lower() for h in self.headers}:
+                raise StoreError(f"store.headers sets {self.token_header}, which the token from store.token_env uses")
+            # chromadb's own token auth: it formats the header (Bearer or X-Chroma-Token) and keeps
+            # the token in a SecretStr, out of reprs and logs
+            settings.chroma_client_auth_provider = "chromadb.auth.token_authn.TokenAuthClientProvider"
+            settings.chroma_client_auth_credentials = token
+            settings.chroma_auth_token_transport_header = self.token_header
+        where = f"the Chroma server at {self.url}"
+        with _chroma_errors(f"connecting to {where}"):
+            try:
+                # the constructor looks the tenant and database up: a missing one fails here, not at first use
+                return chromadb.HttpClient(
+                    host=parts.hostname,
+                    port=port,
+                    ssl=parts.scheme == "https",
+                    headers=dict(self.headers) or None,  # a copy: chromadb adds its own to the dict it gets
+                    settings=settings,
+                    tenant=self.tenant,
+                    database=self.database,
+                )
+            except chromadb.errors.NotFoundError as exc:  # "Tenant [x] not found" / "Database [y] not found..."
+                if str(exc).lower().startswith("tenant"):
+                    missing = f"tenant {self.tenant!r} (store.tenant)"
+                else:
+                    missing = f"database {self.database!r} in tenant {self.tenant!r} (store.database)"
+                raise StoreError(f"{where} has no {missing}; create it with chromadb's AdminClient") from None
+            except (chromadb.errors.ChromaAuthError, chromadb.errors.AuthorizationError) as exc:
+                raise StoreError(
+                    f"{where} refused the credentials ({exc}); check store.token_env, store.token_header "
+                    "and store.headers"
+                ) from None
+
+    def _batch_size(self) -> int:
+        """Most rows one write may carry (the client's limit; 0: none known)."""
+        with _chroma_errors("reading the Chroma batch limit"):
+            n = int(self.client.get_max_batch_size())
+        return max(n, 0)  # servers predating the pre-flight check report -1
+
+    def _chunks(self, n: int) -> Iterator[slice]:
+        """Slices of ``range(n)`` no longer than the client's batch limit."""
+        size = self._batch_size() or max(n, 1)
+        for start in range(0, n, size):
+            yield slice(start, start + size)
 
     # ---- collections -------------------------------------------------------------------
     @staticmethod
@@ -379,8 +454,13 @@ class ChromaMemoryStore:
         out: list[_Row] = []
         with _chroma_errors(f"reading {info.name}"):
             if ids is not None:
-                res = c.get(ids=list(ids), include=["metadatas"])
-                return [_Row(info, i, m or {}) for i, m in zip(res["ids"], res["metadatas"], strict=True)]
+                # chromadb 1.5 does not limit reads by id, but one request per id batch keeps an
+                # import's lookups the size of its writes on any server
+                ids = list(ids)
+                for part in self._chunks(len(ids)):
+                    res = c.get(ids=ids[part], include=["metadatas"])
+                    out.extend(_Row(info, i, m or {}) for i, m in zip(res["ids"], res["metadatas"], strict=True))
+                return out
             offset = 0
             while True:
                 res = c.get(include=["metadatas"], limit=_PAGE, offset=offset)
@@ -390,13 +470,19 @@ class ChromaMemoryStore:
                 offset += _PAGE
 
     def _upsert_rows(self, col: tuple[_CollInfo, Any], ids: list[str], vectors: np.ndarray, metas: list[dict]) -> None:
-        """Write index rows (a crash test hook: everything before it is the blob write)."""
+        """Write index rows (a crash test hook: everything before it is the blob write).
+
+        A failure part-way leaves the earlier batches written: their blobs already are, so
+        ``check(repair=True)`` (or putting again) completes the rest.
+        """
         with _chroma_errors(f"writing to {col[0].name}"):
-            col[1].upsert(ids=ids, embeddings=vectors, metadatas=metas)
+            for part in self._chunks(len(ids)):
+                col[1].upsert(ids=ids[part], embeddings=vectors[part], metadatas=metas[part])
 
     def _delete_rows(self, col: tuple[_CollInfo, Any], ids: list[str]) -> None:
         with _chroma_errors(f"deleting from {col[0].name}"):
-            col[1].delete(ids=ids)
+            for part in self._chunks(len(ids)):
+                col[1].delete(ids=ids[part])
 
     # ---- MemoryStore: writes --------------------------------------------------------------
     def put(self, memory: LatentMemory) -> str:
@@ -539,9 +625,10 @@ class ChromaMemoryStore:
         rows = self._rows(found, list(dict.fromkeys(memory_ids)))
         now = time.time()
         metas = [{"usage": int(r.meta.get("usage", 0)) + 1, "last_used_at": now} for r in rows]
-        if rows:
-            with _chroma_errors(f"updating usage in {found[0].name}"):
-                found[1].update(ids=[r.id for r in rows], metadatas=metas)
+        ids = [r.id for r in rows]
+        with _chroma_errors(f"updating usage in {found[0].name}"):
+            for part in self._chunks(len(ids)):
+                found[1].update(ids=ids[part], metadatas=metas[part])
 
     # ---- MemoryStore: reads ---------------------------------------------------------------
     def _bound(self) -> ModelInfo:
