@@ -182,13 +182,46 @@ def test_finish_reasons_and_stop_at_answer(vb, tiny_backend, tiny_loaded):
     [[want]] = tiny_backend.generate([ids], stop)
     assert got.finish_reason == want.finish_reason == "answer"
     assert got.token_ids == want.token_ids and got.text.strip() == "\\boxed{8}"
-    # The engine itself ended the sequence (logits processor), not only our post-hoc cut:
     raw = vb.llm.generate([{"prompt_token_ids": list(ids)}], vb._sampling_params(stop, 20, 0), use_tqdm=False)
     out = raw[0].outputs[0]
-    assert list(out.token_ids) == got.token_ids + [vb.eos_ids[0]] and out.finish_reason == "stop"
+    if vb.stop_in_engine:  # V1 model runner (the CPU build): the engine itself ended the sequence
+        assert list(out.token_ids) == got.token_ids + [vb.eos_ids[0]] and out.finish_reason == "stop"
+    else:  # V2 runner: no processor, the engine ran on and only our cut ended the answer
+        assert list(out.token_ids) == full.token_ids and out.finish_reason == "length"
     [[eos]] = vb.generate([PromptInput(tuple(tiny_loaded.tokenizer("Hi", add_special_tokens=False)["input_ids"]))],
                           SamplingParams(max_new_tokens=64))  # fmt: skip
     assert eos.finish_reason in ("stop", "length") and all(t not in vb.eos_ids for t in eos.token_ids)
+
+
+def test_the_stop_processor_follows_vllms_model_runner_decision(vb, tiny_loaded, monkeypatch):
+    """The runner is read from vLLM's engine config (no engine started): VLLM_USE_V2_MODEL_RUNNER
+    forces it either way; the running engine's own config agrees with what was chosen."""
+    from elm_memory.backends.vllm import uses_v2_model_runner
+
+    assert vb.stop_in_engine is not vb.llm.llm_engine.vllm_config.use_v2_model_runner
+    kwargs = {"model": tiny_loaded.info.path, "dtype": "float32", "max_model_len": MAX_LEN, "enforce_eager": True,
+              "enable_prompt_embeds": True}  # fmt: skip
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
+    assert uses_v2_model_runner(kwargs) is False
+    monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
+    try:
+        assert uses_v2_model_runner(kwargs) is True  # a GPU with Triton
+    except Exception as exc:  # vLLM refuses V2 where Triton has no backend (this CPU build)
+        assert "Triton" in str(exc), exc
+
+
+def test_the_server_probe_reads_version_and_runner_in_the_servers_python(tiny_loaded):
+    from elm_memory.backends.vllm_server import probe_server_python
+
+    args = ["--model", tiny_loaded.info.path, "--dtype", "float32", "--max-model-len", str(MAX_LEN), "--enforce-eager",
+            "--enable-prompt-embeds", "--host", "127.0.0.1", "--port", "1"]  # fmt: skip
+    probe = probe_server_python(sys.executable, args, dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0"))
+    assert probe == {"version": vllm.__version__, "runner": "v1"}, probe
+    probe = probe_server_python(sys.executable, args, dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="1"))
+    if "error" in probe:  # this CPU build: V2 needs Triton; start_server then leaves the processor out
+        assert "Triton" in probe["error"] and probe["version"] == vllm.__version__, probe
+    else:
+        assert probe == {"version": vllm.__version__, "runner": "v2"}, probe
 
 
 def test_a_prompt_longer_than_the_context_is_refused(vb):
@@ -256,6 +289,7 @@ def server(tiny_loaded, tmp_path_factory):
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     proc = start_server(tiny_loaded.info.path, port, dtype="float32", max_model_len=MAX_LEN, log_path=log, timeout=600)
     try:
+        assert proc.stop_at_answer_processor is not None  # chosen from the probe of the server's Python
         yield proc, f"http://127.0.0.1:{port}"
     finally:
         stop_server(proc)
@@ -267,12 +301,13 @@ def server(tiny_loaded, tmp_path_factory):
 def sb(server, tiny_loaded):
     from elm_memory.backends.vllm_server import VLLMServerBackend
 
-    return VLLMServerBackend.from_config(_cfg(name="vllm-server", server_url=server[1]), loaded=tiny_loaded)
+    with VLLMServerBackend.from_config(_cfg(name="vllm-server", server_url=server[1]), loaded=tiny_loaded) as backend:
+        yield backend
 
 
 def test_server_round_trip_equals_the_offline_engine_and_transformers(sb, vb, tiny_backend, prompts, soft):
     assert isinstance(sb, GenerationBackend) and sb.health()
-    assert sb.info.max_context == MAX_LEN
+    assert sb.info.max_context == MAX_LEN and sb.server_version == vllm.__version__
     a, b = prompts
     batch = [PromptInput(a.token_ids), PromptInput(b.token_ids, soft_prompt=soft, soft_prompt_at=b.user_turn_at)]
     got = sb.generate(batch, GREEDY)

@@ -14,14 +14,23 @@ backend's stopping criterion. Once closed, every logit but that EOS id is set to
 the next token is EOS and the request finishes. The caller strips that EOS and reports
 ``finish_reason="answer"``. Log-probabilities are unaffected (vLLM's ``raw_logprobs`` are
 taken before logits processors).
+
+This is a V1-interface processor: vLLM's V2 model runner (the GPU default in recent
+releases) refuses it at start-up, so the backends register it only when vLLM's engine
+config says the V1 runner will run (:func:`server_uses_v2_model_runner` below for a
+server's command line, :func:`elm_memory.backends.vllm.uses_v2_model_runner` offline);
+otherwise answers are cut after generation only, with the same result.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 from vllm.v1.sample.logits_processor import AdapterLogitsProcessor
+
+from elm_memory.backends.vllm import PROBE_ERROR_MARK, RUNNER_MARK, VERSION_MARK
 
 XARG = "elm_stop_at_answer"
 
@@ -83,3 +92,36 @@ class StopAtAnswerLogitsProcessor(AdapterLogitsProcessor):
         if eos is None or eos is False:
             return None
         return _PerRequest(self, int(eos))
+
+
+# ---- which model runner a server command line gets (run in the server's own Python) ----
+
+
+def server_uses_v2_model_runner(argv: list[str]) -> bool:
+    """vLLM's runner decision for a server started with the engine flags in ``argv`` (other
+    flags are ignored): the engine config is built from them and ``use_v2_model_runner`` read."""
+    try:
+        from vllm.utils.argparse_utils import FlexibleArgumentParser
+    except ImportError:  # vLLM releases before the utils split
+        from vllm.utils import FlexibleArgumentParser  # type: ignore[attr-defined,no-redef]
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    from elm_memory.backends.vllm import v2_runner_from_engine_config
+
+    parser = AsyncEngineArgs.add_cli_args(FlexibleArgumentParser())
+    args, _ = parser.parse_known_args(argv)
+    args.logits_processors = None  # the decision is made without ours, as the offline check does
+    return v2_runner_from_engine_config(AsyncEngineArgs.from_cli_args(args).create_engine_config())
+
+
+if __name__ == "__main__":
+    # vLLM logs to stdout too: the answers are the lines that start with the marks.
+    import vllm
+
+    print(VERSION_MARK + str(vllm.__version__), flush=True)
+    try:
+        v2 = server_uses_v2_model_runner(sys.argv[1:])
+    except Exception as exc:  # e.g. V2 forced where vLLM refuses it: the engine would not start either
+        print(PROBE_ERROR_MARK + f"{type(exc).__name__}: " + " ".join(str(exc).split())[:400], flush=True)
+        sys.exit(1)
+    print(RUNNER_MARK + ("v2" if v2 else "v1"), flush=True)

