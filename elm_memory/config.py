@@ -317,9 +317,10 @@ class StoreConfig(_Section):
     @field_validator("tenant", "database", "headers", "token_env")
     @classmethod
     def _needs_url(cls, v: Any, info: Any) -> Any:
-        # only explicitly set values reach here (defaults are not validated): the embedded store has no
-        # tenants or HTTP, so a server setting without a server is a mistake, not something to ignore
-        if "url" in info.data and info.data["url"] is None and v:
+        # the embedded store has no tenants or HTTP, so a server setting without a server is a mistake,
+        # not something to ignore; the default values (written out by `elm config show`) are fine
+        default = cls.model_fields[info.field_name].get_default(call_default_factory=True)
+        if "url" in info.data and info.data["url"] is None and v and v != default:
             raise ValueError(f"store.{info.field_name} applies to a Chroma server: set store.url too")
         return v
 
