@@ -212,10 +212,9 @@ def learn(
 @handle_errors
 def demo(
     dataset: Annotated[
-        str, typer.Option(help="Vendored dataset: gsm8k, math500, amc23, aime24, synth-arith (toy).")
-    ] = "gsm8k",
-    limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 3,
-    method: MethodOpt = None,
+        str, typer.Option(help="Vendored dataset: synth-arith (toy stream, default), gsm8k, math500, amc23, aime24.")
+    ] = "synth-arith",
+    limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 8,
     out: Annotated[
         Optional[Path], typer.Option(help="Run directory (default elm-runs/demo-DATASET-LIMIT); re-running resumes it.")
     ] = None,
@@ -226,19 +225,24 @@ def demo(
     backend: BackendOpt = None,
     server_url: ServerUrlOpt = None,
 ) -> None:
-    """The main job on the embedded defaults: a short online stream of GSM8K questions with ELM.
+    """The main job on the embedded defaults: ELM next to zero-shot on a short online stream.
 
-    Same as ``elm stream --dataset gsm8k --limit 3 --method elm_input --preset cpu-demo
-    --out elm-runs/demo-gsm8k-3``: each question is answered (retrieve, dual-generate, route), then
-    a memory is learned from it before the next one (the paper's protocol). The table
-    also shows the zero-shot candidate's accuracy, ELM's own baseline on the same stream.
+    Same as ``elm stream --dataset synth-arith --limit 8 -m zero_shot,elm_input --preset cpu-demo
+    --out elm-runs/demo-synth-arith-8``: each question is answered (retrieve, dual-generate, route),
+    then a memory is learned from it before the next one (the paper's protocol). Zero-shot is
+    ELM's own zero-shot candidate (one shared cached generation), so it costs nothing extra.
+    Per question it prints the route, the memory used and where it came from, both
+    candidates and which was right; then the table and the plots.
     """
     from elm_memory.eval.datasets import load_problems
+    from elm_memory.eval.walkthrough import Walkthrough
 
     cfg = _load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=17)
     out = out or Path("elm-runs") / f"demo-{Path(dataset).stem}-{limit}"
-    result = _run_stream(problems, _methods(method, ["elm_input"]), cfg, out, dataset, 17, json_out, True)
+    walkthrough = None if json_out else Walkthrough(len(problems), lambda line: typer.echo(line, err=True))
+    result = _run_stream(problems, ["zero_shot", "elm_input"], cfg, out, dataset, 17, json_out, True,
+                         on_record=walkthrough)  # fmt: skip
     _print_run(result, json_out)
 
 
@@ -282,11 +286,14 @@ def stream(
     _print_run(result, json_out)
 
 
-def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_size=8):
+def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_size=8, on_record=None):
     from elm_memory.eval.online import run_stream
 
     def show(r: dict[str, Any]) -> None:
         if quiet:
+            return
+        if on_record is not None:
+            on_record(r)
             return
         mem = f"memory {str(r['memory_id'])[:8]} sim {r['similarity']:.2f}" if r.get("memory_id") else "no memory"
         mark = "✓" if r["correct"] else "✗"

@@ -1,10 +1,13 @@
-"""Run a ReAct-style agent that uses ELM as its math tool, on the CPU.
+"""A tool-calling agent whose math tool is ELM, with a real chat model.
 
-    .venv/bin/python examples/math_agent.py            # default model (cpu-demo preset)
-    .venv/bin/python examples/math_agent.py --tiny     # SmolLM2 plumbing run in seconds
+Start an OpenAI-compatible server with tool calling for the chat model, e.g. vLLM serving the
+packaged model (see the README's vLLM section), then:
 
-Each question is answered through ELM (retrieve, dual-generate, route) and learned from;
-the second question can then retrieve the memory of the first.
+    .venv/bin/python examples/math_agent.py --base-url http://127.0.0.1:8000/v1 --model MODEL
+    .venv/bin/python examples/math_agent.py --scripted --tiny   # no chat model: the scripted test double
+
+Each question goes to the agent; the model decides to call ``solve_math`` (ELM: retrieve,
+dual-generate, route, then learn), and the second question can retrieve the first one's memory.
 """
 
 from __future__ import annotations
@@ -17,18 +20,35 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from langchain_core.messages import HumanMessage  # noqa: E402
 
 from elm_memory import ELM, ELMConfig  # noqa: E402
-from integrations.agents import build_math_agent  # noqa: E402
+from elm_memory.integrations.agents import build_math_agent  # noqa: E402
+from elm_memory.integrations.tools import create_elm_tool  # noqa: E402
+
+
+def chat_model(args: argparse.Namespace):
+    if args.scripted:
+        from elm_memory.integrations.testing import ScriptedToolCaller
+
+        return ScriptedToolCaller()
+    if not args.base_url or not args.model:
+        raise SystemExit("give --base-url and --model of an OpenAI-compatible server with tool calling, or --scripted")
+    from langchain_openai import ChatOpenAI
+
+    return ChatOpenAI(model=args.model, base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+                      temperature=0)  # fmt: skip
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--tiny", action="store_true", help="SmolLM2 with the cpu-tiny preset")
+    parser.add_argument("--base-url", help="OpenAI-compatible endpoint of the chat model (…/v1)")
+    parser.add_argument("--model", help="model name on that server")
+    parser.add_argument("--scripted", action="store_true", help="use the scripted test double instead of a model")
+    parser.add_argument("--tiny", action="store_true", help="ELM on SmolLM2 with the cpu-tiny preset")
     parser.add_argument("--store", help="store.path (relative: under $ELM_HOME); default: the preset's store")
     args = parser.parse_args()
     overrides = {"store": {"path": args.store}} if args.store else None
     cfg = ELMConfig.load(preset="cpu-tiny" if args.tiny else "cpu-demo", overrides=overrides)
     with ELM(cfg) as elm:
-        agent = build_math_agent(lambda: elm)
+        agent = build_math_agent(chat_model(args), [create_elm_tool(elm, include_trace=True)])
         for question in [
             "Tom has 3 apples and buys 4 more. How many apples does he have?",
             "Sara has 5 pears and buys 2 more. How many pears does she have?",

@@ -72,3 +72,25 @@ def test_solve_json_on_the_real_tiny_model():
 def test_over_long_question_is_refused_by_the_cli():
     r = elm("solve", "word " * 9000, "--preset", "cpu-tiny")
     assert r.returncode == 2 and "question too long" in r.stderr
+
+
+@pytest.mark.model
+def test_demo_shows_both_methods_per_question_on_cpu_tiny(tmp_path):
+    out = tmp_path / "demo"
+    args = ["demo", "--preset", "cpu-tiny", "--limit", "2", "--out", str(out), "--set", "training.steps=1",
+            "--set", "training.num_generations=2", "--set", "retrieval.skip_no_consensus=false",
+            "--set", "generation.max_new_tokens=24", "--set", "training.max_completion_length=24"]  # fmt: skip
+    r = elm(*args)
+    assert r.returncode == 0, r.stderr
+    first, second = r.stderr.split("[2/2] ")[0].split("[1/2] ")[1], r.stderr.split("[2/2] ")[1]
+    assert "zero-shot" in first and "route zero_shot" in first and "no memory yet (empty pool)" in first
+    # the second question retrieves the first one's memory, says where it came from, shows both candidates
+    assert "memory " in second and "from Q1 (synth" in second and "similarity 0." in second
+    assert "candidates: zero-shot" in second and "|  memory" in second
+    assert "| zero_shot " in r.stdout and "| elm_input " in r.stdout  # the table has both methods
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    assert sorted((rec["method"], rec["index"]) for rec in records) == [
+        ("elm_input", 0), ("elm_input", 1), ("zero_shot", 0), ("zero_shot", 1)]  # fmt: skip
+    assert records[-1]["extra"]["gate"]["decision"] in {"used", "empty_pool"}
+    again = elm(*args)  # a finished run is printed again, nothing recomputed
+    assert again.returncode == 0 and "[1/2]" not in again.stderr and again.stdout == r.stdout

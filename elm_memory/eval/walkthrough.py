@@ -1,0 +1,85 @@
+"""The main job's per-question printout: ELM next to zero-shot, and why ELM answered as it did.
+
+For each question, once both methods' records are in: the gold answer, zero-shot's answer,
+ELM's route, the memory it used (the stream question it was learned from, similarity,
+training majority share) or the gate that kept a memory out, both of ELM's candidate
+answers, and which were right.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+MARK = {True: "✓", False: "✗"}
+
+
+class Walkthrough:
+    """``on_record`` callback for :func:`elm_memory.eval.online.run_stream` (writes with ``echo``)."""
+
+    def __init__(self, total: int, echo: Callable[[str], None], *, baseline: str = "zero_shot", method: str = "elm_input"):
+        self.total, self.echo = total, echo
+        self.baseline, self.method = baseline, method
+        self._pending: dict[int, dict[str, dict[str, Any]]] = {}
+        self._learned_from: dict[str, dict[str, Any]] = {}  # memory id -> record of its question
+
+    def __call__(self, record: dict[str, Any]) -> None:
+        if record["method"] == self.method:
+            job = (record.get("extra") or {}).get("learn_job") or {}
+            if job.get("memory_id"):
+                self._learned_from[job["memory_id"]] = record
+        row = self._pending.setdefault(record["index"], {})
+        row[record["method"]] = record
+        if self.baseline in row and self.method in row:
+            self.echo(self.describe(row[self.baseline], row[self.method]))
+            del self._pending[record["index"]]
+
+    def describe(self, zero: dict[str, Any], elm: dict[str, Any]) -> str:
+        question = " ".join(elm["question"].split())
+        lines = [
+            f"[{elm['index'] + 1}/{self.total}] {elm['question_id']}  gold {elm['gold']}",
+            f"    {_short(question, 110)}",
+            f"    zero-shot {elm_answer(zero):>10} {MARK[zero['correct']]}",
+            f"    ELM       {elm_answer(elm):>10} {MARK[elm['correct']]}  route {elm['route']}",
+        ]
+        lines.append("              " + self._memory_line(elm))
+        candidates = elm.get("candidates") or []
+        if len(candidates) > 1:
+            shown = "  |  ".join(
+                f"{c['kind'].replace('_', '-')} {c.get('answer')!s} {MARK[bool(c.get('correct'))]}"
+                + (f" (score {c['score']:.3f})" if c.get("score") is not None else "")
+                for c in candidates
+            )
+            lines.append(f"              candidates: {shown}")
+        t = elm.get("timings") or {}
+        lines.append(f"              answer {t.get('answer', 0):.0f}s, learn {t.get('learn', 0):.0f}s")
+        return "\n".join(lines)
+
+    def _memory_line(self, elm: dict[str, Any]) -> str:
+        gate = (elm.get("extra") or {}).get("gate") or {}
+        share = gate.get("majority_share")
+        if elm.get("memory_id"):
+            source = self._learned_from.get(elm["memory_id"])
+            origin = f"from Q{source['index'] + 1} ({source['question_id']})" if source else "from an earlier run"
+            parts = [f"memory {elm['memory_id'][:8]} {origin}", f"similarity {elm['similarity']:.3f}"]
+            if share is not None:
+                parts.append(f"majority share {share:.2f}")
+            return ", ".join(parts)
+        decision = gate.get("decision")
+        if decision in (None, "empty_pool"):
+            return "no memory yet (empty pool)"
+        detail = f"best candidate similarity {gate['similarity']:.3f}" if gate.get("similarity") is not None else ""
+        if decision == "weak_majority" and share is not None:
+            detail += f", majority share {share:.2f} < {gate.get('threshold')}"
+        elif gate.get("threshold") is not None:
+            detail += f" < {gate['threshold']}"
+        return f"no memory used: {decision.replace('_', ' ')}" + (f" ({detail})" if detail else "")
+
+
+def elm_answer(record: dict[str, Any]) -> str:
+    answer = record.get("answer")
+    return "(none)" if answer is None else _short(str(answer), 10)
+
+
+def _short(text: str, width: int) -> str:
+    return text if len(text) <= width else text[: width - 1] + "…"
