@@ -209,6 +209,14 @@ class VerifierConfig(_Section):
         "prm",
         description="`prm` (paper), `self_certainty` (CPU default), `logprob`, `consistency`, or a plugin.",
     )
+    prefer_answered: bool = Field(
+        False,
+        description=(
+            "When only one of the two candidates reached a final \\boxed{} answer, it wins without scoring "
+            "(route `answered`): an answer-less response cannot be graded right, and cheap scorers such as "
+            "self-certainty can rate its rambling highly. Off by default: the paper always asks the verifier."
+        ),
+    )
     model: str = Field("Qwen/Qwen2.5-Math-PRM-7B", description="PRM model id or path (for `prm`).")
     aggregate: Literal["min", "last", "product", "mean"] = Field("min", description="PRM step-score aggregation.")
     trust_remote_code: bool | None = Field(

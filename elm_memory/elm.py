@@ -27,7 +27,7 @@ class AnswerResult:
     question: str
     answer: str | None
     response: str
-    route: str  # "zero_shot" | "agree" | "verifier"
+    route: str  # "zero_shot" | "agree" | "answered" | "verifier"
     memory_id: str | None = None
     similarity: float | None = None
     candidates: list[dict[str, Any]] = field(default_factory=list)

@@ -251,3 +251,26 @@ def test_16_concurrent_answers_with_background_learning(tmp_path, tiny_loaded, t
         assert len(ids) == 16
         assert {m.id for m in store.list("default")} == ids
     assert torch.get_num_threads() >= 1
+
+
+def test_prefer_answered_routes_to_the_candidate_with_an_answer(tiny_elm):
+    tiny_elm.answer(Q1)
+    services = tiny_elm.services()
+    cfg = tiny_elm.config.model_copy(
+        update={"verifier": tiny_elm.config.verifier.model_copy(update={"prefer_answered": True})}
+    )
+    services.config = cfg
+    services.verifier = FixedVerifier([0.9, 0.1])  # would keep zero-shot
+    real_generate = services.backend.generate
+
+    def memory_answers(inputs, params):  # SmolLM2 never boxes: give the memory candidate an answer
+        out = real_generate(inputs, params)
+        if len(out) == 2:
+            [gen] = out[1]
+            out[1] = [type(gen)(**{**gen.__dict__, "text": gen.text + " \\boxed{7}"})]
+        return out
+
+    services.backend = type("B", (), {"generate": staticmethod(memory_answers), "info": services.backend.info})()
+    r = tiny_elm.answer(Q2, learn=False)
+    assert r.route == "answered" and r.answer == "7" and services.verifier.calls == 0
+    assert "verify" not in r.timings

@@ -23,7 +23,7 @@ __all__ = [
 ]
 
 # Routes the runner is known to emit, in the order a reader expects; others follow alphabetically.
-_ROUTE_ORDER = ("zero_shot", "context", "agree", "verifier")
+_ROUTE_ORDER = ("zero_shot", "context", "agree", "answered", "verifier")
 _DPI = 120
 
 

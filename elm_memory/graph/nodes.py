@@ -143,7 +143,8 @@ class ELMNodes:
 
     # -- route / verify ------------------------------------------------------------------
     def route(self, state: ELMState) -> dict[str, Any]:
-        """One candidate: zero-shot. Agreeing answers: they win. Otherwise the verifier decides."""
+        """One candidate: zero-shot. Agreeing answers: they win. Only one answered (if configured): it
+        wins. Otherwise the verifier decides."""
         t0 = time.perf_counter()
         candidates = state["candidates"]
         zero = candidates[0]
@@ -151,6 +152,11 @@ class ELMNodes:
             decided: dict[str, Any] = {"route": "zero_shot", "answer": zero["answer"], "response": zero["response"]}
         elif equivalent(zero["answer"], candidates[1]["answer"]):
             decided = {"route": "agree", "answer": zero["answer"], "response": zero["response"]}
+        elif self.services.config.verifier.prefer_answered and (zero["answer"] is None) != (
+            candidates[1]["answer"] is None
+        ):
+            answered = zero if zero["answer"] is not None else candidates[1]
+            decided = {"route": "answered", "answer": answered["answer"], "response": answered["response"]}
         else:
             decided = {"route": "verifier"}
         return {**decided, "timings": _elapsed("route", t0)}

@@ -61,7 +61,7 @@ class ELMOutput(TypedDict, total=False):
     namespace: str  # the namespace the run used
     answer: str | None
     response: str
-    route: str  # "zero_shot" | "agree" | "verifier"
+    route: str  # "zero_shot" | "agree" | "answered" | "verifier"
     memory_id: str | None
     similarity: float | None
     gate: GateState | None
