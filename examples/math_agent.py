@@ -33,8 +33,9 @@ def chat_model(args: argparse.Namespace):
         raise SystemExit("give --base-url and --model of an OpenAI-compatible server with tool calling, or --scripted")
     from langchain_openai import ChatOpenAI
 
+    # max_tokens: a small model can loop on a tool call as text; bound each turn
     return ChatOpenAI(model=args.model, base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                      temperature=0)  # fmt: skip
+                      temperature=0, max_tokens=256)  # fmt: skip
 
 
 def main() -> None:
@@ -42,13 +43,15 @@ def main() -> None:
     parser.add_argument("--base-url", help="OpenAI-compatible endpoint of the chat model (…/v1)")
     parser.add_argument("--model", help="model name on that server")
     parser.add_argument("--scripted", action="store_true", help="use the scripted test double instead of a model")
+    parser.add_argument("--first-tool-choice", help="e.g. 'required': force the first turn's tool call (small models)")
     parser.add_argument("--tiny", action="store_true", help="ELM on SmolLM2 with the cpu-tiny preset")
     parser.add_argument("--store", help="store.path (relative: under $ELM_HOME); default: the preset's store")
     args = parser.parse_args()
     overrides = {"store": {"path": args.store}} if args.store else None
     cfg = ELMConfig.load(preset="cpu-tiny" if args.tiny else "cpu-demo", overrides=overrides)
     with ELM(cfg) as elm:
-        agent = build_math_agent(chat_model(args), [create_elm_tool(elm, include_trace=True)])
+        agent = build_math_agent(chat_model(args), [create_elm_tool(elm, include_trace=True)],
+                                 first_tool_choice=args.first_tool_choice)  # fmt: skip
         for question in [
             "Tom has 3 apples and buys 4 more. How many apples does he have?",
             "Sara has 5 pears and buys 2 more. How many pears does she have?",

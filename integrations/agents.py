@@ -35,24 +35,30 @@ def build_math_agent(
     *,
     system_prompt: str | None = SYSTEM_PROMPT,
     max_steps: int = 6,
+    first_tool_choice: str | None = None,
     name: str = "math_agent",
 ) -> Any:
     """Compile the agent. ``model`` may be a zero-argument callable (built on the first run, once).
 
     ``max_steps`` bounds the reason/act loop: a model that keeps calling tools gets a final
     message saying so instead of looping until LangGraph's recursion limit.
+    ``first_tool_choice="required"`` forces a tool call on the first turn (the model still picks
+    the tool and writes its arguments): small models such as the packaged 0.5B one write the
+    call as plain JSON instead of their chat template's tool-call tags, which servers do not parse.
     """
     if not tools:
         raise ConfigError("build_math_agent needs at least one tool (e.g. create_elm_tool(elm))")
-    bound: list[Any] = []
+    bound: dict[str, Any] = {}
 
-    def chat_model() -> Any:
+    def chat_model(first_turn: bool) -> Any:
         if not bound:  # one bind per process; a race builds it twice, harmlessly
             instance = model() if not isinstance(model, BaseChatModel) and callable(model) else model
             if not hasattr(instance, "bind_tools"):
                 raise ConfigError(f"{type(instance).__name__} is not a chat model with tool calling (no bind_tools)")
-            bound.append(instance.bind_tools(list(tools)))
-        return bound[0]
+            bound["auto"] = instance.bind_tools(list(tools))
+            if first_tool_choice:
+                bound["first"] = instance.bind_tools(list(tools), tool_choice=first_tool_choice)
+        return bound["first"] if first_turn and "first" in bound else bound["auto"]
 
     def reason(state: MessagesState) -> dict[str, Any]:
         steps = sum(1 for m in state["messages"] if isinstance(m, AIMessage) and m.tool_calls)
@@ -61,7 +67,7 @@ def build_math_agent(
         messages = list(state["messages"])
         if system_prompt:
             messages = [SystemMessage(system_prompt), *messages]
-        return {"messages": [chat_model().invoke(messages)]}
+        return {"messages": [chat_model(first_turn=steps == 0).invoke(messages)]}
 
     def next_step(state: MessagesState) -> str:
         last = state["messages"][-1]

@@ -119,6 +119,23 @@ def test_math_agent_stops_a_model_that_never_stops_calling_tools(elm):
         def _generate(self, messages, *args, **kwargs):
             return super()._generate([HumanMessage(Q)], *args, **kwargs)  # always another tool call
 
+    used: list = []
+
+    class Forced(ScriptedToolCaller):
+        choice: str | None = None
+
+        def bind_tools(self, tools, **kwargs):
+            return super().bind_tools(tools).model_copy(update={"choice": kwargs.get("tool_choice")})
+
+        def _generate(self, messages, *args, **kwargs):
+            used.append(self.choice)
+            return super()._generate(messages, *args, **kwargs)
+
+    out = build_math_agent(Forced(), [create_elm_tool(elm, learn=False)], first_tool_choice="required").invoke(
+        {"messages": [HumanMessage(Q)]}
+    )
+    assert used == ["required", None] and out["messages"][-1].content.startswith("The answer is")
+
     agent = build_math_agent(Looping(), [create_elm_tool(elm, learn=False)], max_steps=2)
     out = agent.invoke({"messages": [HumanMessage(Q)]})
     assert out["messages"][-1].content == "Stopped after 2 tool calls without a final answer."
