@@ -200,6 +200,25 @@ class RetrievalConfig(_Section):
             "means the rewards mostly taught agreement with a near-random answer."
         ),
     )
+    min_utility: float | None = Field(
+        None,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Never retrieve memories whose measured utility is below this: (won + agreed) / (won + agreed + lost), "
+            "counted on the answer path (`elm memories stats`), once a memory has `min_utility_observations` of "
+            "them. Default None = off, as in the paper. A memory below 0.5 lost more verifier decisions than it "
+            "won or agreed on; the gate's decision is `low_utility`."
+        ),
+    )
+    min_utility_observations: int = Field(
+        5,
+        ge=1,
+        description=(
+            "Judged answers (won + agreed + lost) a memory needs before `min_utility` applies. Default 5: with "
+            "fewer, one unlucky verifier call would decide; a new memory is always tried first."
+        ),
+    )
 
 
 class VerifierConfig(_Section):
@@ -312,6 +331,32 @@ class StoreConfig(_Section):
         description=(
             "How the token is sent, as chromadb's TokenTransportHeader: `Authorization` (default; "
             "`Bearer <token>`, what `chroma run` with token auth expects) or `X-Chroma-Token` (Chroma Cloud)."
+        ),
+    )
+    max_memories: int | None = Field(
+        None,
+        ge=1,
+        description=(
+            "Most memories kept per namespace. Default None = unlimited (the paper keeps every memory). When a "
+            "put goes past it, `eviction` picks what goes (never a memory that put wrote); "
+            "`elm memories evict --keep N` does the same on demand."
+        ),
+    )
+    eviction: Literal["lru", "utility", "oldest"] = Field(
+        "lru",
+        description=(
+            "What `max_memories` evicts first: `lru` (default; least recently retrieved, a never-retrieved "
+            "memory by its creation time), `utility` (lowest (won + agreed + 1) / (won + agreed + lost + 2), "
+            "so an unjudged memory scores 0.5; ties: least recently used), `oldest` (creation time)."
+        ),
+    )
+    ttl_days: float | None = Field(
+        None,
+        gt=0.0,
+        description=(
+            "Age in days after which a memory expires: never retrieved, removed on the next put to its "
+            "namespace or by `elm memories evict --expired`. Default None = never (like LangGraph's store "
+            "without a TTL)."
         ),
     )
 

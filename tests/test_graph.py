@@ -95,7 +95,7 @@ def test_failures_degrade_to_zero_shot_with_a_warning(tiny_elm, monkeypatch):
     r = tiny_elm.answer(Q2, learn=False)
     assert r.route == "verifier" and r.response == r.candidates[0]["response"]
     assert any("verifier failed" in w for w in r.warnings)
-    monkeypatch.setattr(tiny_elm.retriever, "retrieve", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down")))
+    monkeypatch.setattr(tiny_elm.retriever, "retrieve_with_gates", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down")))
     r = tiny_elm.answer(Q2, learn=False)
     assert r.route == "zero_shot" and any("retrieval failed" in w for w in r.warnings)
 
@@ -154,7 +154,7 @@ def test_state_survives_a_checkpointer_and_each_run_starts_a_fresh_trace(tiny_el
     saved = graph.get_state(cfg).values
     assert saved["question"] == Q1 and saved["route"] == "zero_shot" and "timings" in saved
     assert saved["learn_job"]["status"] == "done"
-    tiny_elm.retriever.retrieve = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down"))
+    tiny_elm.retriever.retrieve_with_gates = lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down"))
     graph.invoke({"question": Q2, "learn": False}, cfg)
     second = graph.get_state(cfg).values
     # reducers: this run's warning only, timings of this run, no learn job carried over

@@ -1,44 +1,30 @@
 """The served graphs under a real LangGraph Server (``langgraph dev``), driven by ``langgraph_sdk``.
 
 The server runs the repository's ``langgraph.json`` on 127.0.0.1 with the ``cpu-tiny`` preset
-(SmolLM2, one training step) and a scripted chat model for ``math_agent`` (no tool-calling
-model runs on a CPU test machine); it is stopped by PID.
+(SmolLM2, one training step) and the scripted chat model for ``math_agent`` (the packaged
+0.5B model does not write parseable tool calls; see the README); it is stopped by PID.
 """
 
 from __future__ import annotations
 
 import asyncio
 import os
-import shutil
-import signal
-import socket
-import subprocess
-import sys
-import time
-import urllib.request
 from pathlib import Path
 
 import pytest
+from _servers import console_script, free_port, running_server
 
 pytestmark = pytest.mark.model
 
 ROOT = Path(__file__).resolve().parents[1]
-LANGGRAPH = Path(sys.executable).with_name("langgraph")
 pytest.importorskip("langgraph_sdk", reason="needs the dev extra (langgraph-sdk)")
-if not LANGGRAPH.exists() and shutil.which("langgraph") is None:
-    pytest.skip("needs the dev extra (langgraph-cli[inmem])", allow_module_level=True)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+pytest.importorskip("langgraph_cli", reason="needs the dev extra (langgraph-cli[inmem])")
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
     store = tmp_path_factory.mktemp("served") / "store"
-    port = _free_port()
+    port = free_port()
     env = {
         **os.environ,
         "ELM_PRESET": "cpu-tiny",
@@ -48,34 +34,12 @@ def server(tmp_path_factory):
             "retrieval.skip_no_consensus=false", "namespace_template=user-{user_id}", f"store.path={store}",
         ]),  # fmt: skip
         "ELM_AGENT_MODEL": "elm_memory.integrations.testing:scripted_tool_caller",
-        "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"),
     }
-    cmd = [str(LANGGRAPH) if LANGGRAPH.exists() else "langgraph", "dev", "--host", "127.0.0.1", "--port", str(port),
-           "--no-browser", "--no-reload", "--config", str(ROOT / "langgraph.json")]  # fmt: skip
-    log = open(store.parent / "server.log", "wb")
-    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    cmd = [console_script("langgraph"), "dev", "--host", "127.0.0.1", "--port", str(port), "--no-browser",
+           "--no-reload", "--config", str(ROOT / "langgraph.json")]  # fmt: skip
     url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 120
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/ok", timeout=2) as r:
-                    if r.status == 200:
-                        break
-            except OSError:
-                pass
-            if proc.poll() is not None or time.monotonic() > deadline:
-                raise RuntimeError(f"langgraph dev did not start:\n{(store.parent / 'server.log').read_text()[-3000:]}")
-            time.sleep(0.5)
+    with running_server(cmd, url + "/ok", store.parent / "server.log", timeout=120, cwd=ROOT, env=env):
         yield {"url": url, "store": store}
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers, by the PID we started
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
-        log.close()
 
 
 def run(coro):

@@ -149,7 +149,12 @@ def _run_one(method: Any, index: int, problem: Problem) -> dict[str, Any]:
     t_answer = time.perf_counter() - t0
     t1 = time.perf_counter()
     method.learn(problem.question, problem.id, output)
-    return _record(method, index, problem, output, t_answer, time.perf_counter() - t1)
+    record = _record(method, index, problem, output, t_answer, time.perf_counter() - t1)
+    grade = getattr(method, "record_ground_truth", None)  # after answering and learning: gold never leaks in
+    if grade is not None:
+        grade(output, record["correct"])
+        record["warnings"] = list(output.warnings)
+    return record
 
 
 def _record(method: Any, index: int, problem: Problem, output: Any, t_answer: float, t_learn: float) -> dict[str, Any]:

@@ -197,10 +197,35 @@ class ELMNodes:
 
     # -- respond / learn -----------------------------------------------------------------
     def respond(self, state: ELMState) -> dict[str, Any]:
-        """Close the trace: total time of the answer path (learning is not part of it)."""
+        """Close the trace: total time of the answer path (learning is not part of it), and count what
+        the route did with the memory used (its utility; a failure there is only a warning)."""
         timings = state.get("timings") or {}
         total = sum(v for k, v in timings.items() if k in ANSWER_PATH)
-        return {"timings": {"total": total}}
+        return {"timings": {"total": total}, "warnings": self._record_outcome(state)}
+
+    def _record_outcome(self, state: ELMState) -> list[str]:
+        svc = self.services
+        memory_id, candidates = state.get("memory_id"), state.get("candidates") or []
+        record = getattr(svc.retriever.store, "record_outcome", None) if svc.retriever is not None else None
+        if not memory_id or len(candidates) < 2 or record is None:
+            return []
+        zero, mem = candidates[0], candidates[1]
+        route = state.get("route")
+        if route == "agree":
+            outcome = "agree"
+        elif route == "answered":  # exactly one candidate has an answer: it was chosen
+            outcome = "won" if mem.get("answer") is not None else "lost"
+        elif state.get("response") == mem.get("response") != zero.get("response"):
+            outcome = "won"
+        elif svc.verifier is not None and any(c.get("score") is not None for c in (zero, mem)):
+            outcome = "lost"
+        else:  # no verifier, or it failed: zero-shot was kept by default, not judged better
+            outcome = "unjudged"
+        try:
+            record(state["namespace"], memory_id, outcome, state.get("similarity"))
+        except Exception as exc:  # never fail the answer over a counter
+            return _warning(f"could not record the outcome of memory {memory_id[:8]}: {exc}")
+        return []
 
     def learn_memory(self, state: ELMState) -> dict[str, Any]:
         """Hand the question to the memory learner and return at once (sync mode waits: paper protocol)."""

@@ -65,6 +65,14 @@ class ELMServices:
     learner: Any | None = None  # elm_memory.learner.MemoryLearner
     memories: MemoryCache = field(default_factory=MemoryCache)
 
+    def __post_init__(self) -> None:
+        # a memory this process deletes (eviction on put, TTL expiry, an explicit delete) must not
+        # live on in the cache (one deleted by another process is no longer retrieved, so its copy
+        # here is never asked for again and ages out)
+        add = getattr(getattr(self.retriever, "store", None), "add_delete_listener", None)
+        if callable(add):
+            add(self.memories.discard)
+
     def memory(self, memory_id: str) -> LatentMemory:
         """A retrieved memory: from the cache, else from the store."""
         memory = self.memories.get(memory_id)

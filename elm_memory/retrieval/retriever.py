@@ -8,8 +8,9 @@ keys are always built by the same builder that later queries them.
 Gates. A candidate (best first) is passed over when its similarity is below
 ``min_similarity`` (and so is everything after it), when it has no consensus (no rollout
 found an answer), when its training vote was weak (majority share below
-``min_majority_share``) or when its blob cannot be read. ``retrieve_with_gates`` says which
-gate did what, as a :class:`RetrievalDecision`.
+``min_majority_share``), when its measured utility is low (``min_utility``, once it has
+``min_utility_observations`` judged answers) or when its blob cannot be read.
+``retrieve_with_gates`` says which gate did what, as a :class:`RetrievalDecision`.
 """
 
 from __future__ import annotations
@@ -43,9 +44,11 @@ class Hit:
 
 
 #: Why the top-1 memory was or wasn't used (see :class:`RetrievalDecision`).
-DecisionKind = Literal["used", "empty_pool", "below_min_similarity", "weak_majority", "no_consensus", "unreadable"]
+DecisionKind = Literal[
+    "used", "empty_pool", "below_min_similarity", "weak_majority", "no_consensus", "low_utility", "unreadable"
+]
 #: Gates, in the order a candidate meets them.
-GATES: tuple[DecisionKind, ...] = ("below_min_similarity", "no_consensus", "weak_majority", "unreadable")
+GATES: tuple[DecisionKind, ...] = ("below_min_similarity", "no_consensus", "weak_majority", "low_utility", "unreadable")
 
 
 @dataclass(frozen=True)
@@ -57,8 +60,8 @@ class RetrievalDecision:
     candidate (nothing was returned). ``candidate_id``/``similarity``/``majority_share``:
     the used memory when ``used``, else the best-scoring candidate (all None for
     ``empty_pool``; ``majority_share`` None when the store row does not carry it).
-    ``threshold``: the rejecting gate's threshold (``min_similarity`` or
-    ``min_majority_share``); None for the other decisions. ``skipped``: candidates that
+    ``threshold``: the rejecting gate's threshold (``min_similarity``, ``min_majority_share``
+    or ``min_utility``); None for the other decisions. ``skipped``: candidates that
     scored higher than the used one (or, when nothing was used, every candidate seen) and
     were passed over; ``skipped_by`` counts them per gate. A ``used`` decision with
     ``skipped > 0`` means a gate turned down a better match. Candidates below
@@ -122,6 +125,14 @@ def _check_share(value: float) -> float:
     return float(value)
 
 
+def _check_utility(value: float | None) -> float | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= float(value) <= 1.0:
+        raise ConfigError(f"min_utility must be a number in [0, 1] or None, got {value!r}")
+    return float(value)
+
+
 def tokenize_question(tokenizer: Any, question: Any) -> list[int]:
     """Key tokens of a question: its own text, no template or special tokens (see keys.py)."""
     text = validate_question(question)
@@ -139,6 +150,8 @@ class Retriever:
         *,
         record_usage: bool = True,
         min_majority_share: float = 0.0,
+        min_utility: float | None = None,
+        min_utility_observations: int = 5,
     ):
         self.store = store
         self.key_builder = key_builder
@@ -147,6 +160,12 @@ class Retriever:
         # the default for ``retrieve(min_majority_share=None)``: kept here so callers that
         # predate the gate (and pass only min_similarity/skip_no_consensus) still honour the config
         self.min_majority_share = _check_share(min_majority_share)
+        self.min_utility = _check_utility(min_utility)
+        if isinstance(min_utility_observations, bool) or not isinstance(min_utility_observations, int) or (
+            min_utility_observations < 1
+        ):
+            raise ConfigError(f"min_utility_observations must be an integer >= 1, got {min_utility_observations!r}")
+        self.min_utility_observations = min_utility_observations
 
     @classmethod
     def from_config(cls, cfg: ELMConfig, loaded: LoadedModel, **store_kwargs: Any) -> Retriever:
@@ -155,7 +174,11 @@ class Retriever:
 
         builder = key_builders.get(cfg.retrieval.key)()
         store = stores.get(cfg.store.kind).from_config(cfg.store, model=loaded.info, **store_kwargs)
-        return cls(store, builder, loaded, min_majority_share=cfg.retrieval.min_majority_share)
+        r = cfg.retrieval
+        return cls(
+            store, builder, loaded, min_majority_share=r.min_majority_share,
+            min_utility=getattr(r, "min_utility", None), min_utility_observations=getattr(r, "min_utility_observations", 5),
+        )  # fmt: skip
 
     @property
     def kind(self) -> str:
@@ -219,7 +242,7 @@ class Retriever:
         skip_no_consensus: bool,
         min_majority_share: float = 0.0,
     ) -> tuple[list[Hit], RetrievalDecision]:
-        gated = skip_no_consensus or min_majority_share > 0.0
+        gated = skip_no_consensus or min_majority_share > 0.0 or self.min_utility is not None
         fetch = 2 * k + 2 if gated else k
         loaded: dict[str, LatentMemory | None] = {}  # blobs read in an earlier, smaller fetch
         while True:
@@ -263,6 +286,8 @@ class Retriever:
             return "no_consensus", share, None
         if share is not None and share < min_majority_share:
             return "weak_majority", share, min_majority_share
+        if self.min_utility is not None and self._low_utility(h):
+            return "low_utility", share, self.min_utility
         if h.record.id not in loaded:
             loaded[h.record.id] = self._load(h)
         memory = loaded[h.record.id]
@@ -273,6 +298,21 @@ class Retriever:
             if share < min_majority_share:
                 return "weak_majority", share, min_majority_share
         return None, share, None
+
+    def _low_utility(self, hit: StoreHit) -> bool:
+        """Utility below ``min_utility`` after enough judged answers (side-table read, no blob read).
+        A store without counters, or one that cannot read them, never rejects: the gate fails open."""
+        utility_of = getattr(self.store, "utility_of", None)
+        if utility_of is None or self.min_utility is None:
+            return False
+        try:
+            u = utility_of(hit.record.namespace, [hit.record.id]).get(hit.record.id)
+        except StoreError as exc:
+            log.warning("utility of memory %s unreadable, not gating it: %s", hit.record.id[:8], exc)
+            return False
+        if u is None or u.observations < self.min_utility_observations:
+            return False
+        return u.utility is not None and u.utility < self.min_utility
 
     def _load(self, hit: StoreHit) -> LatentMemory | None:
         try:

@@ -65,6 +65,10 @@ class CheckReport:
     files. ``errors``: memories a repair could not fix (e.g. a key that no longer fits its index).
     ``empty_collections``: indexes without rows (normal after deletes, so not a problem for
     ``ok``); a repair drops them so the next write recreates them with its own shapes.
+    ``pending_deletes``: memories ("namespace/id") whose journalled delete was interrupted: a
+    repair finishes it. ``orphan_blobs``: blobs of such memories whose rows are already gone
+    (removed on repair; never reindexed). ``orphan_utility``: counter rows ("namespace/id")
+    of memories that no longer exist (removed on repair).
     """
 
     blobs: int = 0
@@ -77,6 +81,9 @@ class CheckReport:
     temp_files: list[str] = field(default_factory=list)  # paths
     errors: list[str] = field(default_factory=list)  # "id: message" for memories a repair could not fix
     empty_collections: list[str] = field(default_factory=list)  # collection names (dropped by a repair)
+    pending_deletes: list[str] = field(default_factory=list)  # "namespace/id"
+    orphan_blobs: list[str] = field(default_factory=list)  # sha256
+    orphan_utility: list[str] = field(default_factory=list)  # "namespace/id"
     repaired: bool = False
 
     @property
@@ -88,6 +95,9 @@ class CheckReport:
             or self.corrupt_blobs
             or self.temp_files
             or self.errors
+            or self.pending_deletes
+            or self.orphan_blobs
+            or self.orphan_utility
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -132,6 +142,10 @@ class MemoryStore(Protocol):
 
     def record_usage(self, kind: str, namespace: str, memory_ids: Sequence[str]) -> None:
         """Count one retrieval for each memory (its usage counter and last-used time)."""
+        ...
+
+    def record_outcome(self, namespace: str, memory_id: str, outcome: str, similarity: float | None = None) -> None:
+        """Count what an answer did with the memory it used: ``agree``, ``won``, ``lost`` or ``unjudged``."""
         ...
 
     def check(self, repair: bool = False) -> CheckReport: ...

@@ -33,9 +33,19 @@ question hash and preview, the blob's sha256, training statistics, and the usage
 counter (times retrieved) with the last-used time.
 
 Write order (crash safety): blob (temp, fsync, rename) -> index rows -> removal of the
-superseded blob. Delete order: blob -> rows. So after any crash the blob is right and
-``check(repair=True)`` rebuilds or drops rows to match it. Embedded Chroma is
+superseded blob. Delete order (``delete``, ``delete_namespace``, eviction, TTL expiry):
+journal entry in ``utility.sqlite3`` -> index rows -> blob -> counters and journal entry.
+So after any crash no row points at a missing blob, and ``check(repair=True)`` rebuilds
+rows from a blob (an interrupted put) or finishes a journalled delete. Embedded Chroma is
 single-process: open one store per folder per process (use a server to share it).
+
+Usage and utility counters live in ``utility.sqlite3`` (see ``utility.py``: exact under
+concurrency), not in the rows; rows written by older versions keep their ``usage`` field,
+which ``list``/``record`` add to the table's count.
+
+Capacity and age (``max_memories``, ``eviction``, ``ttl_days``; see ``StoreConfig``): a put
+first removes its namespaces' expired memories, then evicts down to ``max_memories`` (never
+a memory the put just wrote). Expired memories are never returned by ``query``.
 """
 
 from __future__ import annotations
@@ -44,9 +54,9 @@ import hashlib
 import os
 import re
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlsplit
@@ -65,6 +75,7 @@ from elm_memory.memory import LatentMemory, MemoryMeta
 from elm_memory.store.base import CheckReport, MemoryNotFoundError, MemoryRecord, StoreHit
 from elm_memory.store.blobs import BlobStore, MissingBlobError
 from elm_memory.store.names import validate_namespace
+from elm_memory.store.utility import PendingDelete, Utility, UtilityTable
 
 if TYPE_CHECKING:
     from elm_memory.config import StoreConfig
@@ -82,6 +93,9 @@ KIND_HNSW: dict[str, dict[str, Any]] = {"kv": {"max_neighbors": 32, "ef_search":
 #: Settings chromadb lets us change on an existing collection (the rest are fixed at creation).
 MUTABLE_HNSW = ("ef_search", "num_threads", "batch_size", "sync_threshold", "resize_factor")
 SCHEMA = 1
+#: Eviction policies, by what goes first: least recently used (never used: by creation time),
+#: lowest Laplace-smoothed utility (ties: least recently used), oldest creation time.
+EVICTION_POLICIES = ("lru", "utility", "oldest")
 QUESTION_PREVIEW = 200
 _PAGE = 5000
 #: chromadb's DEFAULT_TENANT / DEFAULT_DATABASE (here so importing this module needs no chromadb)
@@ -178,6 +192,27 @@ def _usage_by_kind(rows: Sequence[_Row]) -> dict[str, tuple[int, float]]:
     return {r.coll.kind: (int(r.meta.get("usage", 0)), float(r.meta.get("last_used_at", 0.0))) for r in rows}
 
 
+def _group(rows: Sequence[_Row]) -> dict[tuple[str, str, str], list[_Row]]:
+    """Rows by the memory they index: (id, model fingerprint, namespace)."""
+    out: dict[tuple[str, str, str], list[_Row]] = {}
+    for r in rows:
+        out.setdefault((r.id, r.coll.fingerprint, r.coll.namespace), []).append(r)
+    return out
+
+
+def _eviction_key(policy: str, util: Mapping[str, Utility]) -> Callable[[MemoryRecord], tuple]:
+    """Sort key putting the memory to evict first (see ``EVICTION_POLICIES``)."""
+
+    def last_use(r: MemoryRecord) -> float:
+        return max(r.last_used_at, r.created_at)
+
+    if policy == "oldest":
+        return lambda r: (r.created_at, r.id)
+    if policy == "lru":
+        return lambda r: (last_use(r), r.created_at, r.id)
+    return lambda r: (util[r.id].smoothed_utility if r.id in util else 0.5, last_use(r), r.id)
+
+
 def _check_key_dims(memory: LatentMemory, model: ModelInfo) -> None:
     """Each key of a registered kind must have the dimension its builder gives for ``model``."""
     from elm_memory.registry import key_builders
@@ -224,8 +259,21 @@ class ChromaMemoryStore:
         headers: Mapping[str, str] | None = None,
         token_env: str | None = None,
         token_header: str = "Authorization",
+        max_memories: int | None = None,
+        eviction: str = "lru",
+        ttl_days: float | None = None,
     ):
         self.root = Path(path).expanduser()
+        if eviction not in EVICTION_POLICIES:
+            raise StoreError(f"unknown eviction policy {eviction!r}: expected one of {', '.join(EVICTION_POLICIES)}")
+        if max_memories is not None and max_memories < 1:
+            raise StoreError(f"max_memories must be at least 1 (or None for no limit), got {max_memories}")
+        if ttl_days is not None and not ttl_days > 0:
+            raise StoreError(f"ttl_days must be positive (or None: memories never expire), got {ttl_days}")
+        self.max_memories, self.eviction, self.ttl_days = max_memories, eviction, ttl_days
+        self.utility = UtilityTable(self.root)
+        # called with each deleted memory id, e.g. to drop a serving process's cached copy
+        self._delete_listeners: list[Callable[[str], None]] = []
         self.url = url
         self.tenant, self.database = tenant, database
         self.headers = dict(headers or {})
@@ -251,6 +299,9 @@ class ChromaMemoryStore:
             "token_env": cfg.token_env,
             "token_header": cfg.token_header,
         }
+        for name in ("max_memories", "eviction", "ttl_days"):  # getattr: configs built before these fields
+            if hasattr(cfg, name):
+                kwargs.setdefault(name, getattr(cfg, name))
         return cls(resolve_store_path(cfg.path), url=cfg.url, model=model, **{**server, **kwargs})
 
     def _connect(self) -> Any:
@@ -498,6 +549,7 @@ class ChromaMemoryStore:
         for m in memories:
             self._check_writable(m)
         self._check_against_store(memories)
+        self._finish_pending([m.id for m in memories])
         for m in memories:
             for kind, key in m.keys.items():
                 self._create(m.meta.model_fingerprint, kind, m.meta.namespace, m.meta.hidden_size, key.numel())
@@ -526,7 +578,22 @@ class ChromaMemoryStore:
             self._delete_rows(col, ids)
         for sha in stale_blobs - set(shas):
             self.blobs.delete(sha)
+        if self.ttl_days is not None or self.max_memories is not None:
+            self._after_put({m.meta.namespace for m in memories}, [m.id for m in memories])
         return shas
+
+    def _finish_pending(self, memory_ids: Sequence[str]) -> None:
+        """Complete interrupted deletes of ids about to be written again: a later ``check --repair``
+        must not delete the new version, and the old one's counters must not carry over."""
+        for p in self.utility.pending(memory_ids=memory_ids):
+            rows = [r for r in self._find(p.memory_id, p.namespace) if r.coll.fingerprint == p.fingerprint]
+            if rows:
+                self._delete_memories(_group(rows))
+            else:
+                for sha in p.blobs:
+                    if not self._blobs_in_use(p.namespace, {sha}):
+                        self.blobs.delete(sha)
+                self.utility.forget(p.namespace, [p.memory_id])
 
     def _check_writable(self, memory: LatentMemory) -> None:
         if not isinstance(memory, LatentMemory):
@@ -607,28 +674,206 @@ class ChromaMemoryStore:
         return rows
 
     def delete(self, memory_id: str, namespace: str | None = None) -> bool:
-        """Blob first, then rows: a crash in between leaves only rows, which ``check`` drops."""
+        """Delete one memory: index rows, blob, counters (journalled: see the module docstring)."""
         rows = self._find(memory_id, namespace)
         if not rows:
             return False
-        for sha in {str(r.meta.get("blob", "")) for r in rows if r.meta.get("blob")}:
-            self.blobs.delete(sha)
-        for r in rows:
-            self._delete_rows(self._cols[r.coll.name], [r.id])
+        self._delete_memories(_group(rows))
         return True
 
-    def record_usage(self, kind: str, namespace: str, memory_ids: Sequence[str]) -> None:
-        """Increment usage counters (read-modify-write: concurrent retrievals may undercount)."""
-        found = self._open(self._bound().fingerprint, kind, namespace)
-        if found is None or not memory_ids:
+    def delete_namespace(self, namespace: str) -> list[str]:
+        """Delete every memory of ``namespace`` (every model's) and its collections; returns the ids."""
+        validate_namespace(namespace)
+        cols = self._collections(namespace=namespace, all_models=True)
+        rows = [r for col in cols for r in self._rows(col)]
+        self._delete_memories(_group(rows), drop=cols)
+        # a counter or journal entry with no rows left (e.g. recorded while the delete ran)
+        stray = {k[1] for k in self.utility.get(namespace)} | {p.memory_id for p in self.utility.pending(namespace)}
+        if stray:
+            self.utility.forget(namespace, sorted(stray))
+        self.utility.checkpoint()
+        return sorted({r.id for r in rows} | stray)
+
+    def compact_index(self) -> bool:
+        """VACUUM the embedded Chroma database, so deleted rows leave no bytes in its free pages.
+
+        SQLite frees a deleted row's page without zeroing it: after a delete the question preview,
+        ids and keys stay readable in ``chroma/chroma.sqlite3`` until the space is reused. VACUUM
+        rewrites the file without them. It needs a moment with no other writer (False, and a
+        warning, if another process holds a write lock past the timeout); a server's (``url``)
+        database is the server's to compact.
+        """
+        if self.url is not None:
+            return False
+        import logging
+        import sqlite3
+
+        path = self.root / "chroma" / "chroma.sqlite3"
+        try:
+            conn = sqlite3.connect(path, timeout=10.0)
+            try:
+                conn.execute("VACUUM")
+            finally:
+                conn.close()
+        except sqlite3.Error as exc:
+            logging.getLogger(__name__).warning("could not compact %s: %s", path, exc)
+            return False
+        return True
+
+    def add_delete_listener(self, listener: Callable[[str], None]) -> None:
+        """Call ``listener(memory_id)`` after each memory this store object deletes (caches drop copies)."""
+        self._delete_listeners.append(listener)
+
+    def _delete_memories(
+        self, victims: Mapping[tuple[str, str, str], Sequence[_Row]], drop: Sequence[tuple[_CollInfo, Any]] = ()
+    ) -> None:
+        """Journal -> rows (or whole collections, ``drop``) -> blobs -> counters and journal.
+
+        The journal entry goes first so that a crash after the rows went is finished by
+        ``check --repair`` rather than undone (a blob without rows otherwise reads as an
+        interrupted put). Rows go before the blob, so no row ever points at a missing blob.
+        """
+        if not victims:
             return
-        rows = self._rows(found, list(dict.fromkeys(memory_ids)))
         now = time.time()
-        metas = [{"usage": int(r.meta.get("usage", 0)) + 1, "last_used_at": now} for r in rows]
-        ids = [r.id for r in rows]
-        with _chroma_errors(f"updating usage in {found[0].name}"):
-            for part in self._chunks(len(ids)):
-                found[1].update(ids=ids[part], metadatas=metas[part])
+        self.utility.begin_deletes(
+            [
+                PendingDelete(ns, mid, fp, tuple(sorted({str(r.meta["blob"]) for r in rows if r.meta.get("blob")})), now)
+                for (mid, fp, ns), rows in victims.items()
+            ]
+        )
+        dropped = {info.name for info, _ in drop}
+        by_col: dict[str, tuple[tuple[_CollInfo, Any], list[str]]] = {}
+        for rows in victims.values():
+            for r in rows:
+                if r.coll.name not in dropped:
+                    by_col.setdefault(r.coll.name, (self._open_info(r.coll), []))[1].append(r.id)
+        for col, ids in by_col.values():
+            self._delete_rows(col, ids)
+        for info, _ in drop:
+            with _chroma_errors(f"dropping collection {info.name}"):
+                self.client.delete_collection(info.name)
+            self._forget(info.name)
+        shas_by_ns: dict[str, set[str]] = {}
+        for (_, _, ns), rows in victims.items():
+            shas_by_ns.setdefault(ns, set()).update(str(r.meta["blob"]) for r in rows if r.meta.get("blob"))
+        for ns, shas in shas_by_ns.items():
+            for sha in sorted(shas - self._blobs_in_use(ns, shas)):
+                self.blobs.delete(sha)
+        ids_by_ns: dict[str, list[str]] = {}
+        for mid, _, ns in victims:
+            ids_by_ns.setdefault(ns, []).append(mid)
+        for ns, ids in ids_by_ns.items():
+            self.utility.forget(ns, ids)
+        for mid, _, _ in victims:
+            for listener in self._delete_listeners:
+                try:
+                    listener(mid)
+                except Exception:  # a cache's failure must not undo or fail a finished delete
+                    continue
+
+    def _blobs_in_use(self, namespace: str, shas: set[str]) -> set[str]:
+        """Which of ``shas`` rows of ``namespace`` still name.
+
+        A blob's bytes hold its memory's id, namespace and model, so content addressing never
+        makes two memories share one; only rows of the same namespace can name it (a memory
+        re-put while being deleted). Searching only that namespace keeps a delete cheap with
+        many namespaces.
+        """
+        used: set[str] = set()
+        wanted = sorted(shas)
+        for info, c in self._collections(namespace=namespace, all_models=True):
+            for start in range(0, len(wanted), 500):
+                part = wanted[start : start + 500]
+                with _chroma_errors(f"reading {info.name}"):
+                    res = c.get(where={"blob": {"$in": part}}, include=["metadatas"])
+                used.update(str((m or {}).get("blob")) for m in res["metadatas"])
+        return used & shas
+
+    def record_usage(self, kind: str, namespace: str, memory_ids: Sequence[str]) -> None:
+        """Count one retrieval for each memory (exact: one atomic upsert each, see ``utility.py``)."""
+        if memory_ids:
+            self.utility.record_usage(namespace, memory_ids)
+
+    def record_outcome(self, namespace: str, memory_id: str, outcome: str, similarity: float | None = None) -> None:
+        """Count what the answer path did with a used memory: ``agree``, ``won``, ``lost`` or ``unjudged``
+        (used, but no verifier judged), and its similarity to the question."""
+        self.utility.record_outcome(namespace, memory_id, outcome, similarity)
+
+    def record_ground_truth(self, namespace: str, memory_id: str, correct: bool) -> None:
+        """Count an answer that used the memory as right or wrong against a gold answer (evaluation runs)."""
+        self.utility.record_ground_truth(namespace, memory_id, bool(correct))
+
+    def utility_of(self, namespace: str, memory_ids: Sequence[str] | None = None) -> dict[str, Utility]:
+        """Counters of ``namespace``'s memories by id (a memory never counted is absent)."""
+        return {mid: u for (_, mid), u in self.utility.get(namespace, memory_ids).items()}
+
+    # ---- capacity and age -------------------------------------------------------------------
+    def _expired(self, record: MemoryRecord, now: float, ttl_days: float | None = None) -> bool:
+        ttl = self.ttl_days if ttl_days is None else ttl_days
+        return ttl is not None and record.created_at < now - ttl * 86400.0
+
+    def expire(self, namespace: str | None = None, *, ttl_days: float | None = None, now: float | None = None) -> list[str]:
+        """Delete memories older than ``ttl_days`` (default: the store's); returns their ids."""
+        ttl = self.ttl_days if ttl_days is None else ttl_days
+        if ttl is None:
+            raise StoreError("no TTL: set store.ttl_days (memories older than it expire)")
+        now = time.time() if now is None else now
+        cutoff = now - ttl * 86400.0
+        victims: dict[tuple[str, str, str], list[_Row]] = {}
+        for col in self._collections(namespace=namespace):
+            with _chroma_errors(f"reading {col[0].name}"):
+                res = col[1].get(where={"created_at": {"$lt": cutoff}}, include=["metadatas"])
+            for mid, meta in zip(res["ids"], res["metadatas"], strict=True):
+                victims.setdefault((mid, col[0].fingerprint, col[0].namespace), [])
+        if victims:  # all rows of each expired memory, of every kind
+            for key in list(victims):
+                victims[key] = [r for r in self._find(key[0], key[2]) if r.coll.fingerprint == key[1]]
+        self._delete_memories({k: v for k, v in victims.items() if v})
+        return sorted(k[0] for k in victims)
+
+    def evict(
+        self, policy: str | None = None, keep: int | None = None, namespace: str | None = None, *,
+        protect: Sequence[str] = (),
+    ) -> list[str]:  # fmt: skip
+        """Delete memories beyond ``keep`` per namespace (default ``max_memories``), by ``policy``
+        (default ``eviction``); never one in ``protect``. Returns the evicted ids."""
+        policy = self.eviction if policy is None else policy
+        keep = self.max_memories if keep is None else keep
+        if policy not in EVICTION_POLICIES:
+            raise StoreError(f"unknown eviction policy {policy!r}: expected one of {', '.join(EVICTION_POLICIES)}")
+        if keep is None:
+            raise StoreError("nothing to keep to: pass keep=N or set store.max_memories")
+        if keep < 0:
+            raise StoreError(f"keep must be 0 or more, got {keep}")
+        evicted: list[str] = []
+        for ns in [namespace] if namespace is not None else self.namespaces():
+            if not self._may_exceed(ns, keep):
+                continue
+            records = self.list(ns)
+            excess = len(records) - keep
+            if excess <= 0:
+                continue
+            util = self.utility_of(ns)
+            order = sorted((r for r in records if r.id not in set(protect)), key=_eviction_key(policy, util))
+            chosen = {r.id for r in order[:excess]}
+            rows = [r for col in self._collections(namespace=ns) for r in self._rows(col, sorted(chosen))]
+            self._delete_memories(_group(rows))
+            evicted += sorted(chosen)
+        return evicted
+
+    def _may_exceed(self, namespace: str, keep: int) -> bool:
+        """Cheap pre-check: row counts (no listing); a namespace with at most ``keep`` rows cannot exceed it."""
+        with _chroma_errors("counting"):
+            return sum(c.count() for _, c in self._collections(namespace=namespace)) > keep
+
+    def _after_put(self, namespaces: set[str], protect: Sequence[str]) -> None:
+        """Opportunistic expiry, then the capacity limit, for the namespaces a put wrote to."""
+        for ns in sorted(namespaces):
+            if self.ttl_days is not None:
+                self.expire(ns)
+            if self.max_memories is not None:
+                self.evict(self.eviction, self.max_memories, ns, protect=protect)
 
     # ---- MemoryStore: reads ---------------------------------------------------------------
     def _bound(self) -> ModelInfo:
@@ -648,7 +893,22 @@ class ChromaMemoryStore:
         if not rows:
             where = f" in namespace {namespace!r}" if namespace is not None else ""
             raise MemoryNotFoundError(f"no memory {memory_id!r}{where} in {self.url or self.root}")
-        return _record(rows)
+        [record] = self._with_usage([_record(rows)])
+        return record
+
+    def _with_usage(self, records: Sequence[MemoryRecord]) -> list[MemoryRecord]:
+        """Add the side table's usage count and last-used time to what the rows carry (older versions
+        counted in the rows)."""
+        out: list[MemoryRecord] = []
+        by_ns: dict[str, dict[tuple[str, str], Utility]] = {}
+        for r in records:
+            if r.namespace not in by_ns:
+                by_ns[r.namespace] = self.utility.get(r.namespace)
+            u = by_ns[r.namespace].get((r.namespace, r.id))
+            if u is not None:
+                r = replace(r, usage=r.usage + u.usage, last_used_at=max(r.last_used_at, u.last_used_at))
+            out.append(r)
+        return out
 
     def get(self, memory_id: str, namespace: str | None = None) -> LatentMemory:
         return self.load(self.record(memory_id, namespace))
@@ -677,7 +937,7 @@ class ChromaMemoryStore:
             for r in self._rows(col):
                 by_id.setdefault(r.id, []).append(r)
         records = sorted((_record(rows) for rows in by_id.values()), key=lambda r: (r.created_at, r.id))
-        return records[offset : None if limit is None else offset + limit]
+        return self._with_usage(records[offset : None if limit is None else offset + limit])
 
     def namespaces(self) -> list[str]:
         return sorted({info.namespace for info, _ in self._collections()})
@@ -711,6 +971,14 @@ class ChromaMemoryStore:
             try:
                 with _chroma_errors(f"querying {info.name}"):
                     res = col.query(query_embeddings=vec[None, :], n_results=k, include=["distances", "metadatas"])
+                    if self.ttl_days is not None:
+                        cutoff = time.time() - self.ttl_days * 86400.0
+                        if any(float((m or {}).get("created_at", 0.0)) < cutoff for m in res["metadatas"][0]):
+                            # only then the (slower, filtered) query: expired memories are never returned
+                            res = col.query(
+                                query_embeddings=vec[None, :], n_results=k, include=["distances", "metadatas"],
+                                where={"created_at": {"$gte": cutoff}},
+                            )  # fmt: skip
                 break
             except StoreError as exc:  # collection deleted behind our cached handle
                 if attempt or "does not exist" not in str(exc):
@@ -737,6 +1005,7 @@ class ChromaMemoryStore:
         so one emptied of a wrong-shaped memory would otherwise refuse the model's own.
         """
         report = CheckReport(repaired=repair)
+        pending = {(p.memory_id, p.fingerprint, p.namespace): p for p in self.utility.pending()}
         cols = self._collections(all_models=True)
         rows_by_id: dict[tuple[str, str, str], list[_Row]] = {}
         for col in cols:
@@ -772,6 +1041,32 @@ class ChromaMemoryStore:
                     f"{mid}: id used by {len(where)} memories, in {', '.join(sorted(where))}; "
                     f"delete all but one with `elm memories delete {mid} --namespace NS`"
                 )
+        for group, p in sorted(pending.items()):
+            # an interrupted delete: finish it (its blob without rows is not an interrupted put)
+            rows, blobs = rows_by_id.pop(group, []), blobs_by_id.pop(group, [])
+            report.pending_deletes.append(f"{p.namespace}/{p.memory_id}")
+            if not rows:
+                report.orphan_blobs.extend(sha for sha, *_ in blobs)
+            if repair:
+                for r in rows:
+                    self._delete_rows(self._open_info(r.coll), [r.id])
+                for sha in sorted({sha for sha, *_ in blobs} | set(p.blobs)):
+                    self.blobs.delete(sha)
+                self.utility.forget(p.namespace, [p.memory_id])
+                for listener in self._delete_listeners:
+                    listener(p.memory_id)
+        live = {(ns, mid) for mid, _, ns in set(rows_by_id) | set(blobs_by_id)}
+        live |= {(p.namespace, p.memory_id) for p in pending.values()}  # handled above
+        for ns, mid in sorted(self.utility.get()):
+            if (ns, mid) not in live:
+                report.orphan_utility.append(f"{ns}/{mid}")
+        if repair:
+            by_ns: dict[str, list[str]] = {}
+            for item in report.orphan_utility:
+                ns, _, mid = item.rpartition("/")
+                by_ns.setdefault(ns, []).append(mid)
+            for ns, ids in by_ns.items():
+                self.utility.forget(ns, ids)
         for group in sorted(set(rows_by_id) | set(blobs_by_id)):
             report.memories += 1
             mid = group[0]

@@ -28,7 +28,8 @@ if TYPE_CHECKING:  # torch and chromadb load only when a command runs
     from elm_memory.store.chroma import ChromaMemoryStore
 
 memories_app = typer.Typer(
-    help="Stored memories: list, show, delete, export, import, check (and repair).", no_args_is_help=True
+    help="Stored memories: list, show, stats, delete, evict, export, import, check (and repair).",
+    no_args_is_help=True,
 )
 
 StoreOpt = Annotated[
@@ -195,7 +196,11 @@ def show(
 @memories_app.command("delete")
 @handle_errors
 def delete(
-    memory_ids: Annotated[list[str], typer.Argument(help="Memory ids.")],
+    memory_ids: Annotated[Optional[list[str]], typer.Argument(help="Memory ids.", show_default=False)] = None,
+    all_: Annotated[bool, typer.Option("--all", help="Every memory of --namespace (and its indexes).")] = False,
+    compact: Annotated[
+        bool, typer.Option(help="After --all, VACUUM the embedded index so no freed page keeps deleted text.")
+    ] = True,
     store: StoreOpt = None,
     url: UrlOpt = None,
     namespace: NamespaceOpt = None,
@@ -204,10 +209,28 @@ def delete(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Delete memories (blob and index rows)."""
+    """Delete memories: index rows, blob and utility counters (journalled; `check --repair` finishes an
+    interrupted one). `--namespace NS --all` deletes a whole namespace."""
     from elm_memory.store.base import MemoryNotFoundError
 
+    if all_ and (memory_ids or namespace is None):
+        raise ConfigError("--all deletes a whole namespace: give --namespace NS and no ids")
+    if not all_ and not memory_ids:
+        raise ConfigError("give memory ids to delete, or --namespace NS --all")
     s = _open(_load_config(config, preset, set_, store, url))
+    if all_:
+        assert namespace is not None
+        deleted = s.delete_namespace(namespace)
+        compacted = compact and s.compact_index()
+        if json_out:
+            typer.echo(json.dumps({"deleted": deleted, "missing": [], "compacted": compacted}))
+        else:
+            typer.echo(f"deleted {len(deleted)} memories of namespace {namespace!r}")
+            if compact and not compacted:
+                typer.echo("note: the index was not compacted (a Chroma server, or another process was writing); "
+                           "freed pages may keep deleted text until reused", err=True)  # fmt: skip
+        return
+    assert memory_ids is not None
     missing = [m for m in memory_ids if not s.delete(m, namespace)]
     if json_out:
         typer.echo(json.dumps({"deleted": [m for m in memory_ids if m not in missing], "missing": missing}))
@@ -216,6 +239,95 @@ def delete(
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise MemoryNotFoundError(f"no memory {missing[0]!r} in the store{more}")
+
+
+SORT_KEYS = ("won", "lost", "retrieved", "utility")
+
+
+@memories_app.command("stats")
+@handle_errors
+def stats(
+    store: StoreOpt = None,
+    url: UrlOpt = None,
+    namespace: NamespaceOpt = None,
+    sort: Annotated[str, typer.Option(help="Highest first by: won, lost, retrieved or utility.")] = "retrieved",
+    limit: Annotated[Optional[int], typer.Option(min=1, help="At most this many rows.")] = None,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Per-memory utility from the answer path: times used, agreed, won, lost, utility
+    ((won + agreed) / (won + agreed + lost)), mean similarity when used, right/wrong against gold."""
+    if sort not in SORT_KEYS:
+        raise ConfigError(f"--sort must be one of {', '.join(SORT_KEYS)}, got {sort!r}")
+    s = _open(_load_config(config, preset, set_, store, url))
+    rows = []
+    for r in s.list(namespace):
+        u = s.utility_of(r.namespace, [r.id]).get(r.id)
+        counters = u.to_dict() if u is not None else {
+            "retrieved": 0, "agreed": 0, "won": 0, "lost": 0, "observations": 0, "utility": None,
+            "mean_similarity": None, "gold_right": 0, "gold_wrong": 0,
+        }  # fmt: skip
+        rows.append({
+            "id": r.id, "namespace": r.namespace, "question": r.question, "created_at": r.created_at,
+            "usage": r.usage, "last_used_at": r.last_used_at,
+            **{k: counters[k] for k in ("retrieved", "agreed", "won", "lost", "observations", "utility",
+                                        "mean_similarity", "gold_right", "gold_wrong")},
+        })  # fmt: skip
+    # highest first; a memory never judged (utility None) sorts last
+    rows.sort(key=lambda x: (x[sort] is not None, x[sort] or 0, x["retrieved"]), reverse=True)
+    rows = rows[:limit] if limit is not None else rows
+    if json_out:
+        typer.echo(json.dumps(rows, ensure_ascii=False))
+        return
+    typer.echo(f"{'id':<32}  {'namespace':<12} {'used':>5} {'agree':>5} {'won':>5} {'lost':>5} {'util':>5} "
+               f"{'sim':>5} {'gold':>7}  question")  # fmt: skip
+    for x in rows:
+        util = "-" if x["utility"] is None else f"{x['utility']:.2f}"
+        sim = "-" if x["mean_similarity"] is None else f"{x['mean_similarity']:.2f}"
+        gold = f"{x['gold_right']}/{x['gold_right'] + x['gold_wrong']}"
+        question = x["question"].replace("\n", " ")
+        typer.echo(f"{x['id'][:32]:<32}  {x['namespace'][:12]:<12} {x['retrieved']:>5} {x['agreed']:>5} "
+                   f"{x['won']:>5} {x['lost']:>5} {util:>5} {sim:>5} {gold:>7}  {question[:50]}")  # fmt: skip
+    typer.echo(f"{len(rows)} memories", err=True)
+
+
+@memories_app.command("evict")
+@handle_errors
+def evict(
+    store: StoreOpt = None,
+    url: UrlOpt = None,
+    namespace: NamespaceOpt = None,
+    policy: Annotated[
+        Optional[str], typer.Option(help="lru, utility or oldest (default: store.eviction).", show_default=False)
+    ] = None,
+    keep: Annotated[
+        Optional[int], typer.Option(min=0, help="Memories kept per namespace (default: store.max_memories).",
+                                    show_default=False)
+    ] = None,  # fmt: skip
+    expired: Annotated[bool, typer.Option("--expired", help="Remove memories older than store.ttl_days.")] = False,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Remove expired memories (--expired) and/or evict down to --keep per namespace by --policy."""
+    cfg = _load_config(config, preset, set_, store, url)
+    if not expired and keep is None and cfg.store.max_memories is None:
+        raise ConfigError("nothing to evict to: give --keep N (or set store.max_memories), or --expired")
+    if expired and cfg.store.ttl_days is None:
+        raise ConfigError("--expired needs store.ttl_days (e.g. --set store.ttl_days=30)")
+    s = _open(cfg)
+    out: dict[str, list[str]] = {"expired": [], "evicted": []}
+    if expired:
+        out["expired"] = s.expire(namespace)
+    if keep is not None or cfg.store.max_memories is not None:
+        out["evicted"] = s.evict(policy, keep, namespace)
+    if json_out:
+        typer.echo(json.dumps(out))
+    else:
+        typer.echo(f"expired {len(out['expired'])}, evicted {len(out['evicted'])} memories")
 
 
 @memories_app.command("export")
@@ -375,7 +487,8 @@ def check(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Find blobs without index rows, rows without blobs, stale and corrupt files; exit 1 if any remain unfixed."""
+    """Find blobs without index rows, rows without blobs, stale and corrupt files, interrupted deletes and
+    counters of deleted memories; exit 1 if any remain unfixed."""
     s = _open(_load_config(config, preset, set_, store, url))
     report = s.check(repair=repair, deep=deep, temp_grace_seconds=grace)
     if json_out:
@@ -383,7 +496,7 @@ def check(
     else:
         typer.echo(f"{report.memories} memories, {report.blobs} blobs, {report.rows} index rows")
         for name in ("reindexed", "orphan_rows", "superseded_blobs", "corrupt_blobs", "temp_files", "errors",
-                     "empty_collections"):  # fmt: skip
+                     "empty_collections", "pending_deletes", "orphan_blobs", "orphan_utility"):  # fmt: skip
             items = getattr(report, name)
             if items:
                 verb = "fixed" if repair else "found"

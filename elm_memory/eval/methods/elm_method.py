@@ -51,6 +51,19 @@ class ELMMethod:
         if ticket.status not in ("done", "skipped"):
             output.warnings.append(f"learning the memory ended with status {ticket.status!r}")
 
+    def record_ground_truth(self, output: MethodOutput, correct: bool) -> None:
+        """Count the graded answer (right/wrong against the gold) for the memory it used, after scoring:
+        the method still never sees the gold before answering and learning. A failure is a warning."""
+        if not output.memory_id or self.elm.retriever is None:
+            return
+        record = getattr(self.elm.retriever.store, "record_ground_truth", None)
+        if record is None:
+            return
+        try:
+            record(self.name, output.memory_id, bool(correct))
+        except Exception as exc:  # a counter must not stop an evaluation run
+            output.warnings.append(f"could not record ground truth for memory {output.memory_id[:8]}: {exc}")
+
     def pool_stats(self) -> tuple[int, int]:
         retriever = self.elm.retriever
         store = retriever.store
