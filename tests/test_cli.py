@@ -9,9 +9,9 @@ import sys
 import pytest
 
 
-def elm(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:
+def elm(*args: str, timeout: float = 600, cwd: object = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "elm_memory.cli", *args], capture_output=True, text=True, timeout=timeout
+        [sys.executable, "-m", "elm_memory.cli", *args], capture_output=True, text=True, timeout=timeout, cwd=cwd
     )
 
 
@@ -76,12 +76,13 @@ def test_over_long_question_is_refused_by_the_cli():
 
 @pytest.mark.model
 def test_demo_shows_both_methods_per_question_on_cpu_tiny(tmp_path):
-    out = tmp_path / "demo"
-    args = ["demo", "--preset", "cpu-tiny", "--limit", "2", "--out", str(out), "--set", "training.steps=1",
+    out = tmp_path / "demo"  # given relative: the run, its memory pool included, lives under the working directory
+    args = ["demo", "--preset", "cpu-tiny", "--limit", "2", "--out", "demo", "--set", "training.steps=1",
             "--set", "training.num_generations=2", "--set", "retrieval.skip_no_consensus=false",
             "--set", "generation.max_new_tokens=24", "--set", "training.max_completion_length=24"]  # fmt: skip
-    r = elm(*args)
+    r = elm(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    assert (out / "store" / "chroma").is_dir() and any((out / "store" / "blobs").rglob("*"))  # not under $ELM_HOME
     first, second = r.stderr.split("[2/2] ")[0].split("[1/2] ")[1], r.stderr.split("[2/2] ")[1]
     assert "zero-shot" in first and "route zero_shot" in first and "no memory yet (empty pool)" in first
     # the second question retrieves the first one's memory, says where it came from, shows both candidates
@@ -92,5 +93,5 @@ def test_demo_shows_both_methods_per_question_on_cpu_tiny(tmp_path):
     assert sorted((rec["method"], rec["index"]) for rec in records) == [
         ("elm_input", 0), ("elm_input", 1), ("zero_shot", 0), ("zero_shot", 1)]  # fmt: skip
     assert records[-1]["extra"]["gate"]["decision"] in {"used", "empty_pool"}
-    again = elm(*args)  # a finished run is printed again, nothing recomputed
+    again = elm(*args, cwd=tmp_path)  # a finished run is printed again, nothing recomputed
     assert again.returncode == 0 and "[1/2]" not in again.stderr and again.stdout == r.stdout

@@ -63,7 +63,7 @@ def run_offline(
 ) -> OfflineResult:
     """Learn a memory from each of the first ``train`` questions (all by default), or take the
     pool of ``memories_from``; evaluate zero-shot and every memory on every question."""
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # store.path inside it must not be re-rooted under $ELM_HOME
     if not problems:
         raise ConfigError("no questions to run")
     if batch_size < 1:
@@ -196,5 +196,5 @@ def _learning_elm(runtime: EvalRuntime, out: Path) -> Any:
 def _store(runtime: EvalRuntime, run_dir: Path) -> Any:
     from elm_memory.registry import stores
 
-    cfg = runtime.config.store.model_copy(update={"kind": "chroma", "path": str(run_dir / "store")})
+    cfg = runtime.config.store.model_copy(update={"kind": "chroma", "path": str(Path(run_dir).resolve() / "store")})
     return stores.get("chroma").from_config(cfg, model=runtime.loaded.info)

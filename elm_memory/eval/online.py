@@ -64,7 +64,7 @@ def run_stream(
     """
     from elm_memory.registry import eval_methods
 
-    out = Path(out_dir)
+    out = Path(out_dir).resolve()  # store.path inside it must not be re-rooted under $ELM_HOME
     methods = list(dict.fromkeys(methods))
     if not methods:
         raise ConfigError("no evaluation method given")

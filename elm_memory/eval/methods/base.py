@@ -56,7 +56,7 @@ class EvalRuntime:
     def __init__(self, config: ELMConfig, out_dir: Path, *, loaded: Any = None, backend: Any = None):
         """``loaded``/``backend``: reuse a model already in memory (tests, notebooks); it is not closed here."""
         self.config = config
-        self.out_dir = Path(out_dir)
+        self.out_dir = Path(out_dir).resolve()  # relative store paths are re-rooted under $ELM_HOME
         self._base: ELM | None = None
         self._raw_backend: Any = None
         self._given = (loaded, backend)
