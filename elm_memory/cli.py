@@ -93,11 +93,9 @@ def _load_config(
     backend: str | None = None,
     server_url: str | None = None,
 ):
-    from elm_memory.config import ELMConfig, _deep_merge, parse_override
+    from elm_memory.config import ELMConfig, _deep_merge, parse_overrides
 
-    overrides: dict[str, Any] = {}
-    for item in sets or []:
-        overrides = _deep_merge(overrides, parse_override(item))
+    overrides = parse_overrides(sets)
     if backend:
         overrides = _deep_merge(overrides, {"backend": {"name": backend}})
     if server_url:

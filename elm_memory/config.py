@@ -13,6 +13,7 @@ to a default.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -589,4 +590,12 @@ def parse_override(text: str) -> dict[str, Any]:
     for k in keys[:-1]:
         cur = cur.setdefault(k, {})
     cur[keys[-1]] = value
+    return out
+
+
+def parse_overrides(items: Iterable[str] | None) -> dict[str, Any]:
+    """Several ``section.key=value`` overrides (``--set``, ``ELM_SET``) merged in order: later wins."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        out = _deep_merge(out, parse_override(item))
     return out

@@ -28,13 +28,11 @@ def served_elm() -> Any:
     global _elm
     with _lock:
         if _elm is None:
-            from elm_memory.config import ELMConfig, _deep_merge, parse_override
+            from elm_memory.config import ELMConfig, parse_overrides
             from elm_memory.elm import ELM
 
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            overrides: dict[str, Any] = {}
-            for item in filter(None, (part.strip() for part in os.environ.get("ELM_SET", "").split(";"))):
-                overrides = _deep_merge(overrides, parse_override(item))
+            overrides = parse_overrides(p.strip() for p in os.environ.get("ELM_SET", "").split(";") if p.strip())
             cfg = ELMConfig.load(
                 os.environ.get("ELM_CONFIG") or None,
                 preset=os.environ.get("ELM_PRESET", "cpu-demo"),

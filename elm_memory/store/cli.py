@@ -54,11 +54,9 @@ def _load_config(
 ) -> ELMConfig:
     """The config every other command would use; ``--store`` (a path on this command line, so relative
     to the current directory like any other) and ``--url`` override its ``store`` section."""
-    from elm_memory.config import ELMConfig, _deep_merge, parse_override
+    from elm_memory.config import ELMConfig, _deep_merge, parse_overrides
 
-    overrides: dict[str, Any] = {}
-    for item in sets or []:
-        overrides = _deep_merge(overrides, parse_override(item))
+    overrides = parse_overrides(sets)
     if store is not None:
         overrides = _deep_merge(overrides, {"store": {"path": str(store.expanduser().absolute())}})
     if url is not None:
