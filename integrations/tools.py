@@ -53,16 +53,12 @@ def create_elm_tool(
 
 def _namespace_of_run(cfg: Any, config: RunnableConfig | None) -> str | None:
     """The enclosing LangGraph run's namespace for ELM, or None (ELM's default) outside one."""
-    from elm_memory.graph.context import ELMRunContext, resolve_namespace
+    from elm_memory.graph.context import as_run_context, resolve_namespace
 
-    context = _run_context()
+    context = as_run_context(_run_context(), strict=False)
     configurable = (config or {}).get("configurable") or {}
     if context is None and not cfg.namespace_template:
         return None
-    if context is not None and not isinstance(context, ELMRunContext):
-        fields = ELMRunContext.model_fields
-        raw = context if isinstance(context, dict) else getattr(context, "__dict__", {})
-        context = ELMRunContext(**{k: v for k, v in raw.items() if k in fields})
     return resolve_namespace(None, context, configurable, template=cfg.namespace_template, default=cfg.namespace)
 
 

@@ -15,7 +15,7 @@ import string
 from collections.abc import Mapping
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from elm_memory.errors import ConfigError
 from elm_memory.store.names import validate_namespace
@@ -33,6 +33,36 @@ class ELMRunContext(BaseModel):
     user_id: str | None = Field(None, description="Fills `{user_id}` in the config's `namespace_template`.")
     namespace: str | None = Field(None, description="Memory namespace for this run (overrides the template).")
     learn: bool | None = Field(None, description="Learn a memory from the question after answering (default: yes).")
+
+
+def as_run_context(context: Any, *, strict: bool = True) -> ELMRunContext | None:
+    """A run's context as :class:`ELMRunContext` (LangGraph coerces dicts; a parent graph may not).
+
+    ``strict``: unknown keys are refused by name (the ELM graph's own runs). Otherwise they are
+    ignored, and any object's attributes are read (a tool inside a user's graph, whose context
+    schema has keys of its own).
+    """
+    if context is None or isinstance(context, ELMRunContext):
+        return context
+    if not strict and not isinstance(context, dict):
+        context = getattr(context, "__dict__", {})
+    if not isinstance(context, dict):
+        raise ConfigError(
+            f"the ELM graph's context is JSON settings (ELMRunContext or a dict), not {type(context).__name__}; "
+            "live parts are bound when the graph is built: build_elm_graph(elm.services())"
+        )
+    fields = ELMRunContext.model_fields
+    unknown = sorted(set(context) - set(fields))
+    if unknown and strict:
+        raise ConfigError(
+            f"unknown context key(s) {', '.join(map(repr, unknown))} for the ELM graph; allowed: {', '.join(fields)}"
+        )
+    try:
+        return ELMRunContext(**{k: v for k, v in context.items() if k in fields})
+    except ValidationError as exc:  # one line, naming the field
+        first = exc.errors()[0]
+        field = ".".join(str(p) for p in first.get("loc", ())) or "context"
+        raise ConfigError(f"context.{field}: {first.get('msg', exc)}") from None
 
 
 def resolve_namespace(

@@ -19,7 +19,7 @@ from langgraph.runtime import Runtime
 
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
-from elm_memory.graph.context import ELMRunContext, resolve_namespace
+from elm_memory.graph.context import ELMRunContext, as_run_context, resolve_namespace
 from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import CandidateState, ELMState, Fresh, FreshTimings
 from elm_memory.models.prompting import validate_question
@@ -53,7 +53,7 @@ class ELMNodes:
         """Top-1 memory of the run's namespace, or none (empty pool, a gate, a failure)."""
         t0 = time.perf_counter()
         question = validate_question(state["question"])
-        context = _as_context(runtime.context)
+        context = as_run_context(runtime.context)
         svc = self.services
         namespace = resolve_namespace(
             state.get("namespace"),
@@ -248,32 +248,6 @@ def after_route(state: ELMState) -> str:
 
 def after_respond(state: ELMState) -> str:
     return "learn_memory" if state.get("learn", True) else "__end__"
-
-
-def _as_context(context: Any) -> ELMRunContext | None:
-    """The run context as :class:`ELMRunContext` (LangGraph coerces dicts; a parent graph may not)."""
-    if context is None or isinstance(context, ELMRunContext):
-        return context
-    from elm_memory.errors import ConfigError
-
-    if isinstance(context, dict):
-        unknown = sorted(set(context) - set(ELMRunContext.model_fields))
-        if unknown:
-            raise ConfigError(
-                f"unknown context key(s) {', '.join(map(repr, unknown))} for the ELM graph; "
-                f"allowed: {', '.join(ELMRunContext.model_fields)}"
-            )
-        try:
-            return ELMRunContext(**context)
-        except ValueError as exc:  # pydantic's ValidationError: one line, naming the field
-            first = exc.errors()[0] if hasattr(exc, "errors") else {}
-            field = ".".join(str(p) for p in first.get("loc", ())) or "context"
-            raise ConfigError(f"context.{field}: {first.get('msg', exc)}") from None
-
-    raise ConfigError(
-        f"the ELM graph's context is JSON settings (ELMRunContext or a dict), not {type(context).__name__}; "
-        "live parts are bound when the graph is built: build_elm_graph(elm.services())"
-    )
 
 
 def _json_float(x: float) -> float | None:
