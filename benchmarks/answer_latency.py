@@ -20,18 +20,63 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 RESULTS = Path(__file__).parent / "results" / "answer_latency.json"
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--preset", default="cpu-demo")
     parser.add_argument("--n", type=int, default=6, help="questions timed (after the memory-seeding ones)")
     parser.add_argument("--max-new-tokens", type=int, default=256)
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--out", type=Path, default=RESULTS)
-    args = parser.parse_args()
+    return parser.parse_args()
+
+
+def _time_answers(elm: Any, zero_shot: Any, tests: list[Any]) -> list[dict[str, Any]]:
+    """Per question: the zero-shot answer's time, then the full ELM answer's time and its parts."""
+    rows = []
+    for p in tests:
+        t0 = time.perf_counter()
+        zs = zero_shot.answer(p.question, learn=False)
+        t1 = time.perf_counter()
+        full = elm.answer(p.question, learn=False)
+        t2 = time.perf_counter()
+        rows.append(
+            {
+                "id": p.id,
+                "zero_shot_s": t1 - t0,
+                "elm_s": t2 - t1,
+                "route": full.route,
+                "similarity": full.similarity,
+                "retrieve_s": full.timings.get("retrieve", 0.0),
+                "dual_generate_s": full.timings.get("dual_generate", 0.0),
+                "verifier_s": full.timings.get("verify", 0.0),
+                "zero_shot_tokens": sum(len(c.get("token_ids", [])) for c in zs.candidates),
+                "elm_tokens": [len(c.get("token_ids", [])) for c in full.candidates],
+            }
+        )
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _ratio(rows: list[dict[str, Any]], route: str | None) -> dict[str, Any] | None:
+    """ELM time over zero-shot time, on the questions that took ``route`` (None: all)."""
+    sel = [r for r in rows if route is None or r["route"] == route]
+    if not sel:
+        return None
+    return {
+        "n": len(sel),
+        "mean_ratio": statistics.mean(r["elm_s"] / r["zero_shot_s"] for r in sel),
+        "median_ratio": statistics.median(r["elm_s"] / r["zero_shot_s"] for r in sel),
+        "ratio_without_verifier": statistics.mean((r["elm_s"] - r["verifier_s"]) / r["zero_shot_s"] for r in sel),
+    }
+
+
+def main() -> None:
+    args = _args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
     from elm_memory.config import ELMConfig
@@ -55,52 +100,32 @@ def main() -> None:
     tests = load_dataset("gsm8k", limit=n, offset=n)  # ...and are retrieved for these
     elm = ELM(cfg)
     elm.services()  # build every part before timing
-    zero_shot = ELM(cfg.model_copy(update={"store": cfg.store.model_copy(update={"kind": "none"})}),
-                    loaded=elm.loaded, backend=elm.backend, verifier=elm.verifier)  # fmt: skip
+    zero_shot = ELM(
+        cfg.model_copy(update={"store": cfg.store.model_copy(update={"kind": "none"})}),
+        loaded=elm.loaded,
+        backend=elm.backend,
+        verifier=elm.verifier,
+    )
     for p in seeds:
         elm.learn(p.question)
     # warm-up: first calls pay one-off kernel set-up costs
     zero_shot.answer(tests[0].question, learn=False)
-    rows = []
-    for p in tests:
-        t0 = time.perf_counter()
-        zs = zero_shot.answer(p.question, learn=False)
-        t1 = time.perf_counter()
-        full = elm.answer(p.question, learn=False)
-        t2 = time.perf_counter()
-        rows.append({
-            "id": p.id,
-            "zero_shot_s": t1 - t0,
-            "elm_s": t2 - t1,
-            "route": full.route,
-            "similarity": full.similarity,
-            "retrieve_s": full.timings.get("retrieve", 0.0),
-            "dual_generate_s": full.timings.get("dual_generate", 0.0),
-            "verifier_s": full.timings.get("verify", 0.0),
-            "zero_shot_tokens": sum(len(c.get("token_ids", [])) for c in zs.candidates),
-            "elm_tokens": [len(c.get("token_ids", [])) for c in full.candidates],
-        })  # fmt: skip
-        print(json.dumps(rows[-1]), flush=True)
-
-    def ratio(sel):
-        sel = [r for r in rows if sel(r)]
-        if not sel:
-            return None
-        return {"n": len(sel), "mean_ratio": statistics.mean(r["elm_s"] / r["zero_shot_s"] for r in sel),
-                "median_ratio": statistics.median(r["elm_s"] / r["zero_shot_s"] for r in sel),
-                "ratio_without_verifier": statistics.mean((r["elm_s"] - r["verifier_s"]) / r["zero_shot_s"]
-                                                          for r in sel)}  # fmt: skip
-
+    rows = _time_answers(elm, zero_shot, tests)
     result = {
         "benchmark": "answer_latency",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "load_avg_start": os.getloadavg()},
-        "settings": {"preset": preset, "model": cfg.model.name_or_path, "verifier": cfg.verifier.name,
-                     "max_new_tokens": args.max_new_tokens, "questions": len(rows)},  # fmt: skip
+        "settings": {
+            "preset": preset,
+            "model": cfg.model.name_or_path,
+            "verifier": cfg.verifier.name,
+            "max_new_tokens": args.max_new_tokens,
+            "questions": len(rows),
+        },
         "rows": rows,
-        "all": ratio(lambda r: True),
-        "agree": ratio(lambda r: r["route"] == "agree"),
-        "verifier": ratio(lambda r: r["route"] == "verifier"),
+        "all": _ratio(rows, None),
+        "agree": _ratio(rows, "agree"),
+        "verifier": _ratio(rows, "verifier"),
         "mean_verifier_s": statistics.mean([r["verifier_s"] for r in rows if r["route"] == "verifier"] or [0.0]),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -108,8 +133,10 @@ def main() -> None:
     for key in ("all", "agree", "verifier"):
         if result[key]:
             r = result[key]
-            print(f"{key:8} n={r['n']}  ELM/zero-shot mean {r['mean_ratio']:.2f}  median {r['median_ratio']:.2f}  "
-                  f"without verifier {r['ratio_without_verifier']:.2f}")  # fmt: skip
+            print(
+                f"{key:8} n={r['n']}  ELM/zero-shot mean {r['mean_ratio']:.2f}  median {r['median_ratio']:.2f}  "
+                f"without verifier {r['ratio_without_verifier']:.2f}"
+            )
     print(f"mean verifier cost when used: {result['mean_verifier_s']:.2f} s; written to {args.out}")
     elm.close()
 

@@ -107,7 +107,7 @@ def grpo_cell(loaded: Any, backend: Any, prompt_ids: list[int], init: Any, args:
     }
 
 
-def main() -> None:
+def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="packaged:smollm2-135m")
     ap.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
@@ -120,30 +120,15 @@ def main() -> None:
     ap.add_argument("--skip-grpo", action="store_true")
     ap.add_argument("--hf-threads", type=int, default=1, help="torch threads for transformers (0: torch default)")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "backends.json")
-    args = ap.parse_args()
+    return ap.parse_args()
 
-    import torch
 
+def _prompts(loaded: Any, cfg: Any, args: argparse.Namespace) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
+    """(problems, built prompts, plain inputs, inputs with a question-initialised soft prompt)."""
     from elm_memory.backends.base import PromptInput
-    from elm_memory.backends.hf import HFBackend
-    from elm_memory.backends.vllm import VLLMBackend
-    from elm_memory.config import ELMConfig
     from elm_memory.eval.datasets import load_dataset
-    from elm_memory.models.loading import load_model
     from elm_memory.models.prompting import PromptBuilder
-    from elm_memory.training.init import init_soft_prompt
-
-    load_before = _loadavg()
-    model_over: dict[str, Any] = {"name_or_path": args.model, "dtype": args.dtype, "device": "cpu"}
-    if args.hf_threads:
-        model_over["num_threads"] = args.hf_threads
-    cfg = ELMConfig.load(overrides={"model": model_over})
-    loaded = load_model(cfg.model)
-    hf = HFBackend(loaded)
-    t0 = time.perf_counter()
-    vb = VLLMBackend.from_config(cfg, loaded=loaded)
-    startup = time.perf_counter() - t0
-    print(f"vLLM engine up in {startup:.1f} s", flush=True)
+    from elm_memory.training.initialization import init_soft_prompt
 
     pb = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)
     problems = load_dataset("gsm8k", limit=args.batch)
@@ -159,47 +144,119 @@ def main() -> None:
         )
         for b, p in zip(built, problems, strict=True)
     ]
-    # warm-up (first-call costs are not throughput)
-    for backend in (hf, vb):
+    return problems, built, plain, soft
+
+
+def _throughput(
+    backends: dict[str, Any], plain: list[Any], soft: list[Any], args: argparse.Namespace
+) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """Throughput cells per (backend, setting, repeat), and greedy agreement between the backends."""
+    for backend in backends.values():  # warm-up (first-call costs are not throughput)
         throughput_cell(backend, plain[:2], 8)
         throughput_cell(backend, soft[:2], 8)
-
     cells: list[dict[str, Any]] = []
     outputs: dict[tuple[str, str], list[list[int]]] = {}
     for rep in range(args.repeats):
         for setting, inputs in (("no soft prompt", plain), (f"{args.soft_tokens}-token soft prompt", soft)):
-            for name, backend in (("transformers", hf), ("vllm", vb)):
+            for name, backend in backends.items():
                 cell = throughput_cell(backend, inputs, args.max_new_tokens)
                 outputs[(name, setting)] = cell.pop("token_ids")
                 cell.update(backend=name, setting=setting, repeat=rep, loadavg=_loadavg())
                 cells.append(cell)
-                print(f"{name:>12} | {setting:<22} | {cell['tokens']:5d} tok in {cell['seconds']:7.2f} s "
-                      f"= {cell['tok_per_s']:7.2f} tok/s", flush=True)  # fmt: skip
-
+                print(
+                    f"{name:>12} | {setting:<22} | {cell['tokens']:5d} tok in {cell['seconds']:7.2f} s "
+                    f"= {cell['tok_per_s']:7.2f} tok/s",
+                    flush=True,
+                )
     agree = {
         setting: agreement(outputs[("transformers", setting)], outputs[("vllm", setting)])
         for setting in {s for _, s in outputs}
     }
-    grpo: list[dict[str, Any]] = []
-    if not args.skip_grpo:
-        q = problems[0]
-        q_ids = tok(q.question, add_special_tokens=False)["input_ids"]
-        init = init_soft_prompt(emb, q_ids, args.soft_tokens)
-        for name, backend in (("transformers", hf), ("vllm", vb)):
-            cell = grpo_cell(loaded, backend, list(built[0].token_ids), init, args)
-            cell.update(backend=name, loadavg=_loadavg())
-            grpo.append(cell)
-            print(f"GRPO {name:>12}: {cell['step_seconds']:.1f} s/step "
-                  f"(rollouts {cell['rollout_seconds_per_step']:.1f} s, train {cell['train_seconds_per_step']:.1f} s)",
-                  flush=True)  # fmt: skip
-    vb.close()
+    return cells, agree
 
+
+def _grpo(loaded: Any, backends: dict[str, Any], problem: Any, prompt: Any, args: argparse.Namespace) -> list[dict]:
+    """One GRPO cell per backend on the first question."""
+    from elm_memory.training.initialization import init_soft_prompt
+
+    q_ids = loaded.tokenizer(problem.question, add_special_tokens=False)["input_ids"]
+    init = init_soft_prompt(loaded.model.get_input_embeddings(), q_ids, args.soft_tokens)
+    grpo = []
+    for name, backend in backends.items():
+        cell = grpo_cell(loaded, backend, list(prompt.token_ids), init, args)
+        cell.update(backend=name, loadavg=_loadavg())
+        grpo.append(cell)
+        print(
+            f"GRPO {name:>12}: {cell['step_seconds']:.1f} s/step "
+            f"(rollouts {cell['rollout_seconds_per_step']:.1f} s, train {cell['train_seconds_per_step']:.1f} s)",
+            flush=True,
+        )
+    return grpo
+
+
+def _median_throughput(cells: list[dict[str, Any]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for c in cells:
         summary.setdefault(c["setting"], {}).setdefault(c["backend"], []).append(c["tok_per_s"])
     summary = {s: {b: round(statistics.median(v), 2) for b, v in d.items()} for s, d in summary.items()}
     for d in summary.values():
         d["vllm_speedup"] = round(d["vllm"] / d["transformers"], 2)
+    return summary
+
+
+def _settings(args: argparse.Namespace, max_model_len: int) -> dict[str, Any]:
+    return {
+        "model": args.model,
+        "dtype": args.dtype,
+        "batch": args.batch,
+        "max_new_tokens": args.max_new_tokens,
+        "soft_tokens": args.soft_tokens,
+        "decoding": "greedy",
+        "vllm_engine": {
+            "enforce_eager": True,
+            "max_model_len": max_model_len,
+            "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
+            "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
+        },
+        "grpo": {
+            "steps": args.grpo_steps,
+            "num_generations": args.num_generations,
+            "max_completion_length": args.max_new_tokens,
+            "temperature": "0.8 (paper default)",
+            "skip_uniform_rewards": False,
+        },
+    }
+
+
+def main() -> None:
+    args = _args()
+
+    import torch
+
+    from elm_memory.backends.hf import HFBackend
+    from elm_memory.backends.vllm.engine import VLLMBackend
+    from elm_memory.config import ELMConfig
+    from elm_memory.models.loading import load_model
+
+    load_before = _loadavg()
+    model_over: dict[str, Any] = {"name_or_path": args.model, "dtype": args.dtype, "device": "cpu"}
+    if args.hf_threads:
+        model_over["num_threads"] = args.hf_threads
+    cfg = ELMConfig.load(overrides={"model": model_over})
+    loaded = load_model(cfg.model)
+    hf = HFBackend(loaded)
+    t0 = time.perf_counter()
+    vb = VLLMBackend.from_config(cfg, loaded=loaded)
+    startup = time.perf_counter() - t0
+    print(f"vLLM engine up in {startup:.1f} s", flush=True)
+
+    problems, built, plain, soft = _prompts(loaded, cfg, args)
+    backends = {"transformers": hf, "vllm": vb}
+    cells, agree = _throughput(backends, plain, soft, args)
+    grpo = [] if args.skip_grpo else _grpo(loaded, backends, problems[0], built[0], args)
+    vb.close()
+
+    summary = _median_throughput(cells)
     result = {
         "measured_at": time.strftime("%Y-%m-%dT%H:%M:%S"),
         "machine": {
@@ -213,27 +270,7 @@ def main() -> None:
             "note": "shared machine: other jobs were running; numbers are one run, not a quiet-machine benchmark",
         },
         "versions": _versions(),
-        "settings": {
-            "model": args.model,
-            "dtype": args.dtype,
-            "batch": args.batch,
-            "max_new_tokens": args.max_new_tokens,
-            "soft_tokens": args.soft_tokens,
-            "decoding": "greedy",
-            "vllm_engine": {
-                "enforce_eager": True,
-                "max_model_len": vb.max_model_len,
-                "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE"),
-                "VLLM_CPU_NUM_OF_RESERVED_CPU": os.environ.get("VLLM_CPU_NUM_OF_RESERVED_CPU"),
-            },
-            "grpo": {
-                "steps": args.grpo_steps,
-                "num_generations": args.num_generations,
-                "max_completion_length": args.max_new_tokens,
-                "temperature": "0.8 (paper default)",
-                "skip_uniform_rewards": False,
-            },
-        },  # fmt: skip
+        "settings": _settings(args, vb.max_model_len),
         "vllm_startup_seconds": round(startup, 1),
         "throughput_tok_per_s": summary,
         "throughput_cells": cells,

@@ -28,6 +28,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
 RESULTS = Path(__file__).parent / "results" / "learn_step.json"
@@ -48,10 +49,46 @@ def _config(args: argparse.Namespace, **training):
     )
 
 
-def worker(name: str, args: argparse.Namespace) -> dict:
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+def _floor_step(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, Any]:
+    """The least a step costs: one batched generation of the G rollouts, one forward/backward on them."""
     import torch
 
+    from elm_memory.backends.base import PromptInput, SamplingParams
+    from elm_memory.training.initialization import init_soft_prompt
+    from elm_memory.training.native import NativeTrainer
+
+    built = prompts.build(QUESTION)
+    q_ids = loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    init = init_soft_prompt(loaded.model.get_input_embeddings(), q_ids, cfg.memory.num_tokens)
+    trainer = NativeTrainer(loaded, backend, cfg.training)
+    t = cfg.training
+    # the trainer's rollout call: G samples with the soft prompt first, one batched generation
+    params = SamplingParams(
+        max_new_tokens=t.max_completion_length,
+        temperature=trainer.temperature,
+        top_p=t.top_p,
+        n=t.num_generations,
+        seed=0,
+        stop_at_answer=t.stop_at_answer,
+    )
+    prompt = PromptInput(tuple(built.token_ids), soft_prompt=init, soft_prompt_at=0, seed=0)
+    t0 = time.perf_counter()
+    [rollouts] = backend.generate([prompt], params)
+    t1 = time.perf_counter()
+    soft = torch.nn.Parameter(init.clone())
+    logps, mask = trainer.completion_logps(built.token_ids, soft, 0, [g.token_ids for g in rollouts])
+    (-(logps * mask).sum()).backward()
+    t2 = time.perf_counter()
+    return {
+        "generation_s": t1 - t0,
+        "forward_backward_s": t2 - t1,
+        "step_s": t2 - t0,
+        "completion_tokens": sum(len(g.token_ids) for g in rollouts),
+    }
+
+
+def worker(name: str, args: argparse.Namespace) -> dict:
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from elm_memory.backends.hf import HFBackend
     from elm_memory.models.loading import load_model
     from elm_memory.models.prompting import PromptBuilder
@@ -69,22 +106,7 @@ def worker(name: str, args: argparse.Namespace) -> dict:
     prompts = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)
     out: dict = {"variant": name}
     if name == "floor":
-        from elm_memory.training.init import init_soft_prompt
-        from elm_memory.training.native import NativeTrainer
-
-        built = prompts.build(QUESTION)
-        q_ids = loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
-        init = init_soft_prompt(loaded.model.get_input_embeddings(), q_ids, cfg.memory.num_tokens)
-        trainer = NativeTrainer(loaded, backend, cfg.training)
-        t0 = time.perf_counter()
-        rollouts = trainer._rollouts(built.token_ids, init, 0, seed=0)
-        t1 = time.perf_counter()
-        soft = torch.nn.Parameter(init.clone())
-        logps, mask = trainer.completion_logps(built.token_ids, soft, 0, [g.token_ids for g in rollouts])
-        (-(logps * mask).sum()).backward()
-        t2 = time.perf_counter()
-        out.update(generation_s=t1 - t0, forward_backward_s=t2 - t1, step_s=t2 - t0,
-                   completion_tokens=sum(len(g.token_ids) for g in rollouts))  # fmt: skip
+        out.update(_floor_step(cfg, loaded, backend, prompts))
     else:
         t0 = time.perf_counter()
         memory = learn_memory(QUESTION, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
@@ -101,6 +123,47 @@ def worker(name: str, args: argparse.Namespace) -> dict:
         )
     out["peak_rss_mb"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
     return out
+
+
+def _run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    """One variant in its own subprocess: its result row, or its last error line."""
+    cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--dtype", args.dtype]
+    cmd += ["--generations", str(args.generations), "--max-len", str(args.max_len), "--steps", str(args.steps)]
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not line:
+        row = {"variant": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]}
+    else:
+        row = json.loads(line[0][7:])
+    print(json.dumps(row), file=sys.stderr, flush=True)
+    return row
+
+
+def _ratios(by: dict[str, dict[str, Any]]) -> dict[str, float]:
+    ratios = {}
+    if "trl" in by and "native-faithful" in by:
+        ratios["trl_over_native_faithful_step"] = by["trl"]["step_s"] / by["native-faithful"]["step_s"]
+    if "trl" in by and "native-fast" in by:
+        ratios["trl_over_native_fast_step"] = by["trl"]["step_s"] / by["native-fast"]["step_s"]
+    if "floor" in by:
+        for v in ("native-faithful", "native-fast"):
+            if v in by:
+                ratios[f"{v}_over_floor"] = by[v]["step_s"] / by["floor"]["step_s"]
+    return ratios
+
+
+def _print_table(rows: list[dict[str, Any]]) -> None:
+    print(f"\n{'variant':18} {'s/step':>8} {'gen s':>8} {'bwd s':>8} {'tokens':>7} {'RSS MB':>7}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['variant']:18} error: {r['error']}")
+            continue
+        bwd = r.get("backward_s", r.get("forward_backward_s", 0.0))
+        print(
+            f"{r['variant']:18} {r['step_s']:8.1f} {r['generation_s']:8.1f} {bwd:8.1f} "
+            f"{r['completion_tokens']:7d} {r['peak_rss_mb']:7.0f}"
+        )
 
 
 def main() -> None:
@@ -121,48 +184,26 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args.worker, args)))
         return
 
-    rows = []
-    for name in args.variants.split(","):
-        cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--dtype", args.dtype,
-               "--generations", str(args.generations), "--max-len", str(args.max_len), "--steps", str(args.steps)]  # fmt: skip
-        print(f"running {name} ...", file=sys.stderr, flush=True)
-        proc = subprocess.run(cmd, capture_output=True, text=True)
-        line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-        if proc.returncode != 0 or not line:
-            rows.append({"variant": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1]})
-        else:
-            rows.append(json.loads(line[0][7:]))
-        print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-
-    by = {r["variant"]: r for r in rows if "error" not in r}
-    ratios = {}
-    if "trl" in by and "native-faithful" in by:
-        ratios["trl_over_native_faithful_step"] = by["trl"]["step_s"] / by["native-faithful"]["step_s"]
-    if "trl" in by and "native-fast" in by:
-        ratios["trl_over_native_fast_step"] = by["trl"]["step_s"] / by["native-fast"]["step_s"]
-    if "floor" in by:
-        for v in ("native-faithful", "native-fast"):
-            if v in by:
-                ratios[f"{v}_over_floor"] = by[v]["step_s"] / by["floor"]["step_s"]
+    rows = [_run_variant(name, args) for name in args.variants.split(",")]
+    ratios = _ratios({r["variant"]: r for r in rows if "error" not in r})
     result = {
         "benchmark": "learn_step",
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "machine": {"cpus": os.cpu_count(), "platform": platform.platform(), "load_avg_start": os.getloadavg()},
-        "settings": {"model": args.model, "dtype": args.dtype, "G": args.generations, "max_completion_length":
-                     args.max_len, "steps": args.steps, "question": QUESTION},  # fmt: skip
+        "settings": {
+            "model": args.model,
+            "dtype": args.dtype,
+            "G": args.generations,
+            "max_completion_length": args.max_len,
+            "steps": args.steps,
+            "question": QUESTION,
+        },
         "rows": rows,
         "ratios": ratios,
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=2))
-    print(f"\n{'variant':18} {'s/step':>8} {'gen s':>8} {'bwd s':>8} {'tokens':>7} {'RSS MB':>7}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['variant']:18} error: {r['error']}")
-            continue
-        bwd = r.get("backward_s", r.get("forward_backward_s", 0.0))
-        print(f"{r['variant']:18} {r['step_s']:8.1f} {r['generation_s']:8.1f} {bwd:8.1f} "
-              f"{r['completion_tokens']:7d} {r['peak_rss_mb']:7.0f}")  # fmt: skip
+    _print_table(rows)
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}")
     print(f"written to {args.out}")

@@ -98,7 +98,11 @@ def roofline_tok_s(machine: dict[str, Any], params: int, dtype: str, batch: int)
     mem_s = params * bytes_per / (machine["read_bandwidth_gb_s"] * 1e9)
     flop_s = 2 * params * batch / (machine["gemm_gflop_s"][dtype] * 1e9)
     step = max(mem_s, flop_s)
-    return {"step_ms": round(step * 1e3, 1), "tok_s": round(batch / step, 1), "bound": "memory" if mem_s >= flop_s else "compute"}
+    return {
+        "step_ms": round(step * 1e3, 1),
+        "tok_s": round(batch / step, 1),
+        "bound": "memory" if mem_s >= flop_s else "compute",
+    }
 
 
 # ---- 2. decode -----------------------------------------------------------------------
@@ -120,12 +124,19 @@ def measure_decode(args: argparse.Namespace, machine: dict[str, Any]) -> dict[st
         mask = torch.ones_like(ids)
         n_new = args.decode_tokens
 
-        def hf(max_new: int) -> None:
-            cfg = GenerationConfig(max_new_tokens=max_new, min_new_tokens=max_new, do_sample=True, temperature=0.8,
-                                   top_k=None, top_p=None, pad_token_id=0)  # fmt: skip
+        def hf(max_new: int, ids: Any = ids, mask: Any = mask) -> None:
+            cfg = GenerationConfig(
+                max_new_tokens=max_new,
+                min_new_tokens=max_new,
+                do_sample=True,
+                temperature=0.8,
+                top_k=None,
+                top_p=None,
+                pad_token_id=0,
+            )
             model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)
 
-        def loop(max_new: int) -> None:
+        def loop(max_new: int, ids: Any = ids, mask: Any = mask) -> None:
             # eos_ids=() : random prompts must not stop early, every row decodes max_new tokens
             sample(model, mask, DecodeOptions(max_new_tokens=max_new, temperature=0.8), input_ids=ids)
 
@@ -140,20 +151,36 @@ def measure_decode(args: argparse.Namespace, machine: dict[str, Any]) -> dict[st
             decode_s = max(1e-9, total - prefill)
             tok_s = batch * (n_new - 1) / decode_s
             roof = roofline_tok_s(machine, params, dtype, batch)
-            rows.append({"backend": name, "batch": batch, "tok_s": round(tok_s, 1),
-                         "step_ms": round(decode_s / (n_new - 1) * 1e3, 1), "prefill_s": round(prefill, 2),
-                         "roofline_tok_s": roof["tok_s"], "of_roofline": round(tok_s / roof["tok_s"], 3),
-                         "bound": roof["bound"]})  # fmt: skip
+            rows.append(
+                {
+                    "backend": name,
+                    "batch": batch,
+                    "tok_s": round(tok_s, 1),
+                    "step_ms": round(decode_s / (n_new - 1) * 1e3, 1),
+                    "prefill_s": round(prefill, 2),
+                    "roofline_tok_s": roof["tok_s"],
+                    "of_roofline": round(tok_s / roof["tok_s"], 3),
+                    "bound": roof["bound"],
+                }
+            )
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     vllm = "not installed in this environment (see scripts/install_vllm_cpu.sh; benchmarks/backends.py measures it)"
     try:
-        import vllm  # noqa: F401
+        import vllm as _  # noqa: F401
 
         vllm = "installed: measure with benchmarks/backends.py (its engine start dominates a short run)"
     except Exception:
         pass
-    return {**_stamp(), "model": args.model, "dtype": dtype, "params": params, "prompt_len": args.prompt_len,
-            "new_tokens": args.decode_tokens, "rows": rows, "vllm": vllm}  # fmt: skip
+    return {
+        **_stamp(),
+        "model": args.model,
+        "dtype": dtype,
+        "params": params,
+        "prompt_len": args.prompt_len,
+        "new_tokens": args.decode_tokens,
+        "rows": rows,
+        "vllm": vllm,
+    }
 
 
 # ---- 3. rollout levers -----------------------------------------------------------------
@@ -189,27 +216,52 @@ def measure_rollouts(args: argparse.Namespace) -> dict[str, Any]:
             torch.manual_seed(rep)
             t = time.perf_counter()
             if opts is None:
-                cfg = GenerationConfig(max_new_tokens=N, do_sample=True, temperature=0.8, top_k=None, top_p=None,
-                                       num_return_sequences=G, pad_token_id=tok.pad_token_id, eos_token_id=eos)  # fmt: skip
+                cfg = GenerationConfig(
+                    max_new_tokens=N,
+                    do_sample=True,
+                    temperature=0.8,
+                    top_k=None,
+                    top_p=None,
+                    num_return_sequences=G,
+                    pad_token_id=tok.pad_token_id,
+                    eos_token_id=eos,
+                )
                 out = model.generate(input_ids=ids, attention_mask=mask, generation_config=cfg)[:, ids.shape[1] :]
                 lengths = [next((i + 1 for i, t_ in enumerate(r) if t_ in eos), len(r)) for r in out.tolist()]
             else:
                 gens = [torch.Generator().manual_seed(rep)]
                 lengths = [len(t_) for t_, _ in sample(model, mask, opts, input_ids=ids, eos_ids=eos, generators=gens)]
             secs = time.perf_counter() - t
-            rows.append({"variant": name, "repeat": rep, "seconds": round(secs, 2), "tokens": sum(lengths),
-                         "tok_s": round(sum(lengths) / secs, 1)})  # fmt: skip
+            rows.append(
+                {
+                    "variant": name,
+                    "repeat": rep,
+                    "seconds": round(secs, 2),
+                    "tokens": sum(lengths),
+                    "tok_s": round(sum(lengths) / secs, 1),
+                }
+            )
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
     summary = {}
     for name in variants:
         mine = [r for r in rows if r["variant"] == name]
-        summary[name] = {"seconds": round(sum(r["seconds"] for r in mine) / len(mine), 2),
-                         "tok_s": round(sum(r["tok_s"] for r in mine) / len(mine), 1)}  # fmt: skip
+        summary[name] = {
+            "seconds": round(sum(r["seconds"] for r in mine) / len(mine), 2),
+            "tok_s": round(sum(r["tok_s"] for r in mine) / len(mine), 1),
+        }
     base = summary["hf-generate"]["seconds"]
     for name in variants:
         summary[name]["speedup_vs_generate"] = round(base / summary[name]["seconds"], 2)
-    return {**_stamp(), "model": args.model, "dtype": loaded.info.dtype, "G": G, "max_new_tokens": N,
-            "prompt_tokens": ids.shape[1], "rows": rows, "summary": summary}  # fmt: skip
+    return {
+        **_stamp(),
+        "model": args.model,
+        "dtype": loaded.info.dtype,
+        "G": G,
+        "max_new_tokens": N,
+        "prompt_tokens": ids.shape[1],
+        "rows": rows,
+        "summary": summary,
+    }
 
 
 # ---- 4. learning -----------------------------------------------------------------------
@@ -231,11 +283,18 @@ def learn_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
     from elm_memory.training.learn import learn_memories, learn_memory
 
     spec = LEARN_VARIANTS[name]
-    cfg = ELMConfig.load(overrides={
-        "model": {"name_or_path": args.model, "dtype": args.dtype, "device": "cpu"},
-        "training": {"engine": spec["engine"], "steps": args.steps, "num_generations": args.generations,
-                     "max_completion_length": args.max_len, "seed": 0},
-    })  # fmt: skip
+    cfg = ELMConfig.load(
+        overrides={
+            "model": {"name_or_path": args.model, "dtype": args.dtype, "device": "cpu"},
+            "training": {
+                "engine": spec["engine"],
+                "steps": args.steps,
+                "num_generations": args.generations,
+                "max_completion_length": args.max_len,
+                "seed": 0,
+            },
+        }
+    )
     loaded = _load(args)
     backend = HFBackend.from_config(cfg, loaded)
     prompts = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)
@@ -243,10 +302,13 @@ def learn_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
     questions = [p.question for p in load_problems("gsm8k", limit=m, seed=17)]
     t = time.perf_counter()
     if m == 1:
-        memories = [learn_memory(questions[0], config=cfg, loaded=loaded, backend=backend, prompts=prompts,
-                                 progress=False)]  # fmt: skip
+        memories = [
+            learn_memory(questions[0], config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
+        ]
     else:
-        memories = learn_memories(questions, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
+        memories = learn_memories(
+            questions, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False
+        )
     secs = time.perf_counter() - t
     stats = [mem.meta.stats for mem in memories]
     return {
@@ -280,19 +342,43 @@ def measure_learning(args: argparse.Namespace) -> dict[str, Any]:
     if "trl+peft M=1" in by:
         for v in ("native M=1", "native M=8"):
             if v in by:
-                ratios[f"{v} / trl+peft M=1"] = round(by[v]["memories_per_hour"] / by["trl+peft M=1"]["memories_per_hour"], 2)
+                ratios[f"{v} / trl+peft M=1"] = round(
+                    by[v]["memories_per_hour"] / by["trl+peft M=1"]["memories_per_hour"], 2
+                )
     if "native M=1" in by and "native M=8" in by:
-        ratios["native M=8 / native M=1"] = round(by["native M=8"]["memories_per_hour"] / by["native M=1"]["memories_per_hour"], 2)
-    return {**_stamp(), "model": args.model, "dtype": args.dtype, "S": args.steps, "G": args.generations,
-            "max_completion_length": args.max_len, "rows": rows, "ratios": ratios}  # fmt: skip
+        ratios["native M=8 / native M=1"] = round(
+            by["native M=8"]["memories_per_hour"] / by["native M=1"]["memories_per_hour"], 2
+        )
+    return {
+        **_stamp(),
+        "model": args.model,
+        "dtype": args.dtype,
+        "S": args.steps,
+        "G": args.generations,
+        "max_completion_length": args.max_len,
+        "rows": rows,
+        "ratios": ratios,
+    }
 
 
 # ---- driver ----------------------------------------------------------------------------
 
 
 def _passthrough(args: argparse.Namespace) -> list[str]:
-    return ["--model", args.model, "--dtype", args.dtype, "--steps", str(args.steps), "--generations",
-            str(args.generations), "--max-len", str(args.max_len), "--max-memories", str(args.max_memories)]  # fmt: skip
+    return [
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+        "--steps",
+        str(args.steps),
+        "--generations",
+        str(args.generations),
+        "--max-len",
+        str(args.max_len),
+        "--max-memories",
+        str(args.max_memories),
+    ]
 
 
 def main() -> None:
@@ -333,8 +419,11 @@ def main() -> None:
     if "machine" in sections or (machine is None and "decode" in sections):
         machine = result["machine"] = measure_machine(args)
         print(json.dumps(machine), file=sys.stderr, flush=True)
-    for name, fn in (("decode", lambda: measure_decode(args, machine)), ("rollouts", lambda: measure_rollouts(args)),
-                     ("learning", lambda: measure_learning(args))):  # fmt: skip
+    for name, fn in (
+        ("decode", lambda: measure_decode(args, machine)),
+        ("rollouts", lambda: measure_rollouts(args)),
+        ("learning", lambda: measure_learning(args)),
+    ):
         if name in sections:
             result[name] = fn()
             args.out.parent.mkdir(parents=True, exist_ok=True)
@@ -352,24 +441,48 @@ def render_markdown(result: dict[str, Any]) -> str:
     if mach:
         cpu = mach["cpu"]
         flags = " ".join(f for f, on in cpu["flags"].items() if on)
-        out.append(f"CPU: {cpu['name']}, {cpu['physical_cores']} cores, torch path {cpu['torch_capability']}, "
-                   f"flags {flags}; read bandwidth {mach['read_bandwidth_gb_s']} GB/s, GEMM fp32 "
-                   f"{mach['gemm_gflop_s']['float32']} / bf16 {mach['gemm_gflop_s']['bfloat16']} GFLOP/s")  # fmt: skip
+        out.append(
+            f"CPU: {cpu['name']}, {cpu['physical_cores']} cores, torch path {cpu['torch_capability']}, "
+            f"flags {flags}; read bandwidth {mach['read_bandwidth_gb_s']} GB/s, GEMM fp32 "
+            f"{mach['gemm_gflop_s']['float32']} / bf16 {mach['gemm_gflop_s']['bfloat16']} GFLOP/s"
+        )
     dec = result.get("decode")
     if dec:
-        out += ["", f"Decode ({dec['model']}, {dec['dtype']}, sampled, prefill excluded)", "",
-                "| backend | batch | tok/s | roofline tok/s | of roofline |", "|---|---|---|---|---|"]  # fmt: skip
-        out += [f"| {r['backend']} | {r['batch']} | {r['tok_s']} | {r['roofline_tok_s']} ({r['bound']}) | "
-                f"{r['of_roofline']:.0%} |" for r in dec["rows"]]  # fmt: skip
+        out += [
+            "",
+            f"Decode ({dec['model']}, {dec['dtype']}, sampled, prefill excluded)",
+            "",
+            "| backend | batch | tok/s | roofline tok/s | of roofline |",
+            "|---|---|---|---|---|",
+        ]
+        out += [
+            f"| {r['backend']} | {r['batch']} | {r['tok_s']} | {r['roofline_tok_s']} ({r['bound']}) | "
+            f"{r['of_roofline']:.0%} |"
+            for r in dec["rows"]
+        ]
     ro = result.get("rollouts")
     if ro:
-        out += ["", f"One rollout group (G={ro['G']}, {ro['max_new_tokens']} tokens, {ro['prompt_tokens']}-token "
-                f"prompt, {ro['dtype']})", "", "| decode path | s | tok/s | speed-up |", "|---|---|---|---|"]  # fmt: skip
-        out += [f"| {k} | {v['seconds']} | {v['tok_s']} | {v['speedup_vs_generate']}x |" for k, v in ro["summary"].items()]
+        out += [
+            "",
+            f"One rollout group (G={ro['G']}, {ro['max_new_tokens']} tokens, {ro['prompt_tokens']}-token "
+            f"prompt, {ro['dtype']})",
+            "",
+            "| decode path | s | tok/s | speed-up |",
+            "|---|---|---|---|",
+        ]
+        out += [
+            f"| {k} | {v['seconds']} | {v['tok_s']} | {v['speedup_vs_generate']}x |" for k, v in ro["summary"].items()
+        ]
     le = result.get("learning")
     if le:
-        out += ["", f"Memories per hour (S={le['S']}, G={le['G']}, {le['max_completion_length']}-token rollouts, "
-                f"{le['dtype']})", "", "| engine | memories | s | memories/h |", "|---|---|---|---|"]  # fmt: skip
+        out += [
+            "",
+            f"Memories per hour (S={le['S']}, G={le['G']}, {le['max_completion_length']}-token rollouts, "
+            f"{le['dtype']})",
+            "",
+            "| engine | memories | s | memories/h |",
+            "|---|---|---|---|",
+        ]
         for r in le["rows"]:
             if "error" in r:
                 out.append(f"| {r['variant']} | error: {r['error']} | | |")

@@ -116,15 +116,15 @@ class KVKeys:
         z = rng.standard_normal((n, self.rank), dtype=np.float32) * self.s  # shared by all layers
         out = np.empty((n, self.L * self.hd), dtype=np.float32)
         spread = 0.14 if query else 0.21  # per-layer self-cosines ~0.98 (queries) and ~0.95 (memories)
-        for l, b in enumerate(self.bases):
+        for layer, b in enumerate(self.bases):
             mk, e, u = b[:, 0], b[:, 1], b[:, 2:]
             if query:
-                rho = float(self.rho[l])
+                rho = float(self.rho[layer])
                 mean = rho * mk + beta * (u @ self.w) + np.sqrt(max(1 - rho**2 - beta**2, 0.0)) * e
             else:
                 mean = mk
             own = rng.standard_normal((n, self.rank), dtype=np.float32) * self.s * 0.4
-            out[:, l * self.hd : (l + 1) * self.hd] = _unit(mean + spread * ((z + own) @ u.T))
+            out[:, layer * self.hd : (layer + 1) * self.hd] = _unit(mean + spread * ((z + own) @ u.T))
         return out
 
     def memories(self, n: int, rng: np.random.Generator) -> np.ndarray:
@@ -161,20 +161,42 @@ def fake_model(profile: str) -> ModelInfo:
     p = PROFILES[profile]
     heads = p["hidden"] // p["head_dim"]
     return ModelInfo(
-        name=p["model"], path="", model_type="qwen2", hidden_size=p["hidden"], num_layers=p["layers"],
-        num_attention_heads=heads, num_key_value_heads=max(1, heads // 7), head_dim=p["head_dim"], vocab_size=1,
-        max_context=1, dtype="bfloat16", device="cpu", fingerprint=f"bench{profile}".ljust(16, "0")[:16],
-    )  # fmt: skip
+        name=p["model"],
+        path="",
+        model_type="qwen2",
+        hidden_size=p["hidden"],
+        num_layers=p["layers"],
+        num_attention_heads=heads,
+        num_key_value_heads=max(1, heads // 7),
+        head_dim=p["head_dim"],
+        vocab_size=1,
+        max_context=1,
+        dtype="bfloat16",
+        device="cpu",
+        fingerprint=f"bench{profile}".ljust(16, "0")[:16],
+    )
 
 
 def row_meta(i: int, now: float, extra: dict[str, Any] | None = None) -> dict[str, Any]:
     """Index metadata of realistic size (same fields the store writes)."""
     return {
-        "namespace": NAMESPACE, "created_at": now + i, "question_hash": f"{i:064x}", "question": f"synthetic {i}",
-        "blob": f"{i:064x}", "num_tokens": 20, "usage": 0, "last_used_at": 0.0, "no_consensus": False,
-        "train_engine": "native", "train_objective": "grpo", "train_steps": 10, "train_seconds": 1.0,
-        "train_reward": 0.5, "majority_share": 0.5, **(extra or {}),
-    }  # fmt: skip
+        "namespace": NAMESPACE,
+        "created_at": now + i,
+        "question_hash": f"{i:064x}",
+        "question": f"synthetic {i}",
+        "blob": f"{i:064x}",
+        "num_tokens": 20,
+        "usage": 0,
+        "last_used_at": 0.0,
+        "no_consensus": False,
+        "train_engine": "native",
+        "train_objective": "grpo",
+        "train_steps": 10,
+        "train_seconds": 1.0,
+        "train_reward": 0.5,
+        "majority_share": 0.5,
+        **(extra or {}),
+    }
 
 
 def insert(
@@ -273,10 +295,17 @@ def run_cell(
     state_file.write_text(json.dumps(state))
     rate = state["rows"] / state["seconds"] if state["seconds"] else float("nan")
     result: dict[str, Any] = {
-        "profile": cell.profile, "model": PROFILES[cell.profile]["model"], "kind": cell.kind, "size": cell.size,
-        "dim": int(mem.shape[1]), "queries": n_queries, "insert_rows_per_s": round(rate, 1), "insert_batch": BATCH,
-        "hnsw": settings, "rows_indexed": start + added,
-    }  # fmt: skip
+        "profile": cell.profile,
+        "model": PROFILES[cell.profile]["model"],
+        "kind": cell.kind,
+        "size": cell.size,
+        "dim": int(mem.shape[1]),
+        "queries": n_queries,
+        "insert_rows_per_s": round(rate, 1),
+        "insert_batch": BATCH,
+        "hnsw": settings,
+        "rows_indexed": start + added,
+    }
     print(f"  {cell.key}: {start + added}/{cell.size} rows x {mem.shape[1]} indexed, {rate:.0f} rows/s", flush=True)
     if start + added < cell.size:
         result["complete"] = False
@@ -297,8 +326,9 @@ def run_cell(
 
         r = recall_and_latency(via_store, mem, qry)
         result["by_ef_search"][str(ef)] = r
-        print(f"    ef_search={ef}: p50 {r['p50_ms']} ms  p95 {r['p95_ms']} ms  recall@1 {r['recall_at_1']}",
-              flush=True)  # fmt: skip
+        print(
+            f"    ef_search={ef}: p50 {r['p50_ms']} ms  p95 {r['p95_ms']} ms  recall@1 {r['recall_at_1']}", flush=True
+        )
     return result
 
 
@@ -325,8 +355,13 @@ def namespace_isolation(work: Path, profile: str, kind: str, size: int, n_querie
 
         return fn
 
-    out: dict[str, Any] = {"profile": profile, "kind": kind, "size": size, "dim": int(mem.shape[1]),
-                           "insert_rows_per_s": round(rate, 1)}  # fmt: skip
+    out: dict[str, Any] = {
+        "profile": profile,
+        "kind": kind,
+        "size": size,
+        "dim": int(mem.shape[1]),
+        "insert_rows_per_s": round(rate, 1),
+    }
     out["one_collection_no_filter"] = recall_and_latency(q(shared), mem_unit, qry)
     out["one_collection_where_all_rows_match"] = recall_and_latency(q(shared, {"namespace": NAMESPACE}), mem_unit, qry)
     ids_q = [f"m{i}" for i in quarter]
@@ -376,8 +411,14 @@ def blob_put_rate(work: Path, profile: str, n: int) -> dict[str, Any]:
     t0 = time.perf_counter()
     store.put_many(mems[n // 2 :])
     batched = (n - n // 2) / (time.perf_counter() - t0)
-    return {"profile": profile, "memories": n, "blob_bytes": len(mems[0].to_bytes()), "keys": ["input", "kv"],
-            "put_per_s": round(single, 1), "put_many_per_s": round(batched, 1)}  # fmt: skip
+    return {
+        "profile": profile,
+        "memories": n,
+        "blob_bytes": len(mems[0].to_bytes()),
+        "keys": ["input", "kv"],
+        "put_per_s": round(single, 1),
+        "put_many_per_s": round(batched, 1),
+    }
 
 
 # ---- main ------------------------------------------------------------------------------------
@@ -391,8 +432,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--kinds", default="input,kv")
     ap.add_argument("--queries", type=int, default=200)
     ap.add_argument("--ef-search", default=None, help="comma list to sweep (default: the store's value per kind)")
-    ap.add_argument("--time-budget", type=float, default=540.0,
-                    help="per cell: stop inserting after this many seconds; rerun with the same --workdir to resume")
+    ap.add_argument(
+        "--time-budget",
+        type=float,
+        default=540.0,
+        help="per cell: stop inserting after this many seconds; rerun with the same --workdir to resume",
+    )
     ap.add_argument("--ef-construction", type=int, default=None)
     ap.add_argument("--max-neighbors", type=int, default=None)
     ap.add_argument("--skip-namespaces", action="store_true")
@@ -412,8 +457,12 @@ def main(argv: list[str] | None = None) -> int:
 
     results: dict[str, Any] = json.loads(args.out.read_text()) if args.out.is_file() else {}
     results.setdefault("cells", {})
-    results["machine"] = {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-                          "chromadb": __import__("chromadb").__version__}  # fmt: skip
+    results["machine"] = {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "chromadb": __import__("chromadb").__version__,
+    }
     results["defaults"] = {"hnsw": DEFAULT_HNSW, "hnsw_by_kind": KIND_HNSW, "insert_batch": BATCH}
     work = args.workdir or Path(tempfile.mkdtemp(prefix="elm-retrieval-bench-"))
     work.mkdir(parents=True, exist_ok=True)

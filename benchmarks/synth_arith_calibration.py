@@ -67,9 +67,13 @@ def main() -> None:
     result = {
         "what": "zero-shot greedy accuracy of the default model on the toy synth-arith stream (target band 55-80%)",
         "command": command,
-        "dataset": {"name": "synth-arith", "generator_version": GENERATOR_VERSION, "generator_seed": GENERATOR_SEED,
-                    "file_rows": N_PROBLEMS,
-                    "file_sha256": hashlib.sha256(vendored_path().read_bytes()).hexdigest()},  # fmt: skip
+        "dataset": {
+            "name": "synth-arith",
+            "generator_version": GENERATOR_VERSION,
+            "generator_seed": GENERATOR_SEED,
+            "file_rows": N_PROBLEMS,
+            "file_sha256": hashlib.sha256(vendored_path().read_bytes()).hexdigest(),
+        },
         "stream": {"seed": run["seed"], "questions": n},
         "model": config.model.name_or_path,
         "max_new_tokens": config.generation.max_new_tokens,

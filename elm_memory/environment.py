@@ -16,9 +16,20 @@ from elm_memory.hardware import Hardware, resolve_placement
 
 #: Distributions whose versions change behaviour or speed (missing ones are reported as None).
 REPORTED_PACKAGES = (
-    "elm-memory", "torch", "transformers", "trl", "peft", "accelerate", "vllm", "chromadb",
-    "langgraph", "langchain-core", "safetensors", "pydantic", "numpy",
-)  # fmt: skip
+    "elm-memory",
+    "torch",
+    "transformers",
+    "trl",
+    "peft",
+    "accelerate",
+    "vllm",
+    "chromadb",
+    "langgraph",
+    "langchain-core",
+    "safetensors",
+    "pydantic",
+    "numpy",
+)
 
 
 def package_versions(names: tuple[str, ...] = REPORTED_PACKAGES) -> dict[str, str | None]:

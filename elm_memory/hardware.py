@@ -24,9 +24,21 @@ from typing import Any
 FAST_BF16_CPU_FLAGS = ("amx_bf16", "avx512_bf16")
 #: The CPU features a performance bug report needs (names as /proc/cpuinfo and torch spell them).
 REPORTED_CPU_FLAGS = (
-    "avx2", "fma", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "avx_vnni",
-    "amx_tile", "amx_bf16", "amx_int8", "amx_fp16", "neon", "sve", "bf16",
-)  # fmt: skip
+    "avx2",
+    "fma",
+    "avx512f",
+    "avx512_bf16",
+    "avx512_fp16",
+    "avx512_vnni",
+    "avx_vnni",
+    "amx_tile",
+    "amx_bf16",
+    "amx_int8",
+    "amx_fp16",
+    "neon",
+    "sve",
+    "bf16",
+)
 #: Measured on an AVX2-only AMD EPYC (one thread): the slowdown of bf16 against fp32.
 BF16_FALLBACK_SLOWDOWN = "10-60x"
 
@@ -112,9 +124,7 @@ class Placement:
         return asdict(self)
 
 
-def resolve_placement(
-    model_cfg: Any, hardware: Hardware | None = None, *, warn: bool = True
-) -> Placement:
+def resolve_placement(model_cfg: Any, hardware: Hardware | None = None, *, warn: bool = True) -> Placement:
     """Device, dtype and CPU threads for a :class:`~elm_memory.config.ModelConfig`.
 
     ``auto`` dtype: bf16 on CUDA devices that support it (fp16 on older GPUs), bf16 on
@@ -129,66 +139,75 @@ def resolve_placement(
     device = resolve_device(model_cfg.device, hw)
     if model_cfg.device == "auto":
         reasons.append("device auto: " + ("CUDA is available" if hw.gpus else "no CUDA device"))
-    on_cuda = device.startswith("cuda")
-    gpu = hw.gpu(device)
-    cpu = hw.cpu
-
-    requested = model_cfg.dtype
-    if requested == "auto":
-        if on_cuda:
-            bf16 = gpu is None or gpu.bf16  # an unknown GPU: let torch decide at load time
-            dtype = "bfloat16" if bf16 else "float16"
-            reasons.append(f"dtype auto: {gpu.name if gpu else device} " + ("supports bf16" if bf16 else "has no bf16"))
-        elif cpu.fast_bf16:
-            dtype = "bfloat16"
-            native = [f for f in (*FAST_BF16_CPU_FLAGS, "bf16") if f in cpu.flags]
-            reasons.append(f"dtype auto: CPU has {'/'.join(native)}")
-        else:
-            dtype = "float32"
-            reasons.append("dtype auto: CPU has no AMX or AVX512-BF16, bf16 would be slow")
-    else:
-        dtype = requested
-        reasons.append(f"dtype {dtype} set in config")
-        if not on_cuda and dtype == "bfloat16" and not cpu.fast_bf16:
-            notes.append(
-                f"model.dtype=bfloat16 on a CPU without AMX or AVX512-BF16 ({cpu.name}, {cpu.torch_capability}): "
-                f"PyTorch falls back to reference bf16 kernels, measured {BF16_FALLBACK_SLOWDOWN} slower than "
-                "float32 on such CPUs. Set model.dtype: auto (or float32), e.g. --set model.dtype=auto"
-            )
-        elif not on_cuda and dtype == "float16" and "avx512_fp16" not in cpu.flags and "amx_fp16" not in cpu.flags:
-            notes.append(
-                f"model.dtype=float16 on a CPU ({cpu.name}) without native fp16 matmuls is slow and loses range; "
-                "set model.dtype: auto (or float32)"
-            )
-        elif on_cuda and dtype == "bfloat16" and gpu is not None and not gpu.bf16:
-            notes.append(f"model.dtype=bfloat16 on {gpu.name}, which has no native bf16; use auto (float16)")
-
-    if model_cfg.num_threads is not None:
-        threads = model_cfg.num_threads
-        reasons.append(f"{threads} threads set in config")
-        if threads > cpu.usable_cores:
-            notes.append(
-                f"model.num_threads={threads} exceeds the {cpu.usable_cores} cores this process may use; "
-                "oversubscribed threads slow every matmul"
-            )
-    else:
-        threads = max(1, min(cpu.physical_cores, cpu.usable_cores))
-        reasons.append(f"{threads} threads: one per physical core")
-
+    dtype = _resolve_dtype(model_cfg.dtype, device, hw, reasons, notes)
+    threads = _resolve_threads(model_cfg.num_threads, hw.cpu, reasons, notes)
     attn = getattr(model_cfg, "attn_implementation", "auto")
     if attn == "auto":
         # On CPUs the SDPA kernel costs more than the plain matmuls for one-token decode steps
         # (measured 1.5-1.9x per step at batch 32, no difference for training forwards).
-        attn = "sdpa" if on_cuda else "eager"
+        attn = "sdpa" if device.startswith("cuda") else "eager"
         reasons.append(f"attention auto: {attn}")
 
     if warn:
         for note in notes:
             warnings.warn(note, PerformanceWarning, stacklevel=2)
     return Placement(
-        device=device, dtype=dtype, num_threads=threads, attn_implementation=attn,
-        reasons=tuple(reasons), warnings=tuple(notes),
-    )  # fmt: skip
+        device=device,
+        dtype=dtype,
+        num_threads=threads,
+        attn_implementation=attn,
+        reasons=tuple(reasons),
+        warnings=tuple(notes),
+    )
+
+
+def _resolve_dtype(requested: str, device: str, hw: Hardware, reasons: list[str], notes: list[str]) -> str:
+    """The dtype for ``device``; appends why to ``reasons`` and a slow explicit choice to ``notes``."""
+    on_cuda = device.startswith("cuda")
+    gpu = hw.gpu(device)
+    cpu = hw.cpu
+    if requested == "auto":
+        if on_cuda:
+            bf16 = gpu is None or gpu.bf16  # an unknown GPU: let torch decide at load time
+            reasons.append(f"dtype auto: {gpu.name if gpu else device} " + ("supports bf16" if bf16 else "has no bf16"))
+            return "bfloat16" if bf16 else "float16"
+        if cpu.fast_bf16:
+            native = [f for f in (*FAST_BF16_CPU_FLAGS, "bf16") if f in cpu.flags]
+            reasons.append(f"dtype auto: CPU has {'/'.join(native)}")
+            return "bfloat16"
+        reasons.append("dtype auto: CPU has no AMX or AVX512-BF16, bf16 would be slow")
+        return "float32"
+    dtype = requested
+    reasons.append(f"dtype {dtype} set in config")
+    if not on_cuda and dtype == "bfloat16" and not cpu.fast_bf16:
+        notes.append(
+            f"model.dtype=bfloat16 on a CPU without AMX or AVX512-BF16 ({cpu.name}, {cpu.torch_capability}): "
+            f"PyTorch falls back to reference bf16 kernels, measured {BF16_FALLBACK_SLOWDOWN} slower than "
+            "float32 on such CPUs. Set model.dtype: auto (or float32), e.g. --set model.dtype=auto"
+        )
+    elif not on_cuda and dtype == "float16" and "avx512_fp16" not in cpu.flags and "amx_fp16" not in cpu.flags:
+        notes.append(
+            f"model.dtype=float16 on a CPU ({cpu.name}) without native fp16 matmuls is slow and loses range; "
+            "set model.dtype: auto (or float32)"
+        )
+    elif on_cuda and dtype == "bfloat16" and gpu is not None and not gpu.bf16:
+        notes.append(f"model.dtype=bfloat16 on {gpu.name}, which has no native bf16; use auto (float16)")
+    return dtype
+
+
+def _resolve_threads(requested: int | None, cpu: CPUInfo, reasons: list[str], notes: list[str]) -> int:
+    """torch intra-op threads: as configured (a note when past the usable cores), else one per physical core."""
+    if requested is not None:
+        reasons.append(f"{requested} threads set in config")
+        if requested > cpu.usable_cores:
+            notes.append(
+                f"model.num_threads={requested} exceeds the {cpu.usable_cores} cores this process may use; "
+                "oversubscribed threads slow every matmul"
+            )
+        return requested
+    threads = max(1, min(cpu.physical_cores, cpu.usable_cores))
+    reasons.append(f"{threads} threads: one per physical core")
+    return threads
 
 
 def resolve_device(device: str, hardware: Hardware | None = None) -> str:

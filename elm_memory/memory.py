@@ -9,7 +9,6 @@ with a model checks hidden size and the embedding-table fingerprint.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import numbers
 import os
@@ -24,7 +23,7 @@ import torch
 
 from elm_memory.atomic import write_bytes_atomic
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError
-from elm_memory.store.names import validate_memory_id
+from elm_memory.store.names import question_hash, validate_memory_id
 
 if TYPE_CHECKING:
     from elm_memory.models.loading import ModelInfo
@@ -39,10 +38,6 @@ MAX_HEADER_BYTES = 8 * 1024 * 1024  # JSON header: tensor table + metadata (ques
 MAX_FILE_BYTES = 64 * 1024 * 1024  # e.g. 512 tokens x 8192 hidden in float32 is 16 MiB
 MAX_KEY_KINDS = 16  # each kind is an index collection per namespace
 _KIND_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
-
-
-def question_hash(question: str) -> str:
-    return hashlib.sha256(question.strip().encode("utf-8")).hexdigest()
 
 
 @dataclass

@@ -34,8 +34,13 @@ def chat_model(args: argparse.Namespace):
     from langchain_openai import ChatOpenAI
 
     # max_tokens: a small model can loop on a tool call as text; bound each turn
-    return ChatOpenAI(model=args.model, base_url=args.base_url, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
-                      temperature=0, max_tokens=256)  # fmt: skip
+    return ChatOpenAI(
+        model=args.model,
+        base_url=args.base_url,
+        api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"),
+        temperature=0,
+        max_tokens=256,
+    )
 
 
 def main() -> None:
@@ -50,8 +55,9 @@ def main() -> None:
     overrides = {"store": {"path": args.store}} if args.store else None
     cfg = ELMConfig.load(preset="cpu-tiny" if args.tiny else "cpu-demo", overrides=overrides)
     with ELM(cfg) as elm:
-        agent = build_math_agent(chat_model(args), [create_elm_tool(elm, include_trace=True)],
-                                 first_tool_choice=args.first_tool_choice)  # fmt: skip
+        agent = build_math_agent(
+            chat_model(args), [create_elm_tool(elm, include_trace=True)], first_tool_choice=args.first_tool_choice
+        )
         for question in [
             "Tom has 3 apples and buys 4 more. How many apples does he have?",
             "Sara has 5 pears and buys 2 more. How many pears does she have?",

@@ -64,8 +64,12 @@ def chat_model_from_env() -> Any:
         try:
             from langchain_openai import ChatOpenAI
         except ImportError as exc:
-            raise ConfigError("ELM_AGENT_MODEL=openai:... needs langchain-openai (pip install langchain-openai)") from exc
-        return ChatOpenAI(model=rest, api_key=os.environ.get("OPENAI_API_KEY", "EMPTY"), temperature=0)
+            raise ConfigError(
+                "ELM_AGENT_MODEL=openai:... needs langchain-openai (pip install langchain-openai)"
+            ) from exc
+        from pydantic import SecretStr
+
+        return ChatOpenAI(model=rest, api_key=SecretStr(os.environ.get("OPENAI_API_KEY", "EMPTY")), temperature=0)
     if not rest:
         raise ConfigError(f"ELM_AGENT_MODEL={spec!r}: expected openai:MODEL or package.module:factory")
     try:

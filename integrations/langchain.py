@@ -1,9 +1,9 @@
 """ELM as a LangChain ``Runnable``::
 
-    runnable = ElmRunnable(ELM(ELMConfig.load(preset="cpu-demo")))
-    runnable.invoke({"question": "What is 17 + 25?"})       # -> dict with answer, route, ...
-    runnable.invoke("What is 17 + 25?")                       # a bare string works too
-    tool = runnable.as_tool(name="solve_math", description="Solve a math word problem")
+runnable = ElmRunnable(ELM(ELMConfig.load(preset="cpu-demo")))
+runnable.invoke({"question": "What is 17 + 25?"})       # -> dict with answer, route, ...
+runnable.invoke("What is 17 + 25?")                       # a bare string works too
+tool = runnable.as_tool(name="solve_math", description="Solve a math word problem")
 """
 
 from __future__ import annotations

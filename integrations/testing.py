@@ -42,8 +42,11 @@ class ScriptedToolCaller(BaseChatModel):
             answer = json.loads(str(last.content)).get("answer")
             message = AIMessage(content=f"The answer is {answer}.")
         elif isinstance(last, HumanMessage) and self.tool_names:
-            call = {"name": self.tool_names[0], "args": {"question": str(last.content)},
-                    "id": f"call_{uuid.uuid4().hex[:8]}"}  # fmt: skip
+            call = {
+                "name": self.tool_names[0],
+                "args": {"question": str(last.content)},
+                "id": f"call_{uuid.uuid4().hex[:8]}",
+            }
             message = AIMessage(content="", tool_calls=[call])
         else:
             message = AIMessage(content="I can only solve math questions.")

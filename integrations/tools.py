@@ -19,8 +19,7 @@ from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool
 
 DEFAULT_DESCRIPTION = (
-    "Solve a math word problem step by step. Input: the full problem text. "
-    "Returns JSON with the final answer."
+    "Solve a math word problem step by step. Input: the full problem text. Returns JSON with the final answer."
 )
 
 
@@ -43,8 +42,9 @@ def create_elm_tool(
         result = instance.answer(question, namespace=_namespace_of_run(instance.config, config), learn=learn)
         out: dict[str, Any] = {"answer": result.answer}
         if include_trace:
-            out.update(route=result.route, memory_id=result.memory_id, similarity=result.similarity,
-                       namespace=result.namespace)  # fmt: skip
+            out.update(
+                route=result.route, memory_id=result.memory_id, similarity=result.similarity, namespace=result.namespace
+            )
         return json.dumps(out)
 
     solve.__doc__ = description

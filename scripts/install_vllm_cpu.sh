@@ -93,7 +93,7 @@ import torch  # noqa: E402
 import vllm  # noqa: E402
 from vllm import LLM, SamplingParams  # noqa: E402,F401
 
-from elm_memory.backends.vllm import check_prompt_embeds_version  # noqa: E402
+from elm_memory.backends.vllm.common import check_prompt_embeds_version  # noqa: E402
 
 check_prompt_embeds_version(vllm.__version__)  # prompt-embeds CVEs: refuse an old build here already
 

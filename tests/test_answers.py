@@ -10,7 +10,6 @@ import time
 
 import pytest
 
-from elm_memory import answers
 from elm_memory.answers import (
     Vote,
     equivalent,
@@ -18,6 +17,7 @@ from elm_memory.answers import (
     is_answer_closed,
     majority_rewards,
     majority_vote,
+    symbolic,
 )
 
 PATHOLOGICAL = "\\boxed{" + "9" * 5000 + "^" + "9" * 5000 + "}"
@@ -375,16 +375,14 @@ def test_equivalent_timeout_counts_as_not_equivalent(monkeypatch: pytest.MonkeyP
         release.wait(10)  # stands in for a sympy call that takes far too long
         return True
 
-    monkeypatch.setattr(answers, "_math_verify_equal", slow)
+    monkeypatch.setattr(symbolic, "math_verify_equal", slow)
     try:
         start = time.perf_counter()
         assert equivalent("\\frac{11}{13}", "0.846153846", timeout=0.3) is False
         assert time.perf_counter() - start < 2.0
         assert calls == [("0.846153846", "\\frac{11}{13}")]
         # From a worker thread too (here the slow call still holds the math-verify lock).
-        result, error, seconds = _in_thread(
-            lambda: equivalent("\\frac{11}{13}", "0.8461", timeout=0.3)
-        )
+        result, error, seconds = _in_thread(lambda: equivalent("\\frac{11}{13}", "0.8461", timeout=0.3))
         assert (result, error) == (False, None)
         assert seconds < 2.0
     finally:

@@ -14,9 +14,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from _servers import chroma_server
+from typer.testing import CliRunner
 
 from elm_memory.config import ELMConfig, StoreConfig
 from elm_memory.errors import ConfigError, StoreError
@@ -30,18 +29,31 @@ TENANT, DATABASE = "elm-team", "memories"
 
 def model_info() -> ModelInfo:
     return ModelInfo(
-        name="fake", path="/nowhere", model_type="llama", hidden_size=8, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=4, vocab_size=10, max_context=128, dtype="float32", device="cpu",
+        name="fake",
+        path="/nowhere",
+        model_type="llama",
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=10,
+        max_context=128,
+        dtype="float32",
+        device="cpu",
         fingerprint="0123456789abcdef",
-    )  # fmt: skip
+    )
 
 
 def make_memory(info: ModelInfo, namespace: str, seed: int) -> LatentMemory:
     g = torch.Generator().manual_seed(seed)
     m = LatentMemory.create(
-        torch.randn(4, info.hidden_size, generator=g), question=f"question {seed}?", namespace=namespace, model=info,
+        torch.randn(4, info.hidden_size, generator=g),
+        question=f"question {seed}?",
+        namespace=namespace,
+        model=info,
         stats=TrainingStats(steps=3, majority_answer="42", majority_share=0.5),
-    )  # fmt: skip
+    )
     m.keys = {"input": torch.randn(info.hidden_size, generator=g)}
     return m
 
@@ -55,10 +67,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     with chroma_server(tmp_path_factory.mktemp("chroma-server")) as url:
         admin = chromadb.AdminClient(
             Settings(
-                anonymized_telemetry=False, chroma_api_impl="chromadb.api.fastapi.FastAPI",
-                chroma_server_host="127.0.0.1", chroma_server_http_port=int(url.rsplit(":", 1)[1]),
+                anonymized_telemetry=False,
+                chroma_api_impl="chromadb.api.fastapi.FastAPI",
+                chroma_server_host="127.0.0.1",
+                chroma_server_http_port=int(url.rsplit(":", 1)[1]),
             )
-        )  # fmt: skip
+        )
         admin.create_tenant(TENANT)
         admin.create_database(DATABASE, tenant=TENANT)
         yield url
@@ -175,8 +189,16 @@ def test_cli_import_to_a_server_is_chunked(server: str, tmp_path: Path, monkeypa
         files.append(str(m.save(src / f"{m.id}.safetensors")))
     monkeypatch.setattr(FastAPI, "get_max_batch_size", lambda self: 4)  # every HTTP client in this process
     sizes = _count_calls(monkeypatch)
-    args = ["--store", str(tmp_path / "blobs"), "--url", server, "--set", f"store.tenant={TENANT}",
-            "--set", f"store.database={DATABASE}"]  # fmt: skip
+    args = [
+        "--store",
+        str(tmp_path / "blobs"),
+        "--url",
+        server,
+        "--set",
+        f"store.tenant={TENANT}",
+        "--set",
+        f"store.database={DATABASE}",
+    ]
     res = CliRunner().invoke(memories_app, ["import", *files, *args, "--json"])
     assert res.exit_code == 0, res.output
     assert len(json.loads(res.stdout)["imported"]) == 13 and sizes["upsert"] == [4, 4, 4, 1]
@@ -215,9 +237,12 @@ def test_headers_and_token_from_the_environment_are_sent(tmp_path, monkeypatch, 
     thread.start()
     try:
         cfg = StoreConfig(
-            path=str(tmp_path), url=f"http://127.0.0.1:{httpd.server_address[1]}",
-            headers={"X-Team": "research"}, token_env="ELM_TEST_CHROMA_TOKEN", token_header=header,
-        )  # fmt: skip
+            path=str(tmp_path),
+            url=f"http://127.0.0.1:{httpd.server_address[1]}",
+            headers={"X-Team": "research"},
+            token_env="ELM_TEST_CHROMA_TOKEN",
+            token_header=header,
+        )
         with pytest.raises(StoreError, match="refused the credentials") as err:  # one line, no traceback
             ChromaMemoryStore.from_config(cfg)
         assert "\n" not in str(err.value) and "s3cret" not in str(err.value)

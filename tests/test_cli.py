@@ -77,9 +77,25 @@ def test_over_long_question_is_refused_by_the_cli():
 @pytest.mark.model
 def test_demo_shows_both_methods_per_question_on_cpu_tiny(tmp_path):
     out = tmp_path / "demo"  # given relative: the run, its memory pool included, lives under the working directory
-    args = ["demo", "--preset", "cpu-tiny", "--limit", "2", "--out", "demo", "--set", "training.steps=1",
-            "--set", "training.num_generations=2", "--set", "retrieval.skip_no_consensus=false",
-            "--set", "generation.max_new_tokens=24", "--set", "training.max_completion_length=24"]  # fmt: skip
+    args = [
+        "demo",
+        "--preset",
+        "cpu-tiny",
+        "--limit",
+        "2",
+        "--out",
+        "demo",
+        "--set",
+        "training.steps=1",
+        "--set",
+        "training.num_generations=2",
+        "--set",
+        "retrieval.skip_no_consensus=false",
+        "--set",
+        "generation.max_new_tokens=24",
+        "--set",
+        "training.max_completion_length=24",
+    ]
     r = elm(*args, cwd=tmp_path)
     assert r.returncode == 0, r.stderr
     assert (out / "store" / "chroma").is_dir() and any((out / "store" / "blobs").rglob("*"))  # not under $ELM_HOME
@@ -91,7 +107,11 @@ def test_demo_shows_both_methods_per_question_on_cpu_tiny(tmp_path):
     assert "| zero_shot " in r.stdout and "| elm_input " in r.stdout  # the table has both methods
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert sorted((rec["method"], rec["index"]) for rec in records) == [
-        ("elm_input", 0), ("elm_input", 1), ("zero_shot", 0), ("zero_shot", 1)]  # fmt: skip
+        ("elm_input", 0),
+        ("elm_input", 1),
+        ("zero_shot", 0),
+        ("zero_shot", 1),
+    ]
     assert records[-1]["extra"]["gate"]["decision"] in {"used", "empty_pool"}
     again = elm(*args, cwd=tmp_path)  # a finished run is printed again, nothing recomputed
     assert again.returncode == 0 and "[1/2]" not in again.stderr and again.stdout == r.stdout

@@ -16,10 +16,15 @@ def test_defaults_are_the_papers_values():
     assert (cfg.retrieval.key, cfg.retrieval.top_k) == ("input", 1)
     assert cfg.verifier.name == "prm" and cfg.verifier.model == "Qwen/Qwen2.5-Math-PRM-7B"
     assert cfg.prompt.template == PAPER_PROMPT
-    assert PAPER_PROMPT.replace("{question}", "Q") == "Please reason step by step, and put your final answer within \\boxed{}.\nQ"
+    assert (
+        PAPER_PROMPT.replace("{question}", "Q")
+        == "Please reason step by step, and put your final answer within \\boxed{}.\nQ"
+    )
 
 
-@pytest.mark.parametrize("model_type, expected", [("qwen2", 0.8), ("llama", 0.7), ("LlamaForCausalLM", 0.7), (None, 0.8)])
+@pytest.mark.parametrize(
+    "model_type, expected", [("qwen2", 0.8), ("llama", 0.7), ("LlamaForCausalLM", 0.7), (None, 0.8)]
+)
 def test_rollout_temperature_follows_the_paper_per_family(model_type, expected):
     assert ELMConfig().training.effective_temperature(model_type) == expected
     assert ELMConfig.load(overrides={"training": {"temperature": 0.5}}).training.effective_temperature("llama") == 0.5

@@ -34,8 +34,13 @@ def test_greedy_matches_model_generate_with_every_lever(tiny_loaded, batch, shar
     cfg = GenerationConfig(max_new_tokens=24, do_sample=False, pad_token_id=0, eos_token_id=_eos(tiny_loaded))
     ref = tiny_loaded.model.generate(input_ids=input_ids, attention_mask=mask, generation_config=cfg)
     ref = ref[:, input_ids.shape[1] :].tolist()
-    out = sample(tiny_loaded.model, mask, DecodeOptions(24, share_prompt_kv=share, drop_finished=drop),
-                 input_ids=input_ids, eos_ids=_eos(tiny_loaded))  # fmt: skip
+    out = sample(
+        tiny_loaded.model,
+        mask,
+        DecodeOptions(24, share_prompt_kv=share, drop_finished=drop),
+        input_ids=input_ids,
+        eos_ids=_eos(tiny_loaded),
+    )
     assert len(out) == 2
     for (tokens, reason), expected in zip(out, ref, strict=True):
         assert tokens == expected[: len(tokens)] and len(tokens) > 0
@@ -44,8 +49,14 @@ def test_greedy_matches_model_generate_with_every_lever(tiny_loaded, batch, shar
 
 def _sampled(loaded, input_ids, mask, seeds, **levers):
     gens = [torch.Generator().manual_seed(s) for s in seeds]
-    return sample(loaded.model, mask, DecodeOptions(32, temperature=0.8, n=4, **levers), input_ids=input_ids,
-                  eos_ids=_eos(loaded), generators=gens)  # fmt: skip
+    return sample(
+        loaded.model,
+        mask,
+        DecodeOptions(32, temperature=0.8, n=4, **levers),
+        input_ids=input_ids,
+        eos_ids=_eos(loaded),
+        generators=gens,
+    )
 
 
 def test_a_prompts_samples_depend_on_its_own_seed_not_on_its_batch(tiny_loaded, batch):
@@ -69,8 +80,14 @@ def test_levers_do_not_change_what_is_sampled(tiny_loaded, batch, share, drop):
 def test_should_stop_ends_a_row_with_reason_answer(tiny_loaded, batch):
     _, input_ids, mask = batch
     stop_after = {0: 3, 1: 5}  # row -> tokens after which the callback stops it
-    out = sample(tiny_loaded.model, mask, DecodeOptions(20, share_prompt_kv=True, drop_finished=True),
-                 input_ids=input_ids, eos_ids=[], should_stop=lambda row, toks, tok: len(toks) >= stop_after[row])  # fmt: skip
+    out = sample(
+        tiny_loaded.model,
+        mask,
+        DecodeOptions(20, share_prompt_kv=True, drop_finished=True),
+        input_ids=input_ids,
+        eos_ids=[],
+        should_stop=lambda row, toks, tok: len(toks) >= stop_after[row],
+    )
     assert [(len(t), r) for t, r in out] == [(3, "answer"), (5, "answer")]
 
 

@@ -85,8 +85,13 @@ class CountingBackend:
 
     def generate(self, prompts, params):
         self.calls.append(len(prompts))
-        return [[Generation(text=f"{p.token_ids}-{len(self.calls)}", token_ids=[1], finish_reason="stop")
-                 for _ in range(params.n)] for p in prompts]  # fmt: skip
+        return [
+            [
+                Generation(text=f"{p.token_ids}-{len(self.calls)}", token_ids=[1], finish_reason="stop")
+                for _ in range(params.n)
+            ]
+            for p in prompts
+        ]
 
 
 def test_greedy_cache_serves_repeats_and_never_caches_samples():
@@ -121,8 +126,9 @@ def test_every_method_runs_the_online_protocol(tiny_loaded, tiny_backend, tmp_pa
     problems = load_problems("gsm8k", limit=2, seed=17)
     methods = ["zero_shot", "verifier_at_2", "icl", "reasoning_bank", "elm_input", "elm_kv"]
     runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
-    result = run_stream(problems, methods, cfg, tmp_path, dataset="gsm8k", seed=17, runtime=runtime,
-                        progress=False, batch_size=2)  # fmt: skip
+    result = run_stream(
+        problems, methods, cfg, tmp_path, dataset="gsm8k", seed=17, runtime=runtime, progress=False, batch_size=2
+    )
     records = RecordLog(tmp_path / "records.jsonl").read()
     assert sorted((r["method"], r["index"]) for r in records) == sorted((m, i) for m in methods for i in (0, 1))
     by = {(r["method"], r["index"]): r for r in records}
@@ -143,7 +149,9 @@ def test_every_method_runs_the_online_protocol(tiny_loaded, tiny_backend, tmp_pa
     assert by[("elm_input", 0)]["shared_generations"] == 1
     assert by[("elm_input", 0)]["candidates"][0]["answer"] == by[("zero_shot", 0)]["answer"]
     assert by[("elm_input", 0)]["extra"]["learn_job"]["status"] == "done"
-    assert by[("verifier_at_2", 0)]["route"] in ("agree", "verifier") and len(by[("verifier_at_2", 0)]["candidates"]) == 2
+    assert (
+        by[("verifier_at_2", 0)]["route"] in ("agree", "verifier") and len(by[("verifier_at_2", 0)]["candidates"]) == 2
+    )
     # the files a run leaves
     summary = json.loads((tmp_path / "summary.json").read_text())
     assert list(summary) == methods and summary["icl"]["n"] == 2 and summary["elm_kv"]["pool_size"] == 2
@@ -160,9 +168,27 @@ def test_every_method_runs_the_online_protocol(tiny_loaded, tiny_backend, tmp_pa
 @pytest.mark.model
 def test_a_killed_stream_resumes_with_its_pool_intact(tiny_loaded, tmp_path):
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "elm_memory.cli", "stream", "--dataset", "gsm8k", "--limit", "3", "--seed", "5",
-           "--preset", "cpu-tiny", "--set", "generation.max_new_tokens=12", "--method", "elm_input",
-           "--out", str(out), "--no-plots"]  # fmt: skip
+    cmd = [
+        sys.executable,
+        "-m",
+        "elm_memory.cli",
+        "stream",
+        "--dataset",
+        "gsm8k",
+        "--limit",
+        "3",
+        "--seed",
+        "5",
+        "--preset",
+        "cpu-tiny",
+        "--set",
+        "generation.max_new_tokens=12",
+        "--method",
+        "elm_input",
+        "--out",
+        str(out),
+        "--no-plots",
+    ]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     records = out / "records.jsonl"
@@ -183,6 +209,23 @@ def test_a_killed_stream_resumes_with_its_pool_intact(tiny_loaded, tmp_path):
     assert after[: len(before)] == before
     assert after[-1]["pool_size"] == 3  # one memory per question, no duplicate from the killed job
     assert json.loads((out / "summary.json").read_text())["elm_input"]["n"] == 3
+
+
+def test_pools_need_a_store_and_the_runtime_its_run_directory(tmp_path):
+    # refused by name before any model is loaded
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.offline import run_offline
+    from elm_memory.eval.online import run_stream
+
+    problems = load_problems("gsm8k", limit=1, seed=17)
+    no_store = tiny_config(store={"kind": "none"})
+    with pytest.raises(ConfigError, match="elm_input learns memories into a store, but store.kind is 'none'"):
+        run_stream(problems, ["elm_input"], no_store, tmp_path / "online", progress=False)
+    with pytest.raises(ConfigError, match="store.kind is 'none'"):
+        run_offline(problems, no_store, tmp_path / "offline", progress=False)
+    cfg = tiny_config()
+    with pytest.raises(ConfigError, match="not in the run directory"):
+        run_stream(problems, ["zero_shot"], cfg, tmp_path / "a", runtime=EvalRuntime(cfg, tmp_path / "b"))
 
 
 # ---- the offline protocol ---------------------------------------------------------------------
@@ -212,9 +255,17 @@ def test_offline_protocol_and_transfer(tiny_loaded, tiny_backend, tmp_path):
     assert (out / "memory_deltas.png").read_bytes()[:8] == PNG
     # transfer: the gsm8k pool evaluated on two math500 questions
     other = load_problems("math500", limit=2, seed=17)
-    t = run_offline(other, cfg, tmp_path / "transfer", dataset="math500", seed=17, memories_from=out,
-                    runtime=EvalRuntime(cfg, tmp_path / "transfer", loaded=tiny_loaded, backend=tiny_backend),
-                    progress=False, plots=False)  # fmt: skip
+    t = run_offline(
+        other,
+        cfg,
+        tmp_path / "transfer",
+        dataset="math500",
+        seed=17,
+        memories_from=out,
+        runtime=EvalRuntime(cfg, tmp_path / "transfer", loaded=tiny_loaded, backend=tiny_backend),
+        progress=False,
+        plots=False,
+    )
     assert t.summary["n_memories"] == 2 and t.summary["n_questions"] == 2
     assert {e["question_id"] for e in RecordLog(tmp_path / "transfer" / "evals.jsonl").read()} == {p.id for p in other}
     assert not (tmp_path / "transfer" / "store").exists()  # the pool is read where it is
@@ -226,8 +277,14 @@ def test_offline_protocol_and_transfer(tiny_loaded, tiny_backend, tmp_path):
 def test_the_evaluation_example_runs(tiny_loaded, tmp_path):
     script = Path(__file__).resolve().parents[1] / "examples" / "evaluate.py"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    done = subprocess.run([sys.executable, str(script), "--tiny", "--limit", "2"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=900)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, str(script), "--tiny", "--limit", "2"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=900,
+    )
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| elm_input | 2 |" in done.stdout
     assert (tmp_path / "elm-runs" / "example-cpu-tiny-2" / "routes.png").read_bytes()[:8] == PNG

@@ -35,16 +35,35 @@ from elm_memory.eval.report import (
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
 
-def _record(method: str, index: int, correct: bool, route: str, answer_s: float, learn_s: float | None = None,
-            pool_size: int = 0, warnings: list[str] | None = None) -> dict:
+def _record(
+    method: str,
+    index: int,
+    correct: bool,
+    route: str,
+    answer_s: float,
+    learn_s: float | None = None,
+    pool_size: int = 0,
+    warnings: list[str] | None = None,
+) -> dict:
     timings = {"answer": answer_s}
     if learn_s is not None:
         timings["learn"] = learn_s
     return {
-        "method": method, "index": index, "question_id": f"q{index}", "question": f"question {index}",
-        "gold": "1", "answer": "1" if correct else ("2" if index != 1 else None), "correct": correct,
-        "route": route, "memory_id": None, "similarity": None, "candidates": [], "timings": timings,
-        "pool_size": pool_size, "pool_bytes": pool_size * 1_000_000, "warnings": warnings or [],
+        "method": method,
+        "index": index,
+        "question_id": f"q{index}",
+        "question": f"question {index}",
+        "gold": "1",
+        "answer": "1" if correct else ("2" if index != 1 else None),
+        "correct": correct,
+        "route": route,
+        "memory_id": None,
+        "similarity": None,
+        "candidates": [],
+        "timings": timings,
+        "pool_size": pool_size,
+        "pool_bytes": pool_size * 1_000_000,
+        "warnings": warnings or [],
     }
 
 
@@ -76,8 +95,8 @@ def elm_only() -> list[dict]:
 ZS = {"q1": True, "q2": False, "q3": False, "q4": False}
 PER_MEMORY = {
     # m_b listed first: it ties m_a at 0.5, and the tie must go to the smaller id (m_a), not insertion order.
-    "m_b": {"q1": True, "q2": True, "q3": False, "q4": False},   # 0.50, improves {q2}, flips: +1 -> rate 0
-    "m_a": {"q1": False, "q2": True, "q3": True, "q4": False},   # 0.50, improves {q2,q3}, flips: -1 +2 -> 1/3
+    "m_b": {"q1": True, "q2": True, "q3": False, "q4": False},  # 0.50, improves {q2}, flips: +1 -> rate 0
+    "m_a": {"q1": False, "q2": True, "q3": True, "q4": False},  # 0.50, improves {q2,q3}, flips: -1 +2 -> 1/3
     "m_c": {"q1": True, "q2": False, "q3": False, "q4": False},  # 0.25, equal to zero-shot, no flips -> None
     "m_d": {"q1": False, "q2": False, "q3": False, "q4": False},  # 0.00, flips: -1 -> rate 1
 }
@@ -313,8 +332,10 @@ def test_zero_shot_candidate_gains_and_losses():
     elm = elm_only()
     zs_by_index = {0: False, 1: False, 2: True, 3: False}
     for r in elm:
-        r["candidates"] = [{"kind": "zero_shot", "answer": "x", "correct": zs_by_index[r["index"]]},
-                           {"kind": "memory", "answer": "y", "correct": True}]
+        r["candidates"] = [
+            {"kind": "zero_shot", "answer": "x", "correct": zs_by_index[r["index"]]},
+            {"kind": "memory", "answer": "y", "correct": True},
+        ]
     for r in elm:
         if r["index"] == 2:
             r["correct"] = False

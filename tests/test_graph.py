@@ -95,7 +95,9 @@ def test_failures_degrade_to_zero_shot_with_a_warning(tiny_elm, monkeypatch):
     r = tiny_elm.answer(Q2, learn=False)
     assert r.route == "verifier" and r.response == r.candidates[0]["response"]
     assert any("verifier failed" in w for w in r.warnings)
-    monkeypatch.setattr(tiny_elm.retriever, "retrieve_with_gates", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down")))
+    monkeypatch.setattr(
+        tiny_elm.retriever, "retrieve_with_gates", lambda *a, **k: (_ for _ in ()).throw(RuntimeError("db down"))
+    )
     r = tiny_elm.answer(Q2, learn=False)
     assert r.route == "zero_shot" and any("retrieval failed" in w for w in r.warnings)
 
@@ -103,7 +105,11 @@ def test_failures_degrade_to_zero_shot_with_a_warning(tiny_elm, monkeypatch):
 def test_agree_route_on_the_default_model(tmp_path, default_loaded, default_backend):
     cfg = ELMConfig.load(
         preset="cpu-demo",
-        overrides={"store": {"path": str(tmp_path / "s")}, "training": {"steps": 0}, "generation": {"max_new_tokens": 200}},
+        overrides={
+            "store": {"path": str(tmp_path / "s")},
+            "training": {"steps": 0},
+            "generation": {"max_new_tokens": 200},
+        },
     )
     with ELM(cfg, loaded=default_loaded, backend=default_backend) as elm:
         elm.learn("Tom has 3 apples and buys 4 more. How many apples does he have now?")

@@ -16,9 +16,14 @@ from elm_memory.hardware import CPUInfo, GPUInfo, Hardware, PerformanceWarning, 
 
 def cpu(*flags: str, name: str = "Fake CPU", physical: int = 4, usable: int = 8, arch: str = "x86_64") -> CPUInfo:
     return CPUInfo(
-        name=name, architecture=arch, physical_cores=physical, logical_cores=8, usable_cores=usable,
-        flags=frozenset(flags), torch_capability="AVX2",
-    )  # fmt: skip
+        name=name,
+        architecture=arch,
+        physical_cores=physical,
+        logical_cores=8,
+        usable_cores=usable,
+        flags=frozenset(flags),
+        torch_capability="AVX2",
+    )
 
 
 AVX2_EPYC = Hardware(cpu=cpu("avx2", "fma", name="AMD EPYC 7B13"))
@@ -95,8 +100,9 @@ def test_explicit_threads_are_honoured_and_oversubscription_warns():
     assert p.num_threads == 64 and len(caught) == 1 and "exceeds" in str(caught[0].message)
 
 
-@pytest.mark.parametrize("override", [{"dtype": "fp8"}, {"dtype": "bf16"}, {"num_threads": 0}, {"num_threads": -2},
-                                      {"num_threads": "many"}])  # fmt: skip
+@pytest.mark.parametrize(
+    "override", [{"dtype": "fp8"}, {"dtype": "bf16"}, {"num_threads": 0}, {"num_threads": -2}, {"num_threads": "many"}]
+)
 def test_unknown_dtype_or_thread_count_is_a_config_error(override):
     with pytest.raises(ConfigError):
         ELMConfig.load(overrides={"model": override})
@@ -116,15 +122,28 @@ def test_this_machine_is_detected_consistently():
 
 def test_elm_env_json_has_what_a_bug_report_needs():
     r = subprocess.run(
-        [sys.executable, "-m", "elm_memory.cli", "env", "--json", "--set", "model.dtype=float32",
-         "--set", "model.num_threads=1"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "elm_memory.cli",
+            "env",
+            "--json",
+            "--set",
+            "model.dtype=float32",
+            "--set",
+            "model.num_threads=1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     report = json.loads(r.stdout)
     assert {"platform", "cpu", "gpus", "resolved", "packages"} <= report.keys()
     assert {"name", "physical_cores", "logical_cores", "flags", "torch_capability", "fast_bf16"} <= report["cpu"].keys()
-    assert {"avx2", "avx512_bf16", "amx_bf16"} <= report["cpu"]["flags"].keys() or report["cpu"]["architecture"] != "x86_64"
+    assert {"avx2", "avx512_bf16", "amx_bf16"} <= report["cpu"]["flags"].keys() or report["cpu"][
+        "architecture"
+    ] != "x86_64"
     resolved = report["resolved"]
     assert (resolved["device"], resolved["dtype"], resolved["num_threads"]) == ("cpu", "float32", 1)
     assert resolved["backend"] == "hf"
@@ -136,8 +155,10 @@ def test_elm_env_json_has_what_a_bug_report_needs():
 def test_elm_env_text_names_the_decision():
     r = subprocess.run(
         [sys.executable, "-m", "elm_memory.cli", "env", "--set", "model.dtype=float32"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 0, r.stderr
     assert "dtype float32 (requested float32)" in r.stdout and "torch cpu path" in r.stdout
 

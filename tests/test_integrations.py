@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 from typing import TypedDict
 
 import pytest
@@ -51,8 +52,9 @@ def test_elm_node_in_a_graph_with_other_state_keys(elm):
         trace: dict
 
     g = StateGraph(Other)
-    g.add_node("math", elm_node(elm, question_key="user_query", answer_key="math_answer", trace_key="trace",
-                                learn=False))  # fmt: skip
+    g.add_node(
+        "math", elm_node(elm, question_key="user_query", answer_key="math_answer", trace_key="trace", learn=False)
+    )
     g.add_edge(START, "math")
     g.add_edge("math", END)
     out = g.compile().invoke({"user_query": Q})
@@ -68,9 +70,13 @@ def test_elm_tool_answers_and_follows_the_runs_namespace(tmp_path, tiny_loaded, 
 
     cfg = ELMConfig.load(
         preset="cpu-tiny",
-        overrides={"model": {"dtype": "float32"}, "store": {"path": str(tmp_path / "s")}, "training": {"steps": 0},
-                   "namespace_template": "user-{user_id}"},
-    )  # fmt: skip
+        overrides={
+            "model": {"dtype": "float32"},
+            "store": {"path": str(tmp_path / "s")},
+            "training": {"steps": 0},
+            "namespace_template": "user-{user_id}",
+        },
+    )
     with ELM(cfg, loaded=tiny_loaded, backend=tiny_backend) as elm:
         tool = create_elm_tool(lambda: elm, include_trace=True)
         assert tool.name == "solve_math" and set(tool.args) == {"question"}  # config is injected, not asked for
@@ -153,9 +159,11 @@ def test_served_graphs_import_without_building_anything(monkeypatch):
     agent = importlib.import_module("elm_memory.graphs.math_agent")
     assert set(served.graph.get_graph().nodes) >= {"retrieve", "dual_generate", "route", "verify", "respond"}
     assert set(agent.graph.get_graph().nodes) >= {"reason", "act"}
-    spec = json.loads(open("langgraph.json").read())
-    assert spec["graphs"] == {"elm": "elm_memory.graphs.elm_graph:graph",
-                              "math_agent": "elm_memory.graphs.math_agent:graph"}  # fmt: skip
+    spec = json.loads(Path("langgraph.json").read_text())
+    assert spec["graphs"] == {
+        "elm": "elm_memory.graphs.elm_graph:graph",
+        "math_agent": "elm_memory.graphs.math_agent:graph",
+    }
     monkeypatch.delenv("ELM_AGENT_MODEL", raising=False)
     with pytest.raises(ConfigError, match="ELM_AGENT_MODEL"):
         serving.chat_model_from_env()

@@ -9,7 +9,8 @@ import torch
 import torch.nn.functional as F
 
 from elm_memory.errors import ConfigError, MemoryFormatError
-from elm_memory.models.loading import LoadedModel, ModelInfo, embedding_fingerprint
+from elm_memory.models.fingerprint import embedding_fingerprint
+from elm_memory.models.loading import LoadedModel, ModelInfo
 from elm_memory.registry import key_builders
 from elm_memory.retrieval import keys as keys_mod
 from elm_memory.retrieval.keys import (
@@ -29,15 +30,30 @@ def random_tiny_model(seed: int = 0) -> LoadedModel:
 
     torch.manual_seed(seed)
     cfg = Qwen2Config(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=100, max_position_embeddings=256,
-    )  # fmt: skip
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=100,
+        max_position_embeddings=256,
+    )
     model = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
     info = ModelInfo(
-        name="tiny-qwen2", path="", model_type="qwen2", hidden_size=64, num_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, vocab_size=100, max_context=256, dtype="float32", device="cpu",
+        name="tiny-qwen2",
+        path="",
+        model_type="qwen2",
+        hidden_size=64,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        vocab_size=100,
+        max_context=256,
+        dtype="float32",
+        device="cpu",
         fingerprint=embedding_fingerprint(model),
-    )  # fmt: skip
+    )
     return LoadedModel(model=model, tokenizer=None, info=info, load_seconds=0.0)
 
 
@@ -68,8 +84,8 @@ def reference_kv(loaded: LoadedModel, proj: str, **inputs) -> torch.Tensor:
     with torch.no_grad():
         out = loaded.model(**inputs, output_hidden_states=True, use_cache=False)
     per_layer = []
-    for l, layer in enumerate(loaded.model.model.layers):
-        x = layer.input_layernorm(out.hidden_states[l])
+    for li, layer in enumerate(loaded.model.model.layers):
+        x = layer.input_layernorm(out.hidden_states[li])
         y = getattr(layer.self_attn, proj)(x).double()
         b, t, _ = y.shape
         per_layer.append(y.view(b, t, n_heads, info.head_dim).mean(dim=(1, 2)))

@@ -28,15 +28,32 @@ def server(tmp_path_factory):
     env = {
         **os.environ,
         "ELM_PRESET": "cpu-tiny",
-        "ELM_SET": ";".join([
-            "model.dtype=float32", "generation.max_new_tokens=24", "training.steps=1",
-            "training.num_generations=2", "training.max_completion_length=24",
-            "retrieval.skip_no_consensus=false", "namespace_template=user-{user_id}", f"store.path={store}",
-        ]),  # fmt: skip
+        "ELM_SET": ";".join(
+            [
+                "model.dtype=float32",
+                "generation.max_new_tokens=24",
+                "training.steps=1",
+                "training.num_generations=2",
+                "training.max_completion_length=24",
+                "retrieval.skip_no_consensus=false",
+                "namespace_template=user-{user_id}",
+                f"store.path={store}",
+            ]
+        ),
         "ELM_AGENT_MODEL": "elm_memory.integrations.testing:scripted_tool_caller",
     }
-    cmd = [console_script("langgraph"), "dev", "--host", "127.0.0.1", "--port", str(port), "--no-browser",
-           "--no-reload", "--config", str(ROOT / "langgraph.json")]  # fmt: skip
+    cmd = [
+        console_script("langgraph"),
+        "dev",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--no-browser",
+        "--no-reload",
+        "--config",
+        str(ROOT / "langgraph.json"),
+    ]
     url = f"http://127.0.0.1:{port}"
     with running_server(cmd, url + "/ok", store.parent / "server.log", timeout=120, cwd=ROOT, env=env):
         yield {"url": url, "store": store}
@@ -52,17 +69,22 @@ def test_served_elm_graph_answers_learns_streams_and_isolates_users(server):
     async def scenario():
         client = get_client(url=server["url"])
         thread = await client.threads.create()
-        first = await client.runs.wait(thread["thread_id"], "elm", input={"question": "What is 2 + 3?"},
-                                       context={"user_id": "ada"})  # fmt: skip
+        first = await client.runs.wait(
+            thread["thread_id"], "elm", input={"question": "What is 2 + 3?"}, context={"user_id": "ada"}
+        )
         updates = []
         async for event in client.runs.stream(
-            None, "elm", input={"question": "What is 2 + 4?", "learn": False}, context={"user_id": "ada"},
+            None,
+            "elm",
+            input={"question": "What is 2 + 4?", "learn": False},
+            context={"user_id": "ada"},
             stream_mode="updates",
-        ):  # fmt: skip
+        ):
             if event.event == "updates":
                 updates.append(event.data)
-        bob = await client.runs.wait(None, "elm", input={"question": "What is 2 + 4?", "learn": False},
-                                     context={"user_id": "bob"})  # fmt: skip
+        bob = await client.runs.wait(
+            None, "elm", input={"question": "What is 2 + 4?", "learn": False}, context={"user_id": "bob"}
+        )
         return first, updates, bob
 
     first, updates, bob = run(scenario())
@@ -95,9 +117,12 @@ def test_served_math_agent_calls_elm_in_the_users_namespace(server):
 
     async def scenario():
         client = get_client(url=server["url"])
-        return await client.runs.wait(None, "math_agent",
-                                      input={"messages": [{"role": "user", "content": "What is 2 + 5?"}]},
-                                      context={"user_id": "cy"})  # fmt: skip
+        return await client.runs.wait(
+            None,
+            "math_agent",
+            input={"messages": [{"role": "user", "content": "What is 2 + 5?"}]},
+            context={"user_id": "cy"},
+        )
 
     out = run(scenario())
     kinds = [m["type"] for m in out["messages"]]

@@ -17,19 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from elm_memory import learner as L
 from elm_memory.errors import ConfigError, InvalidQuestionError
-from elm_memory.learner import (
+from elm_memory.jobs import (
     BackgroundLearner,
     JobQueue,
-    LearnJob,
     LearnerError,
+    LearnJob,
     MemoryLearner,
     NoLearner,
     SyncLearner,
     build_learner,
     make_job_id,
+    owner_is_alive,
 )
+from elm_memory.jobs.owners import new_owner
 
 
 class FakeStore:
@@ -262,7 +263,7 @@ def test_stale_running_job_is_resumed_by_next_learner(qpath: Path):
         job = LearnJob.create("q", "ns")
         q.add(job)
         q.add(LearnJob.create("q2", "ns"))
-        dead_owner = L._new_owner()  # never registered as live
+        dead_owner = new_owner()  # never registered as live
         assert q.claim(dead_owner).job_id == job.job_id
     store = FakeStore()
     with BackgroundLearner(store, qpath) as learner:
@@ -303,7 +304,7 @@ def test_job_that_keeps_killing_its_worker_ends_failed(qpath: Path):
         job = LearnJob.create("poison", "ns")
         q.add(job)
         for _ in range(2):
-            q.claim(L._new_owner())
+            q.claim(new_owner())
             q.recover()
         rec = q.get(job.job_id)
         assert rec.state == "failed" and "died during attempt 2" in rec.error
@@ -346,7 +347,7 @@ CHILD = textwrap.dedent(
     from pathlib import Path
     sys.path.insert(0, sys.argv[2])
     from learner_markers import learn_with_markers
-    from elm_memory.learner import build_learner
+    from elm_memory.jobs import build_learner
 
     root = Path(sys.argv[1])
     learner = build_learner("background", learn_with_markers(root, die_on="q2"), root / "learner.sqlite3")
@@ -411,7 +412,7 @@ def test_owner_on_another_host_is_judged_by_heartbeat(qpath: Path):
         job = LearnJob.create("remote", "ns")
         q.add(job)
         remote = "some-other-host|4242||abcdef"
-        assert L.owner_is_alive(remote) is None  # pids on another host mean nothing here
+        assert owner_is_alive(remote) is None  # pids on another host mean nothing here
         q.claim(remote)
         assert q.recover() == 0  # fresh heartbeat: presumed alive
         with q._db() as conn:

@@ -31,9 +31,12 @@ def memory(info, namespace: str = "default", seed: int = 0, question: str | None
     g = torch.Generator().manual_seed(seed)
     q = question or f"How much is {seed} plus {seed}?"
     m = LatentMemory.create(
-        torch.randn(4, info.hidden_size, generator=g), question=q, namespace=namespace, model=info,
+        torch.randn(4, info.hidden_size, generator=g),
+        question=q,
+        namespace=namespace,
+        model=info,
         stats=TrainingStats(steps=1, majority_answer=str(2 * seed), majority_share=1.0),
-    )  # fmt: skip
+    )
     m.meta.created_at = time.time() - age_s
     m.meta.question_hash = question_hash(q)
     m.keys = {"input": torch.randn(info.hidden_size, generator=g)}
@@ -114,8 +117,15 @@ def test_min_utility_gate_skips_a_losing_memory(tmp_path, tiny_loaded, info):
     hits, d = ret.retrieve_with_gates(q, "default")
     assert hits == [] and d.decision == "low_utility"
     assert d.candidate_id == loser.id and d.threshold == 0.5 and d.skipped_by == {"low_utility": 1}
-    assert set(d.to_dict()) == {"decision", "candidate_id", "similarity", "majority_share", "threshold", "skipped",
-                                "skipped_by"}  # fmt: skip
+    assert set(d.to_dict()) == {
+        "decision",
+        "candidate_id",
+        "similarity",
+        "majority_share",
+        "threshold",
+        "skipped",
+        "skipped_by",
+    }
     other = ret.index_memory(memory(info, seed=2, question="Ann has 5 pears and eats 2. How many are left?"))
     hits, d = ret.retrieve_with_gates(q, "default")
     assert d.decision == "used" and hits[0].memory.id == other.id and d.skipped_by == {"low_utility": 1}
@@ -179,8 +189,11 @@ def test_eviction_crash_between_steps_is_repairable(tmp_path, info, monkeypatch,
     ms = [memory(info, seed=i, age_s=10 - i) for i in range(3)]
     s.put_many(ms)
     s.record_outcome("default", ms[0].id, "won", 0.9)
-    target = {"before_rows": (s, "_delete_rows"), "before_blob": (s.blobs, "delete"),
-              "before_counters": (s.utility, "forget")}[step]  # fmt: skip
+    target = {
+        "before_rows": (s, "_delete_rows"),
+        "before_blob": (s.blobs, "delete"),
+        "before_counters": (s.utility, "forget"),
+    }[step]
     _crash(monkeypatch, *target)
     with pytest.raises(RuntimeError, match="simulated crash"):
         s.evict("oldest", 2)
@@ -222,8 +235,9 @@ def test_delete_namespace_leaves_no_trace(tmp_path, info):
     s.put_many([*secret, keep])
     s.record_usage("input", "secret", [m.id for m in secret])
     s.record_outcome("secret", secret[0].id, "won", 0.9)
-    services = ELMServices(config=None, backend=None, prompts=None, retriever=type("R", (), {"store": s})(),
-                           memories=MemoryCache())  # type: ignore[arg-type]  # fmt: skip
+    services = ELMServices(
+        config=None, backend=None, prompts=None, retriever=type("R", (), {"store": s})(), memories=MemoryCache()
+    )  # type: ignore[arg-type]
     services.memories.put(secret[1])
     assert sorted(s.delete_namespace("secret")) == sorted(m.id for m in secret)
     assert services.memories.get(secret[1].id) is None  # the serving process's cached copy went too
@@ -330,10 +344,16 @@ def test_graph_records_outcomes_and_never_fails_on_them(tmp_path, tiny_loaded, t
         def score(self, question, responses):
             return list(self.scores)
 
-    cfg = ELMConfig.load(preset="cpu-tiny", overrides={
-        "model": {"dtype": "float32"}, "store": {"path": str(tmp_path / "store")}, "training": {"steps": 0},
-        "retrieval": {"skip_no_consensus": False}, "generation": {"max_new_tokens": 16},
-    })  # fmt: skip
+    cfg = ELMConfig.load(
+        preset="cpu-tiny",
+        overrides={
+            "model": {"dtype": "float32"},
+            "store": {"path": str(tmp_path / "store")},
+            "training": {"steps": 0},
+            "retrieval": {"skip_no_consensus": False},
+            "generation": {"max_new_tokens": 16},
+        },
+    )
     elm = ELM(cfg, loaded=tiny_loaded, backend=tiny_backend)
     try:
         q1 = "Tom has 3 apples and buys 4 more. How many apples does he have?"

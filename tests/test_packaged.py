@@ -82,7 +82,7 @@ def test_prepared_folder_is_a_plain_hf_model(tiny_loaded):
     meta = json.loads((folder / "elm_model.json").read_text())
     assert meta["source"]["sha256"] == get_packaged("packaged:smollm2-135m").sha256
     assert meta["embedding_fingerprint"] == tiny_loaded.info.fingerprint
-    from elm_memory.models.loading import embedding_fingerprint
+    from elm_memory.models.fingerprint import embedding_fingerprint
 
     assert embedding_fingerprint(tiny_loaded.model) == tiny_loaded.info.fingerprint
     assert all(not p.requires_grad for p in tiny_loaded.model.parameters())  # frozen

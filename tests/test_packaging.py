@@ -21,18 +21,36 @@ def test_every_package_folder_is_listed():
     mapped = {name: ROOT / folder for name, folder in conf["package-dir"].items() if name}
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "elm_memory").rglob("__init__.py")}
     for name, folder in mapped.items():
-        found |= {name + "".join("." + part for part in p.parent.relative_to(folder).parts)
-                  for p in folder.rglob("__init__.py")}  # fmt: skip
+        found |= {
+            name + "".join("." + part for part in p.parent.relative_to(folder).parts)
+            for p in folder.rglob("__init__.py")
+        }
     assert set(conf["packages"]) == found
 
 
 def test_wheel_has_no_top_level_graphs_or_integrations(tmp_path):
     # built from a copy: a stale build/ folder in the checkout must not hide or add files
     src = tmp_path / "src"
-    shutil.copytree(ROOT, src, ignore=shutil.ignore_patterns(".venv", ".git", "build", "*.egg-info", "__pycache__",
-                                                             ".pytest_cache", "elm-runs"))  # fmt: skip
+    shutil.copytree(
+        ROOT,
+        src,
+        ignore=shutil.ignore_patterns(
+            ".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", "elm-runs"
+        ),
+    )
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(src)],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(src),
+        ],
         check=True,
         capture_output=True,
     )

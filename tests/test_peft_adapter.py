@@ -43,8 +43,9 @@ def _memory(loaded, position: str = "prefix", seed: int = 0) -> LatentMemory:
     weight = loaded.model.get_input_embeddings().weight.detach().float()
     g = torch.Generator().manual_seed(seed)
     sp = weight[torch.tensor(ids)] + 0.5 * weight.std() * torch.randn(K, weight.shape[1], generator=g)
-    m = LatentMemory.create(sp, question=QUESTION, namespace="default", model=loaded.info,
-                            config={"soft_prompt_position": position})  # fmt: skip
+    m = LatentMemory.create(
+        sp, question=QUESTION, namespace="default", model=loaded.info, config={"soft_prompt_position": position}
+    )
     m.keys = {"input": torch.randn(loaded.info.hidden_size, generator=g)}  # placeholder: import must rebuild keys
     return m
 
@@ -94,8 +95,12 @@ def test_export_loads_in_peft_with_elms_greedy_output(tmp_path: Path, tiny_loade
     ids = tiny_loaded.tokenizer(PROMPT)["input_ids"]
     n = 24
     with torch.no_grad():
-        seq = model.generate(input_ids=torch.tensor([ids]), attention_mask=torch.ones(1, len(ids), dtype=torch.long),
-                             max_new_tokens=n, do_sample=False)[0].tolist()  # fmt: skip
+        seq = model.generate(
+            input_ids=torch.tensor([ids]),
+            attention_mask=torch.ones(1, len(ids), dtype=torch.long),
+            max_new_tokens=n,
+            do_sample=False,
+        )[0].tolist()
     peft_tokens = seq[len(ids) :] if seq[: len(ids)] == ids else seq
     params = SamplingParams(max_new_tokens=n, temperature=0.0)
     with_memory, plain = tiny_backend.generate(
@@ -104,7 +109,8 @@ def test_export_loads_in_peft_with_elms_greedy_output(tmp_path: Path, tiny_loade
     eos = set(tiny_loaded.tokenizer.all_special_ids)
     strip = lambda toks: [t for t in toks if t not in eos]  # noqa: E731  (HF may keep the eos token)
     assert strip(peft_tokens) == strip(with_memory[0].token_ids), (
-        tiny_loaded.tokenizer.decode(peft_tokens), with_memory[0].text
+        tiny_loaded.tokenizer.decode(peft_tokens),
+        with_memory[0].text,
     )
     assert len(strip(peft_tokens)) > 3
     assert strip(plain[0].token_ids) != strip(peft_tokens)  # the memory changes the answer: the comparison has teeth
@@ -128,7 +134,9 @@ def test_import_round_trip_rebuilds_keys(tmp_path: Path, tiny_loaded) -> None:
     back = store.load(store.record(memory.id))
     assert torch.equal(back.soft_prompt, memory.soft_prompt)
     assert (back.meta.question, back.meta.namespace, back.meta.model_fingerprint) == (
-        QUESTION, "default", tiny_loaded.info.fingerprint
+        QUESTION,
+        "default",
+        tiny_loaded.info.fingerprint,
     )
     assert set(back.keys) == {"kv"}  # the configured builder's key, not the placeholder the memory had
     q_ids = tiny_loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
@@ -174,10 +182,20 @@ def test_bad_adapters_are_refused_and_nothing_is_stored(tmp_path: Path, tiny_loa
 
     # another hidden size (a consistent adapter for a model with hidden size 8)
     info8 = ModelInfo(
-        name="fake", path="/nowhere", model_type="llama", hidden_size=8, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=4, vocab_size=10, max_context=128, dtype="float32", device="cpu",
+        name="fake",
+        path="/nowhere",
+        model_type="llama",
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=10,
+        max_context=128,
+        dtype="float32",
+        device="cpu",
         fingerprint=tiny_loaded.info.fingerprint,
-    )  # fmt: skip
+    )
     small = LatentMemory.create(torch.randn(K, 8), question=QUESTION, namespace="default", model=info8)
     export_adapter(small, tmp_path / "small", position="prefix", base_model="fake")
     _one_line_error(_invoke("import", tmp_path / "small", "--config", cfg_file), "token_dim is 8", "hidden size 576")

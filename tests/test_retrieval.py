@@ -64,8 +64,8 @@ def reference_mean_layer_cos(loaded: LoadedModel, question: str, soft_prompts: t
         with torch.no_grad():
             hs = loaded.model(**inputs, output_hidden_states=True, use_cache=False).hidden_states
             out = []
-            for l, layer in enumerate(loaded.model.model.layers):
-                y = getattr(layer.self_attn, proj)(layer.input_layernorm(hs[l])).double()
+            for li, layer in enumerate(loaded.model.model.layers):
+                y = getattr(layer.self_attn, proj)(layer.input_layernorm(hs[li])).double()
                 out.append(y.view(y.shape[0], y.shape[1], n_heads, info.head_dim).mean(dim=(1, 2)))
         return torch.stack(out, dim=1)  # (b, L, hd)
 
@@ -95,7 +95,7 @@ def test_kv_index_ranking_equals_brute_force_mean_of_layer_cosines(smol: LoadedM
         # same ranking wherever the brute-force scores are not tied within float32 noise
         by_id = {m.id: i for i, m in enumerate(mems)}
         got_order = [by_id[h.memory.id] for h in hits]
-        for a, b in zip(got_order, got_order[1:]):
+        for a, b in zip(got_order, got_order[1:], strict=False):
             assert ref[a] >= ref[b] - 1e-5
 
 
@@ -105,7 +105,7 @@ def test_input_retrieval_finds_own_question_and_respects_namespaces(smol: Loaded
     mine = [question_memory(smol, q, "mine") for q in QUESTIONS]
     theirs = [question_memory(smol, q, "theirs") for q in QUESTIONS]  # identical keys, other namespace
     retriever.index_memories(mine + theirs)
-    for q, m in zip(QUESTIONS, mine):
+    for q, m in zip(QUESTIONS, mine, strict=True):
         [hit] = retriever.retrieve(q, "mine")
         assert isinstance(hit, Hit) and hit.memory.id == m.id and hit.score == pytest.approx(1.0, abs=1e-5)
         assert hit.memory.meta.namespace == "mine"
@@ -147,8 +147,12 @@ def test_from_config_and_incompatible_memory(smol: LoadedModel, tmp_path: Path) 
     retriever.index_memory(m)
     assert m.keys["kv"].shape == (30 * 64,)
     assert retriever.retrieve(QUESTIONS[2], "default")[0].memory.id == m.id
-    alien = LatentMemory.create(torch.randn(20, 64), question="x?", namespace="default",
-                                model=type(smol.info)(**{**smol.info.to_dict(), "hidden_size": 64}))  # fmt: skip
+    alien = LatentMemory.create(
+        torch.randn(20, 64),
+        question="x?",
+        namespace="default",
+        model=type(smol.info)(**{**smol.info.to_dict(), "hidden_size": 64}),
+    )
     with pytest.raises(IncompatibleMemoryError):
         retriever.index_memory(alien)
 
@@ -182,9 +186,14 @@ def test_weak_majority_gate_skips_weak_memories_and_says_so(smol: LoadedModel, t
     assert d.similarity == pytest.approx(1.0, abs=1e-5) and d.majority_share == pytest.approx(0.25)
     assert d.threshold == pytest.approx(0.5) and d.skipped == 1
     assert json.loads(json.dumps(d.to_dict())) == {
-        "decision": "weak_majority", "candidate_id": alone.id, "similarity": d.similarity, "majority_share": 0.25,
-        "threshold": 0.5, "skipped": 1, "skipped_by": {"weak_majority": 1},
-    }  # fmt: skip
+        "decision": "weak_majority",
+        "candidate_id": alone.id,
+        "similarity": d.similarity,
+        "majority_share": 0.25,
+        "threshold": 0.5,
+        "skipped": 1,
+        "skipped_by": {"weak_majority": 1},
+    }
     assert all(r.usage == 0 for r in store.list("alone"))  # a gated memory is not counted as retrieved
     # the retriever's own default (what retrieval.min_majority_share sets) applies to plain retrieve()
     gated = Retriever(store, InputKeyBuilder(), smol, min_majority_share=0.5)
@@ -214,9 +223,14 @@ def test_each_gate_is_named_in_the_decision(smol: LoadedModel, tmp_path: Path) -
 
     hits, d = retriever.retrieve_with_gates("anything at all?", "nobody")
     assert hits == [] and d.to_dict() == {
-        "decision": "empty_pool", "candidate_id": None, "similarity": None, "majority_share": None,
-        "threshold": None, "skipped": 0, "skipped_by": {},
-    }  # fmt: skip
+        "decision": "empty_pool",
+        "candidate_id": None,
+        "similarity": None,
+        "majority_share": None,
+        "threshold": None,
+        "skipped": 0,
+        "skipped_by": {},
+    }
     # no consensus: the top candidate is skipped, the next one used
     hits, d = retriever.retrieve_with_gates(QUESTIONS[0], "nc")
     assert hits[0].memory.id == ok.id and d.decision == "used" and d.skipped_by == {"no_consensus": 1}

@@ -37,18 +37,32 @@ FP = "5a5a5a5a5a5a5a5a"  # the "right" fingerprint: a model prepared on this mac
 
 def model_info(hidden: int = HIDDEN, fingerprint: str = FP) -> ModelInfo:
     return ModelInfo(
-        name="fake", path="/nowhere", model_type="llama", hidden_size=hidden, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=4, vocab_size=10, max_context=128, dtype="float32", device="cpu",
+        name="fake",
+        path="/nowhere",
+        model_type="llama",
+        hidden_size=hidden,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=10,
+        max_context=128,
+        dtype="float32",
+        device="cpu",
         fingerprint=fingerprint,
-    )  # fmt: skip
+    )
 
 
 def make_memory(info: ModelInfo, namespace: str = "default", seed: int = 0, memory_id: str | None = None):
     g = torch.Generator().manual_seed(seed)
     m = LatentMemory.create(
-        torch.randn(4, info.hidden_size, generator=g), question=f"question {seed}?", namespace=namespace,
-        model=info, stats=TrainingStats(steps=1), memory_id=memory_id,
-    )  # fmt: skip
+        torch.randn(4, info.hidden_size, generator=g),
+        question=f"question {seed}?",
+        namespace=namespace,
+        model=info,
+        stats=TrainingStats(steps=1),
+        memory_id=memory_id,
+    )
     m.keys = {"input": torch.randn(info.hidden_size, generator=g)}
     return m
 
@@ -144,10 +158,20 @@ def prepared_model(tmp_path: Path, monkeypatch) -> Path:
     folder = home / "models" / "fake"
     folder.mkdir(parents=True)
     (folder / "elm_model.json").write_text(json.dumps({"format": 1, "embedding_fingerprint": FP}))
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "hidden_size": HIDDEN, "num_hidden_layers": 2, "num_attention_heads": 2,
-        "num_key_value_heads": 1, "head_dim": 4, "vocab_size": 10, "max_position_embeddings": 128,
-    }))  # fmt: skip
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "hidden_size": HIDDEN,
+                "num_hidden_layers": 2,
+                "num_attention_heads": 2,
+                "num_key_value_heads": 1,
+                "head_dim": 4,
+                "vocab_size": 10,
+                "max_position_embeddings": 128,
+            }
+        )
+    )
     monkeypatch.setenv("ELM_HOME", str(home))
     return folder
 
@@ -263,9 +287,11 @@ def test_question_starting_with_a_dash_is_taken_as_the_question(fake_elm) -> Non
     assert invoke(app, "solve", *tiny, "--", "-x").exit_code == 0  # looks like an option: "--" says it is not
     assert invoke(app, "learn", "-(2+3)?", *tiny).exit_code == 0
     assert fake_elm == [
-        ("answer", "-3 + 5?", "default"), ("answer", "-- what is -x?", "ns"), ("answer", "-x", "default"),
+        ("answer", "-3 + 5?", "default"),
+        ("answer", "-- what is -x?", "ns"),
+        ("answer", "-x", "default"),
         ("learn", "-(2+3)?", "default"),
-    ]  # fmt: skip
+    ]
     res = invoke(app, "solve", "--jsn", "hi")  # a mistyped option is still an error, not a question
     assert res.exit_code == 2 and len(fake_elm) == 4
 
@@ -276,7 +302,8 @@ def test_question_starting_with_a_dash_is_taken_as_the_question(fake_elm) -> Non
 def test_namespace_is_validated_before_any_model_work(monkeypatch, fake_elm) -> None:
     import elm_memory.elm
     from elm_memory.cli import app
-    from elm_memory.store import chroma, names
+    from elm_memory.store import names
+    from elm_memory.store.chroma import store as chroma
 
     def no_model(*args, **kwargs):
         raise AssertionError("model work started")
@@ -302,7 +329,7 @@ def test_namespace_is_validated_before_any_model_work(monkeypatch, fake_elm) -> 
 
 
 def test_concurrent_first_use_builds_one_learner(tmp_path: Path, monkeypatch) -> None:
-    import elm_memory.learner
+    import elm_memory.jobs
 
     built = []
 
@@ -311,9 +338,10 @@ def test_concurrent_first_use_builds_one_learner(tmp_path: Path, monkeypatch) ->
         built.append(SimpleNamespace(close=lambda wait=True: None))
         return built[-1]
 
-    monkeypatch.setattr(elm_memory.learner, "build_learner", slow_build)
-    cfg = ELMConfig.load(preset="cpu-tiny", overrides={"learner": {"mode": "background",
-                                                                   "queue_path": str(tmp_path / "q.sqlite3")}})  # fmt: skip
+    monkeypatch.setattr(elm_memory.jobs, "build_learner", slow_build)
+    cfg = ELMConfig.load(
+        preset="cpu-tiny", overrides={"learner": {"mode": "background", "queue_path": str(tmp_path / "q.sqlite3")}}
+    )
     elm = RealELM(cfg, loaded=SimpleNamespace(info=SimpleNamespace(fingerprint=FP)), retriever=object())
     start = threading.Barrier(8)
     got = []

@@ -8,10 +8,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from typer.testing import CliRunner
-
 from _servers import chroma_server as real_chroma_server
 from _servers import free_port
+from typer.testing import CliRunner
 
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, StoreError
 from elm_memory.memory import LatentMemory, TrainingStats
@@ -26,18 +25,31 @@ HIDDEN = 8
 
 def model_info(hidden: int = HIDDEN, fingerprint: str = "0123456789abcdef", name: str = "fake") -> ModelInfo:
     return ModelInfo(
-        name=name, path="/nowhere", model_type="llama", hidden_size=hidden, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=4, vocab_size=10, max_context=128, dtype="float32", device="cpu",
+        name=name,
+        path="/nowhere",
+        model_type="llama",
+        hidden_size=hidden,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=10,
+        max_context=128,
+        dtype="float32",
+        device="cpu",
         fingerprint=fingerprint,
-    )  # fmt: skip
+    )
 
 
 def make_memory(info: ModelInfo, namespace: str = "default", keys: dict | None = None, seed: int = 0, **stats):
     g = torch.Generator().manual_seed(seed)
     m = LatentMemory.create(
-        torch.randn(4, info.hidden_size, generator=g), question=f"question {seed}?", namespace=namespace, model=info,
+        torch.randn(4, info.hidden_size, generator=g),
+        question=f"question {seed}?",
+        namespace=namespace,
+        model=info,
         stats=TrainingStats(steps=3, majority_answer="42", majority_share=0.5, **stats),
-    )  # fmt: skip
+    )
     m.keys = keys if keys is not None else {"input": torch.randn(info.hidden_size, generator=g)}
     return m
 

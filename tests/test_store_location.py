@@ -34,10 +34,20 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
 
 def _memory(seed: int = 0) -> LatentMemory:
     info = ModelInfo(
-        name="fake", path="/nowhere", model_type="llama", hidden_size=8, num_layers=2, num_attention_heads=2,
-        num_key_value_heads=1, head_dim=4, vocab_size=10, max_context=128, dtype="float32", device="cpu",
+        name="fake",
+        path="/nowhere",
+        model_type="llama",
+        hidden_size=8,
+        num_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=4,
+        vocab_size=10,
+        max_context=128,
+        dtype="float32",
+        device="cpu",
         fingerprint="0123456789abcdef",
-    )  # fmt: skip
+    )
     g = torch.Generator().manual_seed(seed)
     m = LatentMemory.create(torch.randn(4, 8, generator=g), question=f"q{seed}?", namespace="default", model=info)
     m.keys = {"input": torch.randn(8, generator=g)}

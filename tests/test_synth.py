@@ -176,14 +176,16 @@ def test_bad_stream_file_is_refused_naming_the_line(tmp_path, line, message):
     with pytest.raises(DatasetError) as info:
         load_problems(str(path))
     text = str(info.value)
-    assert f"stream.jsonl:3: " in text and message in text and "\n" not in text, text
+    assert "stream.jsonl:3: " in text and message in text and "\n" not in text, text
     assert isinstance(info.value, ConfigError)  # callers catching ConfigError keep working
 
 
 def test_stream_file_edge_cases_that_are_fine(tmp_path):
     path = tmp_path / "ok.jsonl"
-    rows = [{"question": "Half of 5?", "answer": 2.5, "family": "halves"},
-            {"id": 7, "question": "x?", "answer": "\\frac{1}{2}"}]  # fmt: skip
+    rows = [
+        {"question": "Half of 5?", "answer": 2.5, "family": "halves"},
+        {"id": 7, "question": "x?", "answer": "\\frac{1}{2}"},
+    ]
     path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
     problems = load_problems(str(path))
     assert [(p.id, p.answer, p.family) for p in problems] == [("ok-1", "2.5", "halves"), ("7", "\\frac{1}{2}", None)]
@@ -218,10 +220,24 @@ def test_cli_refuses_a_bad_stream_before_loading_any_model(tmp_path):
     out = tmp_path / "run"
     # a model that does not exist: had it been loaded first, the error would be about the model
     r = subprocess.run(
-        [sys.executable, "-m", "elm_memory.cli", "stream", "--dataset", str(bad), "--out", str(out), "-m", "zero_shot",
-         "--set", "model.name_or_path=/tmp/definitely-missing.gguf"],
-        capture_output=True, text=True, timeout=300,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "elm_memory.cli",
+            "stream",
+            "--dataset",
+            str(bad),
+            "--out",
+            str(out),
+            "-m",
+            "zero_shot",
+            "--set",
+            "model.name_or_path=/tmp/definitely-missing.gguf",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert r.returncode == 2, r.stderr
     assert r.stderr.strip().startswith("error: ") and "bad.jsonl:2: gold answer" in r.stderr, r.stderr
     assert len(r.stderr.strip().splitlines()) == 1 and "Traceback" not in r.stderr

@@ -12,7 +12,7 @@ from elm_memory.config import ELMConfig, TrainingConfig
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, NonFiniteError
 from elm_memory.memory import LatentMemory
 from elm_memory.models.prompting import PromptBuilder
-from elm_memory.training.init import init_soft_prompt, tile_to_length
+from elm_memory.training.initialization import init_soft_prompt, tile_to_length
 from elm_memory.training.learn import learn_memory
 from elm_memory.training.losses import advantages_from_rewards, policy_loss
 from elm_memory.training.native import NativeTrainer
@@ -66,9 +66,13 @@ def test_kl_term_and_micro_batches_sum_to_the_group_loss():
     mask[1, 3:] = 0
     adv = torch.tensor([0.75, -0.25, -0.25, -0.25])
     for loss_type in ("dr_grpo", "grpo", "bnpo"):
-        kwargs = dict(beta=0.01, loss_type=loss_type, max_completion_length=8, group_size=4, group_tokens=int(mask.sum()))
+        kwargs = dict(
+            beta=0.01, loss_type=loss_type, max_completion_length=8, group_size=4, group_tokens=int(mask.sum())
+        )
         whole, kl = policy_loss(logps, ref, adv, mask, **kwargs)
-        parts = sum(policy_loss(logps[i : i + 2], ref[i : i + 2], adv[i : i + 2], mask[i : i + 2], **kwargs)[0] for i in (0, 2))
+        parts = sum(
+            policy_loss(logps[i : i + 2], ref[i : i + 2], adv[i : i + 2], mask[i : i + 2], **kwargs)[0] for i in (0, 2)
+        )
         assert torch.allclose(whole, parts), loss_type
     delta = ref - logps
     expected_kl = ((torch.exp(delta) - delta - 1) * mask).sum() / mask.sum()
@@ -184,7 +188,7 @@ def test_reference_logprobs_are_the_initial_policys(tiny_loaded, tiny_backend, t
         return out
 
     ref = trainer.reference_logps(built.token_ids, init, 0, completions)
-    for row, expected in zip(ref, independent(init)):
+    for row, expected in zip(ref, independent(init), strict=True):
         assert torch.allclose(row[: len(expected)], expected, atol=1e-4)
     moved = init + 0.05 * torch.randn_like(init)
     ref_after = trainer.reference_logps(built.token_ids, init, 0, completions)  # still the initial policy
@@ -193,7 +197,7 @@ def test_reference_logprobs_are_the_initial_policys(tiny_loaded, tiny_backend, t
     assert not torch.allclose(current.detach()[0, :3], ref[0, :3], atol=1e-4)
     base_cfg = cfg.training.model_copy(update={"reference_policy": "base_model"})
     base_ref = NativeTrainer(tiny_loaded, tiny_backend, base_cfg).reference_logps(built.token_ids, init, 0, completions)
-    for row, expected in zip(base_ref, independent(init[:0])):
+    for row, expected in zip(base_ref, independent(init[:0]), strict=True):
         assert torch.allclose(row[: len(expected)], expected, atol=1e-4)
 
 
@@ -282,8 +286,9 @@ def test_bad_memory_files_are_refused(tiny_loaded, tmp_path):
 def test_trl_engine_runs_one_step_and_leaves_the_model_untouched(tiny_loaded, tiny_backend, tiny_setup):
     pytest.importorskip("trl")  # the 'trl' extra; installed by the test command
     cfg, prompts = tiny_setup
-    training = cfg.training.model_copy(update={"engine": "trl", "steps": 1, "num_generations": 2,
-                                                "max_completion_length": 8})  # fmt: skip
+    training = cfg.training.model_copy(
+        update={"engine": "trl", "steps": 1, "num_generations": 2, "max_completion_length": 8}
+    )
     cfg = cfg.model_copy(update={"training": training})
     before = _checksum(tiny_loaded.model)
     memory = learn_memory(QUESTION, config=cfg, loaded=tiny_loaded, backend=tiny_backend, prompts=prompts)

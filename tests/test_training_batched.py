@@ -17,7 +17,7 @@ import torch
 from elm_memory.backends.base import Generation, PromptInput, SamplingParams
 from elm_memory.config import TrainingConfig
 from elm_memory.errors import NonFiniteError
-from elm_memory.learner import BackgroundLearner, LearnJob, SyncLearner
+from elm_memory.jobs import BackgroundLearner, LearnJob, SyncLearner
 from elm_memory.training.native import NativeTrainer
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -29,21 +29,39 @@ HIDDEN = 32
 def rand_loaded():
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-    from elm_memory.models.loading import LoadedModel, ModelInfo, embedding_fingerprint
+    from elm_memory.models.fingerprint import embedding_fingerprint
+    from elm_memory.models.loading import LoadedModel, ModelInfo
     from elm_memory.models.prepare import prepare_model
 
     tok = AutoTokenizer.from_pretrained(str(prepare_model("packaged:smollm2-135m", verbose=False)))
     torch.manual_seed(0)
     cfg = LlamaConfig(
-        hidden_size=HIDDEN, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-        vocab_size=len(tok), max_position_embeddings=512, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
-    )  # fmt: skip
+        hidden_size=HIDDEN,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=512,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+    )
     model = LlamaForCausalLM(cfg).eval().requires_grad_(False)
     info = ModelInfo(
-        name="random-llama", path="", model_type="llama", hidden_size=HIDDEN, num_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=8, vocab_size=len(tok), max_context=512, dtype="float32", device="cpu",
+        name="random-llama",
+        path="",
+        model_type="llama",
+        hidden_size=HIDDEN,
+        num_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=len(tok),
+        max_context=512,
+        dtype="float32",
+        device="cpu",
         fingerprint=embedding_fingerprint(model),
-    )  # fmt: skip
+    )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: more threads only add contention on a shared box
     try:
@@ -96,8 +114,15 @@ AT = [0, 3, 11]
 
 
 def _cfg(**kw) -> TrainingConfig:
-    base = dict(steps=3, num_generations=4, max_completion_length=10, learning_rate=1e-2, beta=0.05,
-                max_grad_norm=1e-3, seed=123)  # fmt: skip
+    base = dict(
+        steps=3,
+        num_generations=4,
+        max_completion_length=10,
+        learning_rate=1e-2,
+        beta=0.05,
+        max_grad_norm=1e-3,
+        seed=123,
+    )
     return TrainingConfig(**{**base, **kw})
 
 
@@ -238,8 +263,9 @@ class BatchSpy:
 def test_background_learner_drains_queued_jobs_in_one_batch(tmp_path: Path):
     gate = threading.Event()
     spy = BatchSpy(gate)
-    with BackgroundLearner(spy.one, tmp_path / "q.sqlite3", learn_many_fn=spy.many, batch_size=3,
-                           poll_interval=0.05) as learner:  # fmt: skip
+    with BackgroundLearner(
+        spy.one, tmp_path / "q.sqlite3", learn_many_fn=spy.many, batch_size=3, poll_interval=0.05
+    ) as learner:
         first = learner.submit("q0")  # claimed alone while nothing else is queued; blocks on the gate
         for _ in range(200):
             if learner.job(first.job_id).state == "running":
@@ -255,7 +281,7 @@ def test_background_learner_drains_queued_jobs_in_one_batch(tmp_path: Path):
 
 
 def test_one_bad_job_does_not_fail_its_batch(tmp_path: Path):
-    from elm_memory.learner import JobQueue
+    from elm_memory.jobs import JobQueue
 
     spy = BatchSpy()
     path = tmp_path / "q.sqlite3"
@@ -286,9 +312,12 @@ def test_batch_size_one_is_the_old_one_job_at_a_time(tmp_path: Path):
 def _elm_config(**training):
     from elm_memory.config import ELMConfig
 
-    overrides = {"training": {"steps": 2, "num_generations": 4, "max_completion_length": 8, "learning_rate": 1e-2,
-                              **training},
-                 "memory": {"num_tokens": 4}, "store": {"kind": "none"}, "learner": {"mode": "off"}}  # fmt: skip
+    overrides = {
+        "training": {"steps": 2, "num_generations": 4, "max_completion_length": 8, "learning_rate": 1e-2, **training},
+        "memory": {"num_tokens": 4},
+        "store": {"kind": "none"},
+        "learner": {"mode": "off"},
+    }
     return ELMConfig.load(preset="cpu-tiny", overrides=overrides)
 
 
@@ -302,10 +331,17 @@ def test_learn_memories_equals_learn_memory_per_question(rand_loaded, rand_backe
     cfg = _elm_config()
     prompts = PromptBuilder(rand_loaded.tokenizer, cfg.prompt, rand_loaded.info.max_context)
     common = dict(config=cfg, loaded=rand_loaded, prompts=prompts, progress=False)
-    together = learn_memories(QUESTIONS, backend=ScriptedRewards(rand_backend, {}), namespace=["a", "b"],
-                              memory_ids=["aa" * 8, "bb" * 8], **common)  # fmt: skip
-    assert [(m.id, m.meta.namespace, m.meta.question) for m in together] == [("aa" * 8, "a", QUESTIONS[0]),
-                                                                            ("bb" * 8, "b", QUESTIONS[1])]  # fmt: skip
+    together = learn_memories(
+        QUESTIONS,
+        backend=ScriptedRewards(rand_backend, {}),
+        namespace=["a", "b"],
+        memory_ids=["aa" * 8, "bb" * 8],
+        **common,
+    )
+    assert [(m.id, m.meta.namespace, m.meta.question) for m in together] == [
+        ("aa" * 8, "a", QUESTIONS[0]),
+        ("bb" * 8, "b", QUESTIONS[1]),
+    ]
     for question, memory in zip(QUESTIONS, together, strict=True):
         alone = learn_memory(question, backend=ScriptedRewards(rand_backend, {}), **common)
         assert (memory.soft_prompt - alone.soft_prompt).abs().max().item() < 1e-5
@@ -325,8 +361,11 @@ def test_elm_learner_batch_trains_jobs_with_equal_overrides_together(rand_loaded
 
     monkeypatch.setattr(elm, "learn_many", spy)
     one_step = {"training": {"steps": 1}}
-    jobs = [LearnJob.create(QUESTIONS[0], "ns"), LearnJob.create("What is 7 * 6?", "ns", config_overrides=one_step),
-            LearnJob.create(QUESTIONS[1], "other")]  # fmt: skip
+    jobs = [
+        LearnJob.create(QUESTIONS[0], "ns"),
+        LearnJob.create("What is 7 * 6?", "ns", config_overrides=one_step),
+        LearnJob.create(QUESTIONS[1], "other"),
+    ]
     results = elm._run_learn_jobs(jobs)
     assert results == [j.job_id for j in jobs]  # the memory id is the job id
     assert calls == [([QUESTIONS[0], QUESTIONS[1]], 2), (["What is 7 * 6?"], 1)]

@@ -405,8 +405,9 @@ def test_consistency_ties_and_unanswerable_candidates_score_equal():
     zero, memory = v.score(QUESTION, [Candidate("\\boxed{3}", prompt=PromptInput((1,))), Candidate("\\boxed{4}")])
     assert zero == memory == 0.0  # the graph's strict ">" keeps zero-shot
     assert v.score(QUESTION, [Candidate("\\boxed{1}", prompt=PromptInput((1,))), Candidate("\\boxed{2}")]) == [
-        0.25, 0.5,
-    ]  # fmt: skip
+        0.25,
+        0.5,
+    ]
     calls = len(backend.calls)
     assert v.score(QUESTION, [Candidate("none"), Candidate("")]) == [0.0, 0.0]
     assert len(backend.calls) == calls  # nothing to agree with: no sampling
@@ -428,16 +429,26 @@ def test_consistency_from_config_and_bad_settings():
     from elm_memory.verifiers.consistency import ConsistencyVerifier
 
     backend = FixedSamplesBackend(["\\boxed{5}"] * 3)
-    cfg = ELMConfig.load(overrides={"verifier": {"name": "consistency", "consistency_samples": 3,
-                                                 "consistency_max_new_tokens": 32, "consistency_temperature": 1.0},
-                                    "training": {"seed": 11}})  # fmt: skip
+    cfg = ELMConfig.load(
+        overrides={
+            "verifier": {
+                "name": "consistency",
+                "consistency_samples": 3,
+                "consistency_max_new_tokens": 32,
+                "consistency_temperature": 1.0,
+            },
+            "training": {"seed": 11},
+        }
+    )
     v = build_verifier(cfg, backend)
     assert isinstance(v, ConsistencyVerifier)
     assert (v.samples, v.max_new_tokens, v.temperature, v.seed) == (3, 32, 1.0, 11)
     defaults = ELMConfig.load().verifier
     assert (defaults.consistency_samples, defaults.consistency_max_new_tokens, defaults.consistency_temperature) == (
-        4, 512, 0.7,
-    )  # fmt: skip
+        4,
+        512,
+        0.7,
+    )
     for bad in ({"consistency_temperature": 0.0}, {"consistency_samples": 0}, {"consistency_max_new_tokens": 0}):
         with pytest.raises(ConfigError, match="consistency_"):
             ELMConfig.load(overrides={"verifier": bad})

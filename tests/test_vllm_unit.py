@@ -16,15 +16,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from elm_memory.backends import vllm as vb
 from elm_memory.backends.base import SamplingParams
-from elm_memory.backends.vllm_server import (
-    ServerClient,
-    ServerRequestError,
-    ServerUnavailableError,
-    free_port,
-    resolve_api_key,
-)
+from elm_memory.backends.postprocess import answer_cut, finish_generation
+from elm_memory.backends.vllm import common, engine, model_runner
+from elm_memory.backends.vllm.client import ServerClient, ServerRequestError, ServerUnavailableError, resolve_api_key
+from elm_memory.backends.vllm.launcher import free_port
 from elm_memory.errors import BackendError
 
 # -- the answer cut after generation ---------------------------------------------------------
@@ -54,44 +50,45 @@ def test_post_processing_cut_equals_the_in_engine_stop():
     """V1 (processor forces EOS after the closing token) and V2 (no processor: the engine runs on
     to max_tokens) give the same Generation: the cut is applied after generation either way."""
     lps = [-0.1 * (i + 1) for i in range(len(ANSWER) + len(TAIL))]
-    v1 = vb.finish_generation(TOK, [*ANSWER, 0], [0], stop_at_answer=True, logprobs=lps[: len(ANSWER)] + [-0.01],
-                              engine_reason="stop")  # fmt: skip
-    v2 = vb.finish_generation(TOK, ANSWER + TAIL, [0], stop_at_answer=True, logprobs=lps, engine_reason="length")
+    v1 = finish_generation(
+        TOK, [*ANSWER, 0], [0], stop_at_answer=True, logprobs=lps[: len(ANSWER)] + [-0.01], engine_reason="stop"
+    )
+    v2 = finish_generation(TOK, ANSWER + TAIL, [0], stop_at_answer=True, logprobs=lps, engine_reason="length")
     assert v1 == v2
     assert v2.finish_reason == "answer" and v2.token_ids == ANSWER and v2.text == "The answer is \\boxed{42}"
     assert v2.logprobs == lps[: len(ANSWER)]
     # Without stop_at_answer nothing is cut; an empty box is not an answer.
-    full = vb.finish_generation(TOK, ANSWER + TAIL, [0], stop_at_answer=False)
+    full = finish_generation(TOK, ANSWER + TAIL, [0], stop_at_answer=False)
     assert full.finish_reason == "length" and full.token_ids == ANSWER + TAIL
     empty = TOK.encode(["\\boxed{", "}", " next"])
-    assert vb.finish_generation(TOK, empty, [0], stop_at_answer=True).finish_reason == "length"
-    assert vb.answer_cut(TOK, TOK.encode(["The ", "\\boxed{", "4", "}", "."])) == 4
+    assert finish_generation(TOK, empty, [0], stop_at_answer=True).finish_reason == "length"
+    assert answer_cut(TOK, TOK.encode(["The ", "\\boxed{", "4", "}", "."])) == 4
 
 
 # -- in-engine processor or post-processing only ----------------------------------------------
 
 
 def test_stop_processor_only_with_the_v1_model_runner(caplog):
-    caplog.set_level(logging.INFO, logger="elm_memory.backends.vllm")
-    vb._logged_paths.clear()
+    caplog.set_level(logging.INFO, logger="elm_memory.backends.vllm.model_runner")
+    model_runner._logged_paths.clear()
     v1 = {"model": "m"}
-    assert vb.select_stop_processor(v1, detect=lambda kw: False) is True
-    assert v1["logits_processors"] == [vb.LOGITS_PROCESSOR]
-    v2 = {"model": "m", "logits_processors": [vb.LOGITS_PROCESSOR]}
-    assert vb.select_stop_processor(v2, detect=lambda kw: True) is False
+    assert model_runner.select_stop_processor(v1, detect=lambda kw: False) is True
+    assert v1["logits_processors"] == [model_runner.LOGITS_PROCESSOR]
+    v2 = {"model": "m", "logits_processors": [model_runner.LOGITS_PROCESSOR]}
+    assert model_runner.select_stop_processor(v2, detect=lambda kw: True) is False
     assert "logits_processors" not in v2  # V2 would refuse the V1-interface class at start-up
     mine = {"logits_processors": ["pkg:MyV2Processor"]}
-    assert vb.select_stop_processor(mine, detect=lambda kw: True) is False
+    assert model_runner.select_stop_processor(mine, detect=lambda kw: True) is False
     assert mine["logits_processors"] == ["pkg:MyV2Processor"]  # a caller's own processors stay
 
     def broken(kw):
         raise RuntimeError("no config")
 
     unknown = {"model": "m"}
-    assert vb.select_stop_processor(unknown, detect=broken) is False  # unknown runner: the safe path
+    assert model_runner.select_stop_processor(unknown, detect=broken) is False  # unknown runner: the safe path
     assert "logits_processors" not in unknown
-    vb.select_stop_processor({}, detect=lambda kw: True)
-    msgs = [r.getMessage() for r in caplog.records if r.name == "elm_memory.backends.vllm"]
+    model_runner.select_stop_processor({}, detect=lambda kw: True)
+    msgs = [r.getMessage() for r in caplog.records if r.name == "elm_memory.backends.vllm.model_runner"]
     assert sum("post-processing only" in m for m in msgs) == 1  # logged once per path
     assert sum("in-engine logits processor" in m for m in msgs) == 1
 
@@ -125,8 +122,8 @@ def _fake_vllm(monkeypatch, version="0.32.0", v2=False, llm=None):
 def test_runner_detection_reads_the_engine_configs_flag(monkeypatch, flag):
     _fake_vllm(monkeypatch, v2=flag)
     kwargs = {"model": "m", "dtype": "float32", "logits_processors": ["x:y"], "not_an_engine_arg": 1}
-    assert vb.uses_v2_model_runner(kwargs) is flag
-    assert vb.v2_runner_from_engine_config(object()) is False  # vLLM before the V2 runner: V1
+    assert model_runner.uses_v2_model_runner(kwargs) is flag
+    assert model_runner.v2_runner_from_engine_config(object()) is False  # vLLM before the V2 runner: V1
 
 
 @pytest.mark.model
@@ -148,7 +145,7 @@ def test_v2_engine_starts_without_the_processor_and_answers_are_cut(monkeypatch,
             return [types.SimpleNamespace(outputs=[out]) for _ in requests]
 
     _fake_vllm(monkeypatch, v2=True, llm=FakeLLM)
-    backend = vb.VLLMBackend(tiny_loaded.info.path, dtype="float32", loaded=tiny_loaded, device="cpu")
+    backend = engine.VLLMBackend(tiny_loaded.info.path, dtype="float32", loaded=tiny_loaded, device="cpu")
     assert backend.stop_in_engine is False and "logits_processors" not in seen["kwargs"]
     [[gen]] = backend.generate([[1, 2, 3]], SamplingParams(max_new_tokens=40, stop_at_answer=True))
     assert seen["sps"][0].extra_args is None
@@ -158,26 +155,26 @@ def test_v2_engine_starts_without_the_processor_and_answers_are_cut(monkeypatch,
 # -- vLLM version floor for prompt embeds -------------------------------------------------------
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", vb.MIN_VLLM_FOR_PROMPT_EMBEDS, "1.0.0"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.0+cpu", common.MIN_VLLM_FOR_PROMPT_EMBEDS, "1.0.0"])
 def test_vllm_versions_past_the_prompt_embeds_cves_pass(version):
-    vb.check_prompt_embeds_version(version)
+    common.check_prompt_embeds_version(version)
 
 
 @pytest.mark.parametrize("version", ["0.11.0", "0.11.1", "0.13.0", "0.25.1.dev3+g1234abc", "0.26.0rc1"])
 def test_older_vllm_is_refused_naming_both_versions(version):
-    with pytest.raises(vb.VLLMVersionError) as info:
-        vb.check_prompt_embeds_version(version)
+    with pytest.raises(common.VLLMVersionError) as info:
+        common.check_prompt_embeds_version(version)
     msg = str(info.value)
-    assert version in msg and vb.MIN_VLLM_FOR_PROMPT_EMBEDS in msg and "CVE-2025-62164" in msg
+    assert version in msg and common.MIN_VLLM_FOR_PROMPT_EMBEDS in msg and "CVE-2025-62164" in msg
     assert "\n" not in msg and isinstance(info.value, BackendError)
-    with pytest.raises(vb.VLLMVersionError, match="cannot read"):
-        vb.check_prompt_embeds_version("not-a-version")
+    with pytest.raises(common.VLLMVersionError, match="cannot read"):
+        common.check_prompt_embeds_version("not-a-version")
 
 
 def test_offline_backend_refuses_an_old_vllm_before_anything_else(monkeypatch):
     _fake_vllm(monkeypatch, version="0.11.0")
-    with pytest.raises(vb.VLLMVersionError, match=r"installed vllm 0\.11\.0 is older than"):
-        vb.VLLMBackend("/nonexistent")
+    with pytest.raises(common.VLLMVersionError, match=r"installed vllm 0\.11\.0 is older than"):
+        engine.VLLMBackend("/nonexistent")
 
 
 # -- the server client: a local HTTP server ------------------------------------------------------
@@ -353,7 +350,7 @@ def test_one_pool_of_keep_alive_connections_per_client_closed_by_close():
 def test_server_backend_checks_the_version_sends_the_key_and_closes(tiny_loaded, monkeypatch):
     """VLLMServerBackend.from_config against the fake server: the config's key and retry settings
     reach the client, an old server version is refused, close() ends the pool."""
-    from elm_memory.backends.vllm_server import VLLMServerBackend
+    from elm_memory.backends.vllm.server_backend import VLLMServerBackend
     from elm_memory.config import ELMConfig
 
     monkeypatch.delenv("ELM_VLLM_API_KEY", raising=False)
@@ -361,16 +358,26 @@ def test_server_backend_checks_the_version_sends_the_key_and_closes(tiny_loaded,
 
     for version, ok in (("0.32.0", True), ("0.11.1", False)):
         with FakeServer(key="cfg-key", fail=1, status=503, version=version) as srv:
-            cfg = ELMConfig.load(preset="cpu-tiny", overrides={"model": {"dtype": "float32"}, "backend": {
-                "name": "vllm-server", "server_url": srv.url, "server_api_key": "cfg-key",
-                "server_max_retries": 1, "server_retry_backoff": 0.0}})  # fmt: skip
+            cfg = ELMConfig.load(
+                preset="cpu-tiny",
+                overrides={
+                    "model": {"dtype": "float32"},
+                    "backend": {
+                        "name": "vllm-server",
+                        "server_url": srv.url,
+                        "server_api_key": "cfg-key",
+                        "server_max_retries": 1,
+                        "server_retry_backoff": 0.0,
+                    },
+                },
+            )
             if ok:
                 with VLLMServerBackend.from_config(cfg, loaded=tiny_loaded) as backend:
                     assert backend.served_model == "tiny" and backend.server_version == "0.32.0"
                     assert backend.info.max_context == 512 and backend.health()
                 assert backend._client._client.is_closed
             else:
-                with pytest.raises(vb.VLLMVersionError, match=r"the server's .* vllm 0\.11\.1 is older than"):
+                with pytest.raises(common.VLLMVersionError, match=r"the server's .* vllm 0\.11\.1 is older than"):
                     VLLMServerBackend.from_config(cfg, loaded=tiny_loaded)
         assert [r[1] for r in srv.requests[:3]] == ["/v1/models", "/v1/models", "/version"]  # 503 retried
         assert all(r[2] == "Bearer cfg-key" for r in srv.requests)

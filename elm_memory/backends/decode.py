@@ -65,11 +65,18 @@ def sample(
 
     cache = DynamicCache()
     if n > 1 and not options.share_prompt_kv:  # the reference behaviour: n copies of each prompt prefilled
-        input_ids, inputs_embeds, mask, positions = (
-            None if t is None else t.repeat_interleave(n, dim=0) for t in (input_ids, inputs_embeds, mask, positions)
-        )
-    out = model(input_ids=input_ids, inputs_embeds=inputs_embeds, attention_mask=mask, position_ids=positions,
-                past_key_values=cache, use_cache=True, logits_to_keep=1)  # fmt: skip
+        input_ids = None if input_ids is None else input_ids.repeat_interleave(n, dim=0)
+        inputs_embeds = None if inputs_embeds is None else inputs_embeds.repeat_interleave(n, dim=0)
+        mask, positions = mask.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0)
+    out = model(
+        input_ids=input_ids,
+        inputs_embeds=inputs_embeds,
+        attention_mask=mask,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
     logits = out.logits[:, -1, :]
     if n > 1 and options.share_prompt_kv:  # one prefill per prompt, its KV repeated for its n samples
         cache.batch_repeat_interleave(n)
@@ -103,8 +110,13 @@ def sample(
             cache.batch_select_indices(idx)
             mask, next_pos, picked = mask[idx], next_pos[idx], picked[idx]
             live, alive = [live[b] for b in keep], [True] * len(keep)
-        out = model(input_ids=picked.unsqueeze(1), attention_mask=mask, position_ids=next_pos.unsqueeze(1),
-                    past_key_values=cache, use_cache=True)  # fmt: skip
+        out = model(
+            input_ids=picked.unsqueeze(1),
+            attention_mask=mask,
+            position_ids=next_pos.unsqueeze(1),
+            past_key_values=cache,
+            use_cache=True,
+        )
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     return list(zip(tokens, reasons, strict=True))

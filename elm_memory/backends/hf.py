@@ -21,9 +21,7 @@ from typing import Any
 
 import torch
 
-from elm_memory.answers import is_answer_closed
 from elm_memory.backends import decode
-from elm_memory.backends.decode import DecodeOptions
 from elm_memory.backends.base import (
     Generation,
     PromptInput,
@@ -33,7 +31,10 @@ from elm_memory.backends.base import (
     sampling_seed,
     to_prompt_input,
 )
+from elm_memory.backends.decode import DecodeOptions
+from elm_memory.backends.postprocess import answer_closed_after, eos_ids_of, finish_generation
 from elm_memory.models.loading import LoadedModel
+from elm_memory.models.teacher_forcing import completion_logprobs
 
 
 class _StopAtAnswer:
@@ -43,6 +44,7 @@ class _StopAtAnswer:
         self.tokenizer = tokenizer
         self.prompt_len = prompt_len
         self.closed: torch.Tensor | None = None
+        self.has_brace: dict[int, bool] = {}  # token id -> its text contains "}"
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor, **kwargs: Any) -> torch.Tensor:
         if self.closed is None:
@@ -50,10 +52,9 @@ class _StopAtAnswer:
         new = input_ids[:, self.prompt_len :]
         if new.shape[1] == 0:
             return self.closed.clone()
-        last = self.tokenizer.batch_decode(new[:, -1:])
-        for i, piece in enumerate(last):
-            if not self.closed[i] and "}" in piece:
-                self.closed[i] = is_answer_closed(self.tokenizer.decode(new[i], skip_special_tokens=True))
+        for i, row in enumerate(new.tolist()):
+            if not self.closed[i]:
+                self.closed[i] = answer_closed_after(self.tokenizer, row, row[-1], self.has_brace)
         return self.closed.clone()
 
 
@@ -81,12 +82,8 @@ class HFBackend:
         self.drop_finished = drop_finished
         self._closes_brace: dict[int, bool] = {}  # token id -> its text contains "}" (stop-at-answer check)
         self.device = torch.device(loaded.info.device)
-        eos = self.model.generation_config.eos_token_id
-        eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
-        if self.tokenizer.eos_token_id is not None and self.tokenizer.eos_token_id not in eos_ids:
-            eos_ids.append(self.tokenizer.eos_token_id)
-        self.eos_ids: list[int] = eos_ids
-        self.pad_id: int = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else eos_ids[0]
+        self.eos_ids: list[int] = eos_ids_of(self.model.generation_config.eos_token_id, self.tokenizer)
+        self.pad_id: int = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
 
     @classmethod
     def from_config(cls, cfg: Any, loaded: LoadedModel | None = None) -> HFBackend:
@@ -117,18 +114,8 @@ class HFBackend:
     @torch.no_grad()
     def token_logprobs(self, prompt: PromptInput, completions: Sequence[Sequence[int]]) -> list[list[float]]:
         """Log-probabilities (temperature 1) of each completion token given the prompt, teacher-forced."""
-        results: list[list[float]] = []
-        for comp in completions:
-            if not comp:
-                results.append([])
-                continue
-            emb = compose_embeddings(prompt, self.embed_tokens)
-            comp_ids = torch.tensor(list(comp), dtype=torch.long, device=self.device)
-            full = torch.cat([emb, self.embed_tokens(comp_ids)], dim=0).unsqueeze(0)
-            logits = self.model(inputs_embeds=full).logits[0, emb.shape[0] - 1 : -1].float()
-            lp = torch.log_softmax(logits, dim=-1).gather(1, comp_ids.unsqueeze(1)).squeeze(1)
-            results.append(lp.tolist())
-        return results
+        # one completion per forward: a batch of G long completions would hold G x (T, vocab) logits
+        return [completion_logprobs(self.model, [prompt], [c])[0][0].tolist() if c else [] for c in completions]
 
     # -- internals -----------------------------------------------------------------
     def _generate_batch(
@@ -193,11 +180,7 @@ class HFBackend:
         )
 
     def _answer_closed(self, row: int, tokens: list[int], token: int) -> bool:
-        # Re-decode a row only after a token that contains "}": cheap enough to check every step.
-        brace = self._closes_brace.get(token)
-        if brace is None:
-            brace = self._closes_brace[token] = "}" in self.tokenizer.decode([token])
-        return brace and is_answer_closed(self.tokenizer.decode(tokens, skip_special_tokens=True))
+        return answer_closed_after(self.tokenizer, tokens, token, self._closes_brace)
 
     def _decode_generate(
         self, inputs: dict[str, torch.Tensor], mask: torch.Tensor, params: SamplingParams, seeds: list[int] | None
@@ -256,11 +239,4 @@ class HFBackend:
 
     def _finish(self, tokens: list[int], reason: str) -> Generation:
         """Cut at the first EOS (kept out of the completion); ``reason`` is the decoder's unless an EOS came first."""
-        kept: list[int] = []
-        for t in tokens:
-            if t in self.eos_ids:
-                reason = "stop"
-                break
-            kept.append(t)
-        text = self.tokenizer.decode(kept, skip_special_tokens=True)
-        return Generation(text=text, token_ids=kept, finish_reason=reason)
+        return finish_generation(self.tokenizer, tokens, self.eos_ids, engine_reason=reason)

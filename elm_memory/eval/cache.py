@@ -38,8 +38,14 @@ class GreedyCache:
         if prompt.soft_prompt is not None:
             t = prompt.soft_prompt.detach().float().cpu().contiguous()
             soft = hashlib.sha256(t.numpy().tobytes()).hexdigest() + str(tuple(t.shape))
-        return (prompt.token_ids, soft, prompt.soft_prompt_at, params.max_new_tokens, params.stop_at_answer,
-                params.logprobs)  # fmt: skip
+        return (
+            prompt.token_ids,
+            soft,
+            prompt.soft_prompt_at,
+            params.max_new_tokens,
+            params.stop_at_answer,
+            params.logprobs,
+        )
 
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
         if not params.greedy or params.n != 1:

@@ -28,6 +28,7 @@ __all__ = [
     "iou",
     "negative_flip_rate",
     "oracle_accuracy",
+    "ordered_records",
     "route_counts",
     "running_accuracy",
     "summarize_offline",
@@ -77,7 +78,7 @@ def _seconds(record: Record, key: str) -> float:
     return float(value)
 
 
-def _ordered(records: Iterable[Record]) -> list[Record]:
+def ordered_records(records: Iterable[Record]) -> list[Record]:
     """Records in stream order; duplicate indices mean two methods (or runs) were mixed."""
     rows = list(records)
     seen: set[int] = set()
@@ -124,7 +125,7 @@ def running_accuracy(records: Iterable[Record]) -> list[float]:
     """
     curve: list[float] = []
     correct = 0
-    for n, record in enumerate(_ordered(records), start=1):
+    for n, record in enumerate(ordered_records(records), start=1):
         correct += _correct(record)
         curve.append(_acc(correct, n))
     return curve
@@ -193,7 +194,7 @@ def _group_by_method(records: Iterable[Record]) -> dict[str, list[Record]]:
 
 
 def _summarize_method(rows: Sequence[Record]) -> dict[str, Any]:
-    ordered = _ordered(rows)
+    ordered = ordered_records(rows)
     n = len(ordered)
     correct = sum(_correct(r) for r in ordered)
     answer = sum(_seconds(r, "answer") for r in ordered)
@@ -285,9 +286,7 @@ def _memory_rows(z: dict[str, bool], memories: Mapping[str, dict[str, bool]]) ->
     return rows
 
 
-def summarize_offline(
-    zs: Correctness, per_memory: Mapping[str, Correctness], top_flip: int = 5
-) -> dict[str, Any]:
+def summarize_offline(zs: Correctness, per_memory: Mapping[str, Correctness], top_flip: int = 5) -> dict[str, Any]:
     """The offline study: does a single memory help the whole benchmark, and how consistently?
 
     A memory's delta is paired: its accuracy minus zero-shot accuracy on the same questions it was

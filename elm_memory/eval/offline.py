@@ -27,13 +27,13 @@ from pathlib import Path
 from typing import Any
 
 from elm_memory.answers import equivalent, extract_answer
-from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
+from elm_memory.backends.base import SamplingParams, answer_budget
 from elm_memory.config import ELMConfig
 from elm_memory.errors import ConfigError
 from elm_memory.eval.datasets import Problem
-from elm_memory.eval.methods.base import EvalRuntime
-from elm_memory.eval.online import _progress
-from elm_memory.eval.records import RecordLog, check_manifest, write_json_atomic
+from elm_memory.eval.methods.base import EvalRuntime, memory_store_config, open_runtime
+from elm_memory.eval.progress import ProgressBar
+from elm_memory.eval.records import RecordLog, check_manifest, run_dir, write_json_atomic
 
 NAMESPACE = "offline"
 RESUME_FIELDS = ("dataset", "seed", "question_ids", "train_ids", "config", "memories_from")
@@ -63,7 +63,7 @@ def run_offline(
 ) -> OfflineResult:
     """Learn a memory from each of the first ``train`` questions (all by default), or take the
     pool of ``memories_from``; evaluate zero-shot and every memory on every question."""
-    out = Path(out_dir).resolve()  # store.path inside it must not be re-rooted under $ELM_HOME
+    out = run_dir(out_dir)
     if not problems:
         raise ConfigError("no questions to run")
     if batch_size < 1:
@@ -71,6 +71,7 @@ def run_offline(
     source = Path(memories_from) if memories_from is not None else None
     if source is not None and not (source / "memories.jsonl").is_file():
         raise ConfigError(f"{source} is not an offline run directory (no memories.jsonl)")
+    memory_store_config(config, out, "the offline protocol")  # store.kind none: refused before any work
     train_set = list(problems[: train or len(problems)]) if source is None else []
     check_manifest(
         out,
@@ -85,59 +86,107 @@ def run_offline(
         },
         RESUME_FIELDS,
     )
-    owns_runtime = runtime is None
-    runtime = runtime or EvalRuntime(config, out)
-    zs_log, mem_log, eval_log = (RecordLog(out / n) for n in ("zero_shot.jsonl", "memories.jsonl", "evals.jsonl"))
+    runtime, owns_runtime = open_runtime(config, out, runtime)
     try:
-        zs_done = {r["question_id"] for r in zs_log.read()}
-        memories = {r["memory_id"]: r for r in (RecordLog(source / "memories.jsonl") if source else mem_log).read()}
+        _OfflineRun(runtime, out, source).run(problems, train_set, batch_size, progress)
+    finally:
+        if owns_runtime:
+            runtime.close()
+    return finish(out, memories_from=source, plots=plots)
+
+
+class _OfflineRun:
+    """One offline run: its three logs, and its phases (zero-shot, learning, evaluating memories)."""
+
+    def __init__(self, runtime: EvalRuntime, out: Path, source: Path | None):
+        self.runtime, self.out, self.source = runtime, out, source
+        self.zs_log, self.mem_log, self.eval_log = (
+            RecordLog(out / n) for n in ("zero_shot.jsonl", "memories.jsonl", "evals.jsonl")
+        )
+
+    def run(
+        self, problems: Sequence[Problem], train_set: list[Problem], batch_size: int, progress: bool | None
+    ) -> None:
+        """Every phase, skipping what the logs already hold (a re-run resumes)."""
+        zs_done = {r["question_id"] for r in self.zs_log.read()}
+        pool_log = RecordLog(self.source / "memories.jsonl") if self.source else self.mem_log
+        memories = {r["memory_id"]: r for r in pool_log.read()}
         learned = {r["question_id"] for r in memories.values()}
-        evaluated = {(r["memory_id"], r["question_id"]) for r in eval_log.read()}
+        evaluated = {(r["memory_id"], r["question_id"]) for r in self.eval_log.read()}
         todo_zs = [p for p in problems if p.id not in zs_done]
         todo_train = [p for p in train_set if p.id not in learned]
         n_mem = len(memories) + len(todo_train)
         total = len(problems) * (1 + n_mem) + len(train_set)
         done = len(problems) - len(todo_zs) + len(train_set) - len(todo_train) + len(evaluated)
-        with _progress(progress, total=total, completed=done) as bar:
-            bar.describe("zero-shot")
-            for chunk in _chunks(todo_zs, batch_size):
-                for p, (answer, text) in zip(chunk, _answers(runtime, chunk, None), strict=True):
-                    zs_log.append({"question_id": p.id, "answer": answer, "correct": bool(equivalent(answer, p.answer)),
-                                   "gold": p.answer, "response": text})  # fmt: skip
+        with ProgressBar(progress, total=total, completed=done) as bar:
+            self.zero_shot(todo_zs, batch_size, bar)
+            if todo_train:
+                self.learn(todo_train, memories, n_mem, bar)
+            self.evaluate(problems, memories, evaluated, batch_size, bar)
+
+    def zero_shot(self, todo: list[Problem], batch_size: int, bar: ProgressBar) -> None:
+        bar.describe("zero-shot")
+        for chunk in _chunks(todo, batch_size):
+            for p, (answer, text) in zip(chunk, _answers(self.runtime, chunk, None), strict=True):
+                correct = bool(equivalent(answer, p.answer))
+                self.zs_log.append(
+                    {"question_id": p.id, "answer": answer, "correct": correct, "gold": p.answer, "response": text}
+                )
+                bar.advance()
+
+    def learn(self, todo: list[Problem], memories: dict[str, dict[str, Any]], n_mem: int, bar: ProgressBar) -> None:
+        """One memory per question; learner.batch_size memories train together (each equal to the
+        memory trained alone). ``memories`` gains a row per memory."""
+        elm = _learning_elm(self.runtime, self.out)
+        for batch in _chunks(todo, self.runtime.config.learner.batch_size):
+            first = len(memories) + 1
+            span = f"{first}" if len(batch) == 1 else f"{first}-{first + len(batch) - 1}"
+            bar.describe(f"learning memory {span}/{n_mem}")
+            learned_batch = elm.learn_many([p.question for p in batch], namespace=NAMESPACE, progress=False)
+            for p, memory in zip(batch, learned_batch, strict=True):
+                s = memory.meta.stats
+                row = {
+                    "memory_id": memory.id,
+                    "question_id": p.id,
+                    "question": p.question,
+                    "majority_answer": s.majority_answer,
+                    "mean_reward": s.mean_reward,
+                    "no_consensus": s.no_consensus,
+                    "seconds": s.seconds,
+                }
+                self.mem_log.append(row)
+                memories[memory.id] = row
+                bar.advance()
+
+    def evaluate(
+        self,
+        problems: Sequence[Problem],
+        memories: dict[str, dict[str, Any]],
+        evaluated: set[tuple[str, str]],
+        batch_size: int,
+        bar: ProgressBar,
+    ) -> None:
+        """Every memory on every question it has not been evaluated on, greedy, batched."""
+        store = _store(self.runtime, self.source or self.out)
+        for i, (mid, row) in enumerate(memories.items(), 1):
+            todo = [p for p in problems if (mid, p.id) not in evaluated]
+            if not todo:
+                continue
+            bar.describe(f"evaluating memory {i}/{len(memories)}")
+            memory = store.get(mid, NAMESPACE)
+            memory.check_compatible(self.runtime.backend.info)
+            for chunk in _chunks(todo, batch_size):
+                for p, (answer, _text) in zip(chunk, _answers(self.runtime, chunk, memory), strict=True):
+                    self.eval_log.append(
+                        {
+                            "memory_id": mid,
+                            "source_question_id": row["question_id"],
+                            "question_id": p.id,
+                            "answer": answer,
+                            "correct": bool(equivalent(answer, p.answer)),
+                        }
+                    )
                     bar.advance()
-            elm = _learning_elm(runtime, out) if todo_train else None
-            # learner.batch_size memories train together (each equal to the memory trained alone)
-            for batch in _chunks(todo_train, config.learner.batch_size):
-                first = len(memories) + 1
-                span = f"{first}" if len(batch) == 1 else f"{first}-{first + len(batch) - 1}"
-                bar.describe(f"learning memory {span}/{n_mem}")
-                learned_batch = elm.learn_many([p.question for p in batch], namespace=NAMESPACE, progress=False)
-                for p, memory in zip(batch, learned_batch, strict=True):
-                    s = memory.meta.stats
-                    row = {"memory_id": memory.id, "question_id": p.id, "question": p.question,
-                           "majority_answer": s.majority_answer, "mean_reward": s.mean_reward,
-                           "no_consensus": s.no_consensus, "seconds": s.seconds}  # fmt: skip
-                    mem_log.append(row)
-                    memories[memory.id] = row
-                    bar.advance()
-            store = _store(runtime, source or out)
-            for i, (mid, row) in enumerate(memories.items(), 1):
-                todo = [p for p in problems if (mid, p.id) not in evaluated]
-                if not todo:
-                    continue
-                bar.describe(f"evaluating memory {i}/{len(memories)}")
-                memory = store.get(mid, NAMESPACE)
-                memory.check_compatible(runtime.backend.info)
-                for chunk in _chunks(todo, batch_size):
-                    for p, (answer, _text) in zip(chunk, _answers(runtime, chunk, memory), strict=True):
-                        eval_log.append({"memory_id": mid, "source_question_id": row["question_id"],
-                                         "question_id": p.id, "answer": answer,
-                                         "correct": bool(equivalent(answer, p.answer))})  # fmt: skip
-                        bar.advance()
-    finally:
-        if owns_runtime:
-            runtime.close()
-    return finish(out, memories_from=source, plots=plots)
 
 
 def finish(out: Path, *, memories_from: Path | None = None, plots: bool = True) -> OfflineResult:
@@ -145,8 +194,7 @@ def finish(out: Path, *, memories_from: Path | None = None, plots: bool = True) 
     from elm_memory.eval.report import markdown_offline, plot_offline
 
     zs = {r["question_id"]: bool(r["correct"]) for r in RecordLog(out / "zero_shot.jsonl").read()}
-    labels = {r["memory_id"]: r["question_id"] for r in
-              RecordLog((memories_from or out) / "memories.jsonl").read()}  # fmt: skip
+    labels = {r["memory_id"]: r["question_id"] for r in RecordLog((memories_from or out) / "memories.jsonl").read()}
     per_memory: dict[str, dict[str, bool]] = {}
     for r in RecordLog(out / "evals.jsonl").read():
         # Label memories by the question they were learned from: readable in tables and plots.
@@ -170,31 +218,26 @@ def _answers(runtime: EvalRuntime, problems: Sequence[Problem], memory: Any) -> 
     k = cfg.memory.num_tokens
     inputs, longest = [], 0
     for p in problems:
-        built = runtime.prompts.build(p.question, reserve=k + 1)
-        longest = max(longest, len(built.token_ids))
-        if memory is None:
-            inputs.append(PromptInput(built.token_ids))
-        else:
-            at = built.memory_position(cfg.prompt.soft_prompt_position)
-            inputs.append(PromptInput(built.token_ids, soft_prompt=memory.soft_prompt, soft_prompt_at=at))
+        prompt = runtime.prompts.answer_prompt(p.question, memory_tokens=k)
+        longest = max(longest, len(prompt.token_ids))
+        inputs.append(prompt.zero_shot() if memory is None else prompt.with_memory(memory.soft_prompt))
     g = cfg.generation
     budget = answer_budget(g.max_new_tokens, runtime.backend.info.max_context, longest, k if memory is not None else 0)
-    params = SamplingParams(max_new_tokens=budget, temperature=0.0,
-                            stop_at_answer=g.stop_at_answer)  # fmt: skip
+    params = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_at_answer=g.stop_at_answer)
     return [(extract_answer(gen.text), gen.text) for [gen] in runtime.backend.generate(inputs, params)]
 
 
 def _learning_elm(runtime: EvalRuntime, out: Path) -> Any:
     from elm_memory.elm import ELM
 
-    cfg = runtime.config
-    cfg = cfg.model_copy(update={"store": cfg.store.model_copy(update={"kind": "chroma", "path": str(out / "store")}),
-                                 "learner": cfg.learner.model_copy(update={"mode": "off"})})  # fmt: skip
+    cfg = memory_store_config(runtime.config, out, "the offline protocol")
+    cfg = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"mode": "off"})})
     return ELM(cfg, loaded=runtime.loaded, backend=runtime.backend)
 
 
-def _store(runtime: EvalRuntime, run_dir: Path) -> Any:
+def _store(runtime: EvalRuntime, run_directory: Path) -> Any:
+    """The pool of ``run_directory`` (this run's, or the one given by ``memories_from``)."""
     from elm_memory.registry import stores
 
-    cfg = runtime.config.store.model_copy(update={"kind": "chroma", "path": str(Path(run_dir).resolve() / "store")})
-    return stores.get("chroma").from_config(cfg, model=runtime.loaded.info)
+    cfg = memory_store_config(runtime.config, run_dir(run_directory), "the offline protocol")
+    return stores.get(cfg.store.kind).from_config(cfg.store, model=runtime.loaded.info)

@@ -23,8 +23,9 @@ from elm_memory.answers import equivalent
 from elm_memory.config import ELMConfig
 from elm_memory.errors import ConfigError
 from elm_memory.eval.datasets import Problem
-from elm_memory.eval.methods.base import EvalRuntime, build_method
-from elm_memory.eval.records import RecordLog, check_manifest, write_json_atomic
+from elm_memory.eval.methods.base import EvalMethod, EvalRuntime, build_method, open_runtime
+from elm_memory.eval.progress import ProgressBar
+from elm_memory.eval.records import RecordLog, check_manifest, run_dir, write_json_atomic
 
 #: Manifest fields that must match for a run to be resumed.
 RESUME_FIELDS = ("dataset", "seed", "question_ids", "config")
@@ -62,64 +63,24 @@ def run_stream(
     earlier questions) are answered first, ``batch_size`` questions per call, which is
     several times faster on a CPU; methods with a pool run one question at a time.
     """
-    from elm_memory.registry import eval_methods
-
-    out = Path(out_dir).resolve()  # store.path inside it must not be re-rooted under $ELM_HOME
-    methods = list(dict.fromkeys(methods))
-    if not methods:
-        raise ConfigError("no evaluation method given")
-    for m in methods:
-        eval_methods.get(m)  # unknown names fail before any model is loaded
+    out = run_dir(out_dir)
+    methods = _known_methods(methods)
     if not problems:
         raise ConfigError("no questions to run")
-    manifest = check_manifest(
-        out,
-        {
-            "dataset": dataset,
-            "seed": seed,
-            "question_ids": [p.id for p in problems],
-            "config": config.model_dump(mode="json"),
-            "methods": methods,
-        },
-        RESUME_FIELDS,
-    )
+    manifest = check_manifest(out, _manifest(problems, methods, config, dataset, seed), RESUME_FIELDS)
     log = RecordLog(out / "records.jsonl")
     done = {(r["method"], r["question_id"]) for r in log.read()}
     todo = [(i, p, m) for i, p in enumerate(problems) for m in methods if (m, p.id) not in done]
-
     if todo:
-        owns_runtime = runtime is None
-        runtime = runtime or EvalRuntime(config, out)
-        built: dict[str, Any] = {}
+        runtime, owns_runtime = open_runtime(config, out, runtime)
+        built: dict[str, EvalMethod] = {}
         try:
-            with _progress(progress, total=len(problems) * len(methods), completed=len(done)) as bar:
+            with ProgressBar(progress, total=len(problems) * len(methods), completed=len(done)) as bar:
                 for m in methods:  # build all first: an error in any method shows before hours of work
                     built[m] = build_method(m, runtime)
-                batched = [(i, p, m) for i, p, m in todo if _batchable(built[m])]
-                for m in methods:
-                    mine = [(i, p) for i, p, mm in batched if mm == m]
-                    for start in range(0, len(mine), batch_size):
-                        chunk = mine[start : start + batch_size]
-                        bar.describe(f"{m} · questions {chunk[0][0] + 1}-{chunk[-1][0] + 1}/{len(problems)}")
-                        t0 = time.perf_counter()
-                        outputs = built[m].answer_batch([p.question for _, p in chunk], [i for i, _ in chunk])
-                        each = (time.perf_counter() - t0) / len(chunk)
-                        for (i, p), output in zip(chunk, outputs, strict=True):
-                            record = _record(built[m], i, p, output, each, 0.0)
-                            record["batched"] = len(chunk)  # answer time is the batch's share
-                            _save(log, record, on_record)
-                            bar.advance()
-                for i, p, m in todo:
-                    if _batchable(built[m]):
-                        continue
-                    bar.describe(f"{m} · question {i + 1}/{len(problems)}")
-                    hits = _cache_hits(runtime)
-                    record = _run_one(built[m], i, p)
-                    # Greedy generations another method already made for this question (see eval/cache.py):
-                    # this method's answer time does not include them.
-                    record["shared_generations"] = _cache_hits(runtime) - hits
-                    _save(log, record, on_record)
-                    bar.advance()
+                stream = _Stream(problems, runtime, built, log, bar, on_record)
+                stream.run_batched([t for t in todo if _batchable(built[t[2]])], methods, batch_size)
+                stream.run_in_order([t for t in todo if not _batchable(built[t[2]])])
         finally:
             for method in built.values():
                 method.close()
@@ -128,19 +89,82 @@ def run_stream(
     return finish(out, manifest["methods"], plots=plots)
 
 
+def _known_methods(methods: Sequence[str]) -> list[str]:
+    """The methods without repeats; unknown names fail here, before any model is loaded."""
+    from elm_memory.registry import eval_methods
+
+    names = list(dict.fromkeys(methods))
+    if not names:
+        raise ConfigError("no evaluation method given")
+    for m in names:
+        eval_methods.get(m)
+    return names
+
+
+def _manifest(
+    problems: Sequence[Problem], methods: list[str], config: ELMConfig, dataset: str, seed: int | None
+) -> dict[str, Any]:
+    return {
+        "dataset": dataset,
+        "seed": seed,
+        "question_ids": [p.id for p in problems],
+        "config": config.model_dump(mode="json"),
+        "methods": methods,
+    }
+
+
 def _batchable(method: Any) -> bool:
     return bool(getattr(method, "memoryless", False)) and hasattr(method, "answer_batch")
 
 
-def _cache_hits(runtime: Any) -> int:
-    base = getattr(runtime, "_base", None)
-    return int(getattr(base.backend, "hits", 0)) if base is not None else 0
+class _Stream:
+    """One run's loop state: where records go, the progress bar, and the built methods."""
 
+    def __init__(
+        self,
+        problems: Sequence[Problem],
+        runtime: EvalRuntime,
+        built: dict[str, EvalMethod],
+        log: RecordLog,
+        bar: ProgressBar,
+        on_record: Callable[[dict[str, Any]], None] | None,
+    ):
+        self.problems, self.runtime, self.built = problems, runtime, built
+        self.log, self.bar, self.on_record = log, bar, on_record
 
-def _save(log: RecordLog, record: dict[str, Any], on_record: Callable[[dict[str, Any]], None] | None) -> None:
-    log.append(record)
-    if on_record is not None:
-        on_record(record)
+    def save(self, record: dict[str, Any]) -> None:
+        self.log.append(record)
+        if self.on_record is not None:
+            self.on_record(record)
+        self.bar.advance()
+
+    def run_batched(self, todo: list[tuple[int, Problem, str]], methods: list[str], batch_size: int) -> None:
+        """Memoryless methods, method by method, ``batch_size`` questions per call."""
+        n = len(self.problems)
+        for m in methods:
+            method: Any = self.built[m]
+            mine = [(i, p) for i, p, mm in todo if mm == m]
+            for start in range(0, len(mine), batch_size):
+                chunk = mine[start : start + batch_size]
+                self.bar.describe(f"{m} · questions {chunk[0][0] + 1}-{chunk[-1][0] + 1}/{n}")
+                t0 = time.perf_counter()
+                outputs = method.answer_batch([p.question for _, p in chunk], [i for i, _ in chunk])
+                each = (time.perf_counter() - t0) / len(chunk)
+                for (i, p), output in zip(chunk, outputs, strict=True):
+                    record = _record(method, i, p, output, each, 0.0)
+                    record["batched"] = len(chunk)  # answer time is the batch's share
+                    self.save(record)
+
+    def run_in_order(self, todo: list[tuple[int, Problem, str]]) -> None:
+        """Methods with a pool: question by question, each answered, then learned from."""
+        for i, p, m in todo:
+            self.bar.describe(f"{m} · question {i + 1}/{len(self.problems)}")
+            shared = self.runtime.shared_generations
+            record = _run_one(self.built[m], i, p)
+            # Greedy generations another method already made for this question (see eval/cache.py):
+            # this method's answer time does not include them.
+            record["shared_generations"] = self.runtime.shared_generations - shared
+            self.save(record)
 
 
 def _run_one(method: Any, index: int, problem: Problem) -> dict[str, Any]:
@@ -197,37 +221,3 @@ def finish(out: Path, methods: Sequence[str], *, plots: bool = True) -> StreamRe
     (out / "results.md").write_text(table + "\n", encoding="utf-8")
     written = plot_online(records, out) if plots and records else []
     return StreamResult(out_dir=out, summary=summary, records=records, plots=list(written), table=table)
-
-
-class _progress:
-    """A rich progress bar with ETA on a terminal; silent otherwise (logs, CI)."""
-
-    def __init__(self, enabled: bool | None, total: int, completed: int):
-        import sys
-
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
-        self.total, self.completed = total, completed
-        self._bar: Any = None
-
-    def __enter__(self) -> _progress:
-        if self.enabled:
-            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-            from rich.progress import TimeRemainingColumn
-
-            self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                                 TimeElapsedColumn(), TextColumn("eta"), TimeRemainingColumn(), transient=False)  # fmt: skip
-            self._bar.start()
-            self._task = self._bar.add_task("starting", total=self.total, completed=self.completed)
-        return self
-
-    def describe(self, text: str) -> None:
-        if self._bar is not None:
-            self._bar.update(self._task, description=text)
-
-    def advance(self) -> None:
-        if self._bar is not None:
-            self._bar.advance(self._task)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self._bar is not None:
-            self._bar.stop()

@@ -16,6 +16,12 @@ from elm_memory.atomic import write_bytes_atomic
 from elm_memory.errors import ConfigError
 
 
+def run_dir(path: str | os.PathLike[str]) -> Path:
+    """A run directory as an absolute path, resolved here only: the store paths inside it are saved
+    in the run's config, and a relative one would be re-rooted under ``$ELM_HOME``."""
+    return Path(path).resolve()
+
+
 class RecordLog:
     def __init__(self, path: Path):
         self.path = Path(path)

@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping, Sequence
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from elm_memory.eval.metrics import Record, _ordered, route_counts, running_accuracy
+from elm_memory.eval.metrics import Record, ordered_records, route_counts, running_accuracy
 
 __all__ = [
     "markdown_offline",
@@ -68,8 +69,18 @@ def markdown_online(summary: Mapping[str, Mapping[str, Any]]) -> str:
     if not summary:
         raise ValueError("markdown_online needs a summary with at least one method")
     routes = _route_columns(summary)
-    header = ["method", "n", "accuracy (%)", "its zero-shot (%)", "gains/losses", *routes, "answer s/q",
-              "learn s/q", "pool size", "pool MB"]  # fmt: skip
+    header = [
+        "method",
+        "n",
+        "accuracy (%)",
+        "its zero-shot (%)",
+        "gains/losses",
+        *routes,
+        "answer s/q",
+        "learn s/q",
+        "pool size",
+        "pool MB",
+    ]
     rows = []
     for method, s in summary.items():
         counts = s.get("routes", {})
@@ -131,7 +142,7 @@ def _delta_bins(values: Sequence[float], max_bins: int = 40) -> list[float] | in
     unique = sorted(set(values))
     if len(unique) == 1:
         return [unique[0] - 0.5, unique[0] + 0.5]
-    width = min(b - a for a, b in zip(unique, unique[1:]))
+    width = min(b - a for a, b in pairwise(unique))
     count = round((unique[-1] - unique[0]) / width) + 1
     if count > max_bins:
         return max_bins
@@ -149,7 +160,7 @@ def _by_method(records: Iterable[Record]) -> dict[str, list[Record]]:
     groups: dict[str, list[Record]] = {}
     for record in records:
         groups.setdefault(str(record.get("method")), []).append(record)
-    return {method: _ordered(rows) for method, rows in groups.items()}
+    return {method: ordered_records(rows) for method, rows in groups.items()}
 
 
 def _plot_accuracy(groups: Mapping[str, list[Record]], out_dir: Path) -> Path:

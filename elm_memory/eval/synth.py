@@ -67,28 +67,66 @@ class SynthProblem:
     params: Params
 
     def row(self) -> dict[str, Any]:
-        return {"id": self.id, "question": self.question, "answer": str(self.answer), "family": self.family,
-                "structure": self.structure}  # fmt: skip
+        return {
+            "id": self.id,
+            "question": self.question,
+            "answer": str(self.answer),
+            "family": self.family,
+            "structure": self.structure,
+        }
 
 
 # ---- vocabulary (no digits anywhere: numbers in a question are the problem's numbers) ------------
 
-_PEOPLE = [("Maya", "she", "her"), ("Omar", "he", "his"), ("Lena", "she", "her"), ("Tom", "he", "his"),
-           ("Priya", "she", "her"), ("Diego", "he", "his"), ("Aisha", "she", "her"), ("Ben", "he", "his"),
-           ("Chloe", "she", "her"), ("Kenji", "he", "his"), ("Sofia", "she", "her"), ("Liam", "he", "his"),
-           ("Nora", "she", "her"), ("Ravi", "he", "his"), ("Emma", "she", "her"), ("Jonas", "he", "his")]  # fmt: skip
+_PEOPLE = [
+    ("Maya", "she", "her"),
+    ("Omar", "he", "his"),
+    ("Lena", "she", "her"),
+    ("Tom", "he", "his"),
+    ("Priya", "she", "her"),
+    ("Diego", "he", "his"),
+    ("Aisha", "she", "her"),
+    ("Ben", "he", "his"),
+    ("Chloe", "she", "her"),
+    ("Kenji", "he", "his"),
+    ("Sofia", "she", "her"),
+    ("Liam", "he", "his"),
+    ("Nora", "she", "her"),
+    ("Ravi", "he", "his"),
+    ("Emma", "she", "her"),
+    ("Jonas", "he", "his"),
+]
 _GOODS = ["notebooks", "mugs", "T-shirts", "books", "toy cars", "plant pots", "scarves", "board games"]
-_FOOD = [("apples", "pears"), ("muffins", "cookies"), ("bottles of juice", "bags of rice"),
-         ("loaves of bread", "jars of honey"), ("pizzas", "salads"), ("sandwiches", "smoothies")]  # fmt: skip
+_FOOD = [
+    ("apples", "pears"),
+    ("muffins", "cookies"),
+    ("bottles of juice", "bags of rice"),
+    ("loaves of bread", "jars of honey"),
+    ("pizzas", "salads"),
+    ("sandwiches", "smoothies"),
+]
 _VEHICLES = ["bus", "train", "truck", "car", "van"]
-_SHARED = [("stickers", "packs", "friends"), ("marbles", "bags", "children"), ("cards", "boxes", "players"),
-           ("beads", "tubes", "jars")]  # fmt: skip
+_SHARED = [
+    ("stickers", "packs", "friends"),
+    ("marbles", "bags", "children"),
+    ("cards", "boxes", "players"),
+    ("beads", "tubes", "jars"),
+]
 _HOBBIES = ["practises the piano", "reads", "trains at the gym", "paints", "studies Spanish"]
-_GROWTH = [("bakery", "sold", "loaves of bread"), ("library", "lent", "books"), ("shop", "sold", "ice creams"),
-           ("museum", "welcomed", "visitors"), ("farm", "collected", "eggs")]  # fmt: skip
+_GROWTH = [
+    ("bakery", "sold", "loaves of bread"),
+    ("library", "lent", "books"),
+    ("shop", "sold", "ice creams"),
+    ("museum", "welcomed", "visitors"),
+    ("farm", "collected", "eggs"),
+]
 _MAKERS = [("machine", "toys"), ("printer", "posters"), ("oven", "pies"), ("robot", "boxes")]
-_RECIPES = [("pancakes", "eggs"), ("muffins", "cups of milk"), ("cookies", "cups of flour"),
-            ("bread rolls", "spoons of yeast")]  # fmt: skip
+_RECIPES = [
+    ("pancakes", "eggs"),
+    ("muffins", "cups of milk"),
+    ("cookies", "cups of flour"),
+    ("bread rolls", "spoons of yeast"),
+]
 _THINGS = [("bike", "bike"), ("guitar", "guitar"), ("tablet", "tablet"), ("skateboard", "skateboard")]
 _STOCK = [("pens", "boxes"), ("bottles", "crates"), ("cans", "cases"), ("candles", "packs")]
 
@@ -113,8 +151,13 @@ def _discount(rng: random.Random) -> Params:
 
 
 def _travel(rng: random.Random) -> Params:
-    return {"v": rng.randint(3, 9) * 10, "t1": rng.randint(2, 5), "w": rng.randint(2, 8) * 10, "t2": rng.randint(2, 4),
-            "vehicle": rng.choice(_VEHICLES)}  # fmt: skip
+    return {
+        "v": rng.randint(3, 9) * 10,
+        "t1": rng.randint(2, 5),
+        "w": rng.randint(2, 8) * 10,
+        "t2": rng.randint(2, 4),
+        "vehicle": rng.choice(_VEHICLES),
+    }
 
 
 def _share(rng: random.Random) -> Params:
@@ -123,27 +166,54 @@ def _share(rng: random.Random) -> Params:
         if (a + b * c) % k:
             (name, she, _) = _person(rng)[0]
             thing, packs, friends = rng.choice(_SHARED)
-            return {"A": name, "She": she.capitalize(), "a": a, "b": b, "c": c, "k": k, "thing": thing,
-                    "packs": packs, "friends": friends}  # fmt: skip
+            return {
+                "A": name,
+                "She": she.capitalize(),
+                "a": a,
+                "b": b,
+                "c": c,
+                "k": k,
+                "thing": thing,
+                "packs": packs,
+                "friends": friends,
+            }
 
 
 def _ages(rng: random.Random) -> Params:
     (a, _, _), (b, _, _), (c_name, _, _) = _person(rng, 3)
-    return {"A": a, "B": b, "C": c_name, "c": rng.randint(3, 10), "d": rng.randint(2, 6), "k": rng.randint(2, 4),
-            "y": rng.randint(2, 9)}  # fmt: skip
+    return {
+        "A": a,
+        "B": b,
+        "C": c_name,
+        "c": rng.randint(3, 10),
+        "d": rng.randint(2, 6),
+        "k": rng.randint(2, 4),
+        "y": rng.randint(2, 9),
+    }
 
 
 def _time(rng: random.Random) -> Params:
     (a, _, _) = _person(rng)[0]
     h = rng.randint(1, 3)
-    return {"A": a, "h": h, "hours": _hours(h), "m": rng.choice([10, 15, 20, 25, 30, 40, 45, 50]),
-            "days": rng.randint(3, 7), "hobby": rng.choice(_HOBBIES)}  # fmt: skip
+    return {
+        "A": a,
+        "h": h,
+        "hours": _hours(h),
+        "m": rng.choice([10, 15, 20, 25, 30, 40, 45, 50]),
+        "days": rng.randint(3, 7),
+        "hobby": rng.choice(_HOBBIES),
+    }
 
 
 def _growth(rng: random.Random) -> Params:
     place, verb, things = rng.choice(_GROWTH)
-    return {"x": rng.randint(2, 12) * 20, "p": rng.choice([10, 20, 25, 50]), "place": place, "verb": verb,
-            "things": things}  # fmt: skip
+    return {
+        "x": rng.randint(2, 12) * 20,
+        "p": rng.choice([10, 20, 25, 50]),
+        "place": place,
+        "verb": verb,
+        "things": things,
+    }
 
 
 def _together(rng: random.Random) -> Params:
@@ -193,76 +263,148 @@ def _stock(rng: random.Random) -> Params:
 
 
 FAMILIES: tuple[Family, ...] = (
-    Family("discount", 3, (
-        "{A} buys {n} {item} that cost ${p} each. The shop takes {d}% off the total price. "
-        "How many dollars does {A} pay?",
-        "Everything in a shop is {d}% off today. {A} picks {n} {item} priced at ${p} each. "
-        "How much does {A} pay after the discount, in dollars?",
-    ), _discount, lambda q: q["n"] * q["p"] * (100 - q["d"]) // 100),
-    Family("travel", 3, (
-        "A {vehicle} drives at {v} km/h for {t1} hours, then at {w} km/h for {t2} hours. "
-        "How many kilometres does it travel in total?",
-        "A {vehicle} travels for {t1} hours at a speed of {v} km/h. After a stop, it travels for {t2} more hours "
-        "at {w} km/h. What is the total distance it travels, in kilometres?",
-    ), _travel, lambda q: q["v"] * q["t1"] + q["w"] * q["t2"]),
-    Family("share_remainder", 3, (
-        "{A} has {a} {thing} and buys {b} {packs} with {c} {thing} in each. {A} shares all the {thing} equally "
-        "among {k} {friends}, giving each as many as possible. How many {thing} are left over?",
-        "{A} has {b} {packs} of {c} {thing} and {a} loose {thing}. {She} splits all of them equally among {k} "
-        "{friends} so that each gets the same number, as many as possible. How many {thing} are left over?",
-    ), _share, lambda q: (q["a"] + q["b"] * q["c"]) % q["k"]),
-    Family("ages", 3, (
-        "{C} is {c} years old. {B} is {d} years older than {C}. {A} is {k} times as old as {B}. "
-        "How old will {A} be in {y} years?",
-        "{B} is {d} years older than {C}, who is {c}. {A}'s age is {k} times {B}'s age. "
-        "How old will {A} be {y} years from now?",
-    ), _ages, lambda q: q["k"] * (q["c"] + q["d"]) + q["y"]),
-    Family("time_units", 3, (
-        "{A} {hobby} for {hours} and {m} minutes every day. How many minutes does {A} spend on it in {days} days?",
-        "Every day, {A} {hobby} for {hours} and {m} minutes. How many minutes is that in total over {days} days?",
-    ), _time, lambda q: (60 * q["h"] + q["m"]) * q["days"]),
-    Family("percent_growth", 3, (
-        "A {place} {verb} {x} {things} in May. In June it {verb} {p}% more {things} than in May. "
-        "How many {things} did it {base} in May and June together?",
-        "Last week a {place} {verb} {x} {things}. This week it {verb} {p}% more than last week. "
-        "How many {things} did it {base} in the two weeks altogether?",
-    ), _growth, lambda q: q["x"] + q["x"] * (100 + q["p"]) // 100),
-    Family("work_together", 2, (
-        "One {maker} makes {a} {goods} per hour and a second {maker} makes {b} {goods} per hour. "
-        "Working together, how many hours do they need to make {N} {goods}?",
-        "{A} can pack {a} boxes per hour and {B} can pack {b} boxes per hour. "
-        "If they work together, how many hours will it take them to pack {N} boxes?",
-    ), _together, lambda q: q["N"] // (q["a"] + q["b"])),
-    Family("average_needed", 3, (
-        "{A} scored {s1}, {s2} and {s3} on the first three tests. What score does {A} need on the fourth test "
-        "to have an average of {avg} over all four tests?",
-        "A team scored {s1}, {s2} and {s3} points in its first three games. How many points must it score in "
-        "the fourth game so that its average over the four games is {avg} points?",
-    ), _average, lambda q: 4 * q["avg"] - q["s1"] - q["s2"] - q["s3"]),
-    Family("change", 4, (
-        "{A} buys {n1} {item1} at ${p1} each and {n2} {item2} at ${p2} each, and pays with a ${bill} bill. "
-        "How much change does {A} get, in dollars?",
-        "At the market, {A} gets {n1} {item1} for ${p1} each and {n2} {item2} for ${p2} each. {A} hands the "
-        "cashier ${bill}. How many dollars of change should {A} receive?",
-    ), _change, lambda q: q["bill"] - q["n1"] * q["p1"] - q["n2"] * q["p2"]),
-    Family("recipe_scaling", 3, (
-        "A recipe for {s} {dish} uses {f} {ingredient}. {A} wants to make {t} {dish} and already has {h} "
-        "{ingredient}. How many more {ingredient} does {A} need?",
-        "To make {s} {dish} you need {f} {ingredient}. {A} is making {t} {dish} for a party and has {h} "
-        "{ingredient} at home. How many more {ingredient} does {A} need?",
-    ), _recipe, lambda q: q["f"] * q["t"] // q["s"] - q["h"]),
-    Family("savings", 2, (
-        "{A} has saved ${s} and saves ${w} more every week. After how many weeks will {A} have exactly ${c} "
-        "to buy a {thing}?",
-        "A {thing} costs ${c}. {A} already has ${s} and puts aside ${w} every week. "
-        "How many weeks will it take {A} to have exactly enough money to buy it?",
-    ), _savings, lambda q: (q["c"] - q["s"]) // q["w"]),
-    Family("stock", 4, (
-        "A shop has {a} {boxes} with {n} {things} in each. It sells {s} {things} on Monday and twice as many "
-        "on Tuesday. How many {things} are left?",
-        "A warehouse receives {a} {boxes} of {n} {things} each. It ships out {s} {things} on the first day and "
-        "twice as many on the second day. How many {things} remain in the warehouse?",
-    ), _stock, lambda q: q["a"] * q["n"] - 3 * q["s"]),
+    Family(
+        "discount",
+        3,
+        (
+            "{A} buys {n} {item} that cost ${p} each. The shop takes {d}% off the total price. "
+            "How many dollars does {A} pay?",
+            "Everything in a shop is {d}% off today. {A} picks {n} {item} priced at ${p} each. "
+            "How much does {A} pay after the discount, in dollars?",
+        ),
+        _discount,
+        lambda q: q["n"] * q["p"] * (100 - q["d"]) // 100,
+    ),
+    Family(
+        "travel",
+        3,
+        (
+            "A {vehicle} drives at {v} km/h for {t1} hours, then at {w} km/h for {t2} hours. "
+            "How many kilometres does it travel in total?",
+            "A {vehicle} travels for {t1} hours at a speed of {v} km/h. After a stop, it travels for {t2} more hours "
+            "at {w} km/h. What is the total distance it travels, in kilometres?",
+        ),
+        _travel,
+        lambda q: q["v"] * q["t1"] + q["w"] * q["t2"],
+    ),
+    Family(
+        "share_remainder",
+        3,
+        (
+            "{A} has {a} {thing} and buys {b} {packs} with {c} {thing} in each. {A} shares all the {thing} equally "
+            "among {k} {friends}, giving each as many as possible. How many {thing} are left over?",
+            "{A} has {b} {packs} of {c} {thing} and {a} loose {thing}. {She} splits all of them equally among {k} "
+            "{friends} so that each gets the same number, as many as possible. How many {thing} are left over?",
+        ),
+        _share,
+        lambda q: (q["a"] + q["b"] * q["c"]) % q["k"],
+    ),
+    Family(
+        "ages",
+        3,
+        (
+            "{C} is {c} years old. {B} is {d} years older than {C}. {A} is {k} times as old as {B}. "
+            "How old will {A} be in {y} years?",
+            "{B} is {d} years older than {C}, who is {c}. {A}'s age is {k} times {B}'s age. "
+            "How old will {A} be {y} years from now?",
+        ),
+        _ages,
+        lambda q: q["k"] * (q["c"] + q["d"]) + q["y"],
+    ),
+    Family(
+        "time_units",
+        3,
+        (
+            "{A} {hobby} for {hours} and {m} minutes every day. How many minutes does {A} spend on it in {days} days?",
+            "Every day, {A} {hobby} for {hours} and {m} minutes. How many minutes is that in total over {days} days?",
+        ),
+        _time,
+        lambda q: (60 * q["h"] + q["m"]) * q["days"],
+    ),
+    Family(
+        "percent_growth",
+        3,
+        (
+            "A {place} {verb} {x} {things} in May. In June it {verb} {p}% more {things} than in May. "
+            "How many {things} did it {base} in May and June together?",
+            "Last week a {place} {verb} {x} {things}. This week it {verb} {p}% more than last week. "
+            "How many {things} did it {base} in the two weeks altogether?",
+        ),
+        _growth,
+        lambda q: q["x"] + q["x"] * (100 + q["p"]) // 100,
+    ),
+    Family(
+        "work_together",
+        2,
+        (
+            "One {maker} makes {a} {goods} per hour and a second {maker} makes {b} {goods} per hour. "
+            "Working together, how many hours do they need to make {N} {goods}?",
+            "{A} can pack {a} boxes per hour and {B} can pack {b} boxes per hour. "
+            "If they work together, how many hours will it take them to pack {N} boxes?",
+        ),
+        _together,
+        lambda q: q["N"] // (q["a"] + q["b"]),
+    ),
+    Family(
+        "average_needed",
+        3,
+        (
+            "{A} scored {s1}, {s2} and {s3} on the first three tests. What score does {A} need on the fourth test "
+            "to have an average of {avg} over all four tests?",
+            "A team scored {s1}, {s2} and {s3} points in its first three games. How many points must it score in "
+            "the fourth game so that its average over the four games is {avg} points?",
+        ),
+        _average,
+        lambda q: 4 * q["avg"] - q["s1"] - q["s2"] - q["s3"],
+    ),
+    Family(
+        "change",
+        4,
+        (
+            "{A} buys {n1} {item1} at ${p1} each and {n2} {item2} at ${p2} each, and pays with a ${bill} bill. "
+            "How much change does {A} get, in dollars?",
+            "At the market, {A} gets {n1} {item1} for ${p1} each and {n2} {item2} for ${p2} each. {A} hands the "
+            "cashier ${bill}. How many dollars of change should {A} receive?",
+        ),
+        _change,
+        lambda q: q["bill"] - q["n1"] * q["p1"] - q["n2"] * q["p2"],
+    ),
+    Family(
+        "recipe_scaling",
+        3,
+        (
+            "A recipe for {s} {dish} uses {f} {ingredient}. {A} wants to make {t} {dish} and already has {h} "
+            "{ingredient}. How many more {ingredient} does {A} need?",
+            "To make {s} {dish} you need {f} {ingredient}. {A} is making {t} {dish} for a party and has {h} "
+            "{ingredient} at home. How many more {ingredient} does {A} need?",
+        ),
+        _recipe,
+        lambda q: q["f"] * q["t"] // q["s"] - q["h"],
+    ),
+    Family(
+        "savings",
+        2,
+        (
+            "{A} has saved ${s} and saves ${w} more every week. After how many weeks will {A} have exactly ${c} "
+            "to buy a {thing}?",
+            "A {thing} costs ${c}. {A} already has ${s} and puts aside ${w} every week. "
+            "How many weeks will it take {A} to have exactly enough money to buy it?",
+        ),
+        _savings,
+        lambda q: (q["c"] - q["s"]) // q["w"],
+    ),
+    Family(
+        "stock",
+        4,
+        (
+            "A shop has {a} {boxes} with {n} {things} in each. It sells {s} {things} on Monday and twice as many "
+            "on Tuesday. How many {things} are left?",
+            "A warehouse receives {a} {boxes} of {n} {things} each. It ships out {s} {things} on the first day and "
+            "twice as many on the second day. How many {things} remain in the warehouse?",
+        ),
+        _stock,
+        lambda q: q["a"] * q["n"] - 3 * q["s"],
+    ),
 )
 FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 

@@ -17,7 +17,9 @@ MARK = {True: "✓", False: "✗"}
 class Walkthrough:
     """``on_record`` callback for :func:`elm_memory.eval.online.run_stream` (writes with ``echo``)."""
 
-    def __init__(self, total: int, echo: Callable[[str], None], *, baseline: str = "zero_shot", method: str = "elm_input"):
+    def __init__(
+        self, total: int, echo: Callable[[str], None], *, baseline: str = "zero_shot", method: str = "elm_input"
+    ):
         self.total, self.echo = total, echo
         self.baseline, self.method = baseline, method
         self._pending: dict[int, dict[str, dict[str, Any]]] = {}

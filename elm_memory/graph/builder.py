@@ -38,7 +38,8 @@ def build_elm_graph(
     nodes = ELMNodes(services)
     schema = ELMRunContext if declare_context_schema else None
     graph = StateGraph(ELMState, context_schema=schema, input_schema=ELMInput, output_schema=ELMOutput)
-    graph.add_node("retrieve", nodes.retrieve)
+    # (state, runtime, config) nodes work at run time; langgraph's add_node overloads list only one of the two
+    graph.add_node("retrieve", nodes.retrieve)  # type: ignore[call-overload]
     graph.add_node("dual_generate", nodes.dual_generate)
     graph.add_node("route", nodes.route)
     graph.add_node("verify", nodes.verify)

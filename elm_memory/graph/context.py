@@ -30,9 +30,11 @@ class ELMRunContext(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    user_id: str | None = Field(None, description="Fills `{user_id}` in the config's `namespace_template`.")
-    namespace: str | None = Field(None, description="Memory namespace for this run (overrides the template).")
-    learn: bool | None = Field(None, description="Learn a memory from the question after answering (default: yes).")
+    user_id: str | None = Field(default=None, description="Fills `{user_id}` in the config's `namespace_template`.")
+    namespace: str | None = Field(default=None, description="Memory namespace for this run (overrides the template).")
+    learn: bool | None = Field(
+        default=None, description="Learn a memory from the question after answering (default: yes)."
+    )
 
 
 def as_run_context(context: Any, *, strict: bool = True) -> ELMRunContext | None:

@@ -18,7 +18,7 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import Runtime
 
 from elm_memory.answers import equivalent, extract_answer
-from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
+from elm_memory.backends.base import SamplingParams, answer_budget
 from elm_memory.graph.context import ELMRunContext, as_run_context, resolve_namespace
 from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import CandidateState, ELMState, Fresh, FreshTimings
@@ -79,9 +79,13 @@ class ELMNodes:
             r = svc.config.retrieval
             try:
                 hits, decision = svc.retriever.retrieve_with_gates(
-                    question, namespace, k=r.top_k, min_similarity=r.min_similarity,
-                    skip_no_consensus=r.skip_no_consensus, min_majority_share=r.min_majority_share,
-                )  # fmt: skip
+                    question,
+                    namespace,
+                    k=r.top_k,
+                    min_similarity=r.min_similarity,
+                    skip_no_consensus=r.skip_no_consensus,
+                    min_majority_share=r.min_majority_share,
+                )
                 update["gate"] = decision.to_dict()
             except Exception as exc:  # degrade, never fail the answer
                 update["warnings"] = Fresh(_warning(f"retrieval failed, answering zero-shot: {exc}"))
@@ -99,8 +103,8 @@ class ELMNodes:
         svc = self.services
         cfg = svc.config
         k = cfg.memory.num_tokens
-        built = svc.prompts.build(state["question"], reserve=k + 1)
-        inputs = [PromptInput(built.token_ids)]
+        prompt = svc.prompts.answer_prompt(state["question"], memory_tokens=k)
+        inputs = [prompt.zero_shot()]
         kinds = ["zero_shot"]
         warnings: list[str] = []
         memory_id = state.get("memory_id")
@@ -108,15 +112,14 @@ class ELMNodes:
             try:
                 memory = svc.memory(memory_id)
                 memory.check_compatible(svc.backend.info)
-                at = built.memory_position(cfg.prompt.soft_prompt_position)
-                inputs.append(PromptInput(built.token_ids, soft_prompt=memory.soft_prompt, soft_prompt_at=at))
+                inputs.append(prompt.with_memory(memory.soft_prompt))
                 kinds.append("memory")
             except Exception as exc:
                 warnings += _warning(f"memory {memory_id[:8]} unusable, answering zero-shot: {exc}")
                 memory_id = None
         g = cfg.generation
         params = SamplingParams(
-            max_new_tokens=answer_budget(g.max_new_tokens, svc.backend.info.max_context, len(built.token_ids), k),
+            max_new_tokens=answer_budget(g.max_new_tokens, svc.backend.info.max_context, len(prompt.token_ids), k),
             temperature=g.temperature,
             top_p=g.top_p,
             stop_at_answer=g.stop_at_answer,
@@ -165,7 +168,7 @@ class ELMNodes:
         """Score both candidates; the memory's answer wins only with a strictly higher score."""
         t0 = time.perf_counter()
         svc = self.services
-        candidates = [dict(c) for c in state["candidates"]]
+        candidates: list[dict[str, Any]] = [dict(c) for c in state["candidates"]]
         chosen = candidates[0]
         warnings: list[str] = []
         if svc.verifier is None:
@@ -174,10 +177,12 @@ class ELMNodes:
             try:
                 from elm_memory.verifiers.base import Candidate
 
-                built = svc.prompts.build(state["question"])
+                # the zero-shot prompt of dual_generate: the verifier judges answers to the question itself
+                plain = svc.prompts.answer_prompt(state["question"], memory_tokens=svc.config.memory.num_tokens)
                 scored = [
-                    Candidate(text=c["response"], token_ids=tuple(c["token_ids"]), prompt=PromptInput(built.token_ids),
-                              kind=c["kind"])  # fmt: skip
+                    Candidate(
+                        text=c["response"], token_ids=tuple(c["token_ids"]), prompt=plain.zero_shot(), kind=c["kind"]
+                    )
                     for c in candidates
                 ]
                 scores = svc.verifier.score(state["question"], scored)
@@ -206,7 +211,7 @@ class ELMNodes:
     def _record_outcome(self, state: ELMState) -> list[str]:
         svc = self.services
         memory_id, candidates = state.get("memory_id"), state.get("candidates") or []
-        record = getattr(svc.retriever.store, "record_outcome", None) if svc.retriever is not None else None
+        record = svc.retriever.store.record_outcome if svc.retriever is not None else None
         if not memory_id or len(candidates) < 2 or record is None:
             return []
         zero, mem = candidates[0], candidates[1]

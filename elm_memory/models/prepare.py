@@ -16,10 +16,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from filelock import FileLock
 
 from elm_memory.errors import ModelIntegrityError, ModelNotFoundError
+from elm_memory.models.fingerprint import embedding_fingerprint
 from elm_memory.models.packaged import PACKAGED_PREFIX, assemble_gguf, get_packaged, sha256_file
 
 MARKER = "elm_model.json"
@@ -40,6 +42,19 @@ def prepared_dir(name_or_path: str) -> Path:
 
 def is_prepared(name_or_path: str) -> bool:
     return (prepared_dir(name_or_path) / MARKER).is_file()
+
+
+def stored_fingerprint(folder: str | os.PathLike[str]) -> str | None:
+    """The embedding fingerprint a prepared folder recorded (saves hashing the table on every load);
+    None when the folder was not prepared here or its marker is unreadable."""
+    marker = Path(folder) / MARKER
+    if not marker.is_file():
+        return None
+    try:
+        return json.loads(marker.read_text(encoding="utf-8")).get("embedding_fingerprint")
+    except (OSError, ValueError):
+        print(f"warning: unreadable {marker}; recomputing the fingerprint", file=sys.stderr)
+        return None
 
 
 def prepare_model(name_or_path: str, *, force: bool = False, verbose: bool = True) -> Path:
@@ -86,11 +101,9 @@ def _convert(gguf: Path, out: Path) -> str:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer, GgufConfig
 
-    from elm_memory.models.loading import embedding_fingerprint
-
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-        model = AutoModelForCausalLM.from_pretrained(
+        model: Any = AutoModelForCausalLM.from_pretrained(
             str(gguf.parent),
             gguf_file=gguf.name,
             dtype=torch.float32,

@@ -1,13 +1,18 @@
-"""Question -> model input: validation, the paper's prompt, the chat template, and the
-token position where a memory (soft prompt) is inserted."""
+"""Question -> model input: validation, the paper's prompt, the chat template, the token
+position where a memory (soft prompt) is inserted, and the answer prompt every answer path
+generates from (:class:`AnswerPrompt`)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from elm_memory.backends.base import PromptInput
 from elm_memory.config import PromptConfig
 from elm_memory.errors import InvalidQuestionError
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -20,6 +25,29 @@ class BuiltPrompt:
 
     def memory_position(self, position: str) -> int:
         return 0 if position == "prefix" else self.user_turn_at
+
+
+@dataclass(frozen=True)
+class AnswerPrompt:
+    """What an answer to a question is generated from: zero-shot, or with a memory's soft prompt.
+
+    Built only by :meth:`PromptBuilder.answer_prompt`, for the graph's answers, the evaluation
+    baselines and the offline protocol alike: the greedy cache keys on the exact prompt, so one
+    builder is what makes a method's zero-shot answer the very one another method got.
+    """
+
+    built: BuiltPrompt
+    memory_at: int  # the token a memory's soft prompt is inserted before
+
+    @property
+    def token_ids(self) -> tuple[int, ...]:
+        return self.built.token_ids
+
+    def zero_shot(self) -> PromptInput:
+        return PromptInput(self.built.token_ids)
+
+    def with_memory(self, soft_prompt: torch.Tensor) -> PromptInput:
+        return PromptInput(self.built.token_ids, soft_prompt=soft_prompt, soft_prompt_at=self.memory_at)
 
 
 def validate_question(question: Any) -> str:
@@ -83,3 +111,9 @@ class PromptBuilder:
                 f"of {self.max_context} tokens"
             )
         return BuiltPrompt(text=text, token_ids=ids, user_turn_at=len(head))
+
+    def answer_prompt(self, question: Any, *, memory_tokens: int) -> AnswerPrompt:
+        """The prompt to answer ``question`` from, with room for a memory of ``memory_tokens`` and
+        at least one answer token (so a question is refused alike with or without a memory)."""
+        built = self.build(question, reserve=memory_tokens + 1)
+        return AnswerPrompt(built, built.memory_position(self.cfg.soft_prompt_position))

@@ -188,7 +188,7 @@ class KVKeyBuilder:
         by_len: dict[int, list[int]] = {}
         for i, sp in enumerate(prompts):
             by_len.setdefault(int(sp.shape[0]), []).append(i)
-        weight = _embedding(loaded).weight
+        weight: torch.Tensor = _embedding(loaded).weight  # type: ignore[assignment]  # nn.Module attrs are untyped
         for idx in by_len.values():
             batch = torch.stack([prompts[i].detach() for i in idx]).to(weight.device, weight.dtype)
             out[idx] = self._run(loaded, "k_proj", loaded.info.num_key_value_heads, inputs_embeds=batch)
@@ -226,4 +226,3 @@ class KVKeyBuilder:
             raise ConfigError(f"the {proj} hooks of {info.name} did not all fire; use retrieval.key=input")
         per_layer = torch.stack([p for p in pooled if p is not None], dim=1)  # (b, L, head_dim)
         return F.normalize(per_layer, dim=-1).flatten(1).cpu()
-

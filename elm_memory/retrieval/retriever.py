@@ -30,7 +30,7 @@ from elm_memory.retrieval.keys import KeyBuilder, QuestionIds
 if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
     from elm_memory.models.loading import LoadedModel
-    from elm_memory.store.base import MemoryStore, StoreHit
+    from elm_memory.store.base import MemoryStoreBase, StoreHit
 
 log = logging.getLogger(__name__)
 
@@ -144,7 +144,7 @@ class Retriever:
 
     def __init__(
         self,
-        store: MemoryStore,
+        store: MemoryStoreBase,
         key_builder: KeyBuilder,
         loaded: LoadedModel,
         *,
@@ -161,8 +161,10 @@ class Retriever:
         # predate the gate (and pass only min_similarity/skip_no_consensus) still honour the config
         self.min_majority_share = _check_share(min_majority_share)
         self.min_utility = _check_utility(min_utility)
-        if isinstance(min_utility_observations, bool) or not isinstance(min_utility_observations, int) or (
-            min_utility_observations < 1
+        if (
+            isinstance(min_utility_observations, bool)
+            or not isinstance(min_utility_observations, int)
+            or (min_utility_observations < 1)
         ):
             raise ConfigError(f"min_utility_observations must be an integer >= 1, got {min_utility_observations!r}")
         self.min_utility_observations = min_utility_observations
@@ -176,9 +178,13 @@ class Retriever:
         store = stores.get(cfg.store.kind).from_config(cfg.store, model=loaded.info, **store_kwargs)
         r = cfg.retrieval
         return cls(
-            store, builder, loaded, min_majority_share=r.min_majority_share,
-            min_utility=getattr(r, "min_utility", None), min_utility_observations=getattr(r, "min_utility_observations", 5),
-        )  # fmt: skip
+            store,
+            builder,
+            loaded,
+            min_majority_share=r.min_majority_share,
+            min_utility=getattr(r, "min_utility", None),
+            min_utility_observations=getattr(r, "min_utility_observations", 5),
+        )
 
     @property
     def kind(self) -> str:
@@ -209,9 +215,9 @@ class Retriever:
         corrupt is skipped with a warning (``elm memories check`` repairs it).
         ``min_majority_share=None``: the retriever's own (``retrieval.min_majority_share``).
         """
-        return self.retrieve_with_gates(
-            question, namespace, k, min_similarity, skip_no_consensus, min_majority_share
-        )[0]
+        return self.retrieve_with_gates(question, namespace, k, min_similarity, skip_no_consensus, min_majority_share)[
+            0
+        ]
 
     def retrieve_with_gates(
         self,
@@ -302,11 +308,10 @@ class Retriever:
     def _low_utility(self, hit: StoreHit) -> bool:
         """Utility below ``min_utility`` after enough judged answers (side-table read, no blob read).
         A store without counters, or one that cannot read them, never rejects: the gate fails open."""
-        utility_of = getattr(self.store, "utility_of", None)
-        if utility_of is None or self.min_utility is None:
+        if self.min_utility is None:
             return False
         try:
-            u = utility_of(hit.record.namespace, [hit.record.id]).get(hit.record.id)
+            u = self.store.utility_of(hit.record.namespace, [hit.record.id]).get(hit.record.id)
         except StoreError as exc:
             log.warning("utility of memory %s unreadable, not gating it: %s", hit.record.id[:8], exc)
             return False

@@ -1,4 +1,4 @@
-"""Memory stores: the protocol, the blob directory and the Chroma implementation.
+"""Memory stores: the protocol and its base class, the blob directory and the Chroma implementation.
 
 Names are imported lazily, so ``elm --help`` (which imports the ``memories`` CLI) pays
 for neither torch nor chromadb.
@@ -12,6 +12,7 @@ _WHERE = {
     "MemoryNotFoundError": "elm_memory.store.base",
     "MemoryRecord": "elm_memory.store.base",
     "MemoryStore": "elm_memory.store.base",
+    "MemoryStoreBase": "elm_memory.store.base",
     "StoreHit": "elm_memory.store.base",
     "BlobStore": "elm_memory.store.blobs",
     "MissingBlobError": "elm_memory.store.blobs",

@@ -1,4 +1,4 @@
-"""The :class:`MemoryStore` protocol and the plain records it returns.
+"""The store contract: the :class:`MemoryStore` protocol, :class:`MemoryStoreBase` and their records.
 
 A store keeps two things per memory: the memory itself (soft prompt, keys, metadata; a
 safetensors blob) and one index row per key kind (the key vector plus a small metadata
@@ -11,14 +11,19 @@ a memory filed under another.
 
 from __future__ import annotations
 
+import builtins  # annotations below a method named `list` must say builtins.list
+from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from elm_memory.errors import StoreError
+from elm_memory.errors import ELMError, StoreError
 from elm_memory.memory import LatentMemory
+
+if TYPE_CHECKING:
+    from elm_memory.store.utility import Utility
 
 
 class MemoryNotFoundError(StoreError):
@@ -106,37 +111,33 @@ class CheckReport:
 
 @runtime_checkable
 class MemoryStore(Protocol):
-    """Persistent memories with per-namespace nearest-neighbour search over their keys."""
+    """The primitive operations every memory store implements (the rest: :class:`MemoryStoreBase`).
 
-    def put(self, memory: LatentMemory) -> str:
-        """Store the memory and index every key in ``memory.keys``; returns the blob name."""
+    A plugin store (registered under ``elm_memory.stores``) subclasses :class:`MemoryStoreBase`
+    and implements exactly these six: write (``put_many``), enumerate (``list``), read
+    (``load``), remove (``delete``), search (``query``) and count a retrieval
+    (``record_usage``). Callers may rely on every method of :class:`MemoryStoreBase`.
+    """
+
+    def put_many(self, memories: Sequence[LatentMemory]) -> builtins.list[str]:
+        """Store the memories and index every key in ``memory.keys``; returns the blob names."""
         ...
 
-    def put_many(self, memories: Sequence[LatentMemory]) -> list[str]: ...
-
-    def get(self, memory_id: str, namespace: str | None = None) -> LatentMemory:
-        """The validated memory, or :class:`MemoryNotFoundError`."""
-        ...
-
-    def record(self, memory_id: str, namespace: str | None = None) -> MemoryRecord:
-        """The index record (no blob read), or :class:`MemoryNotFoundError`."""
+    def list(
+        self, namespace: str | None = None, *, kind: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> builtins.list[MemoryRecord]:
+        """Records sorted by creation time (oldest first), all namespaces when ``namespace`` is None."""
         ...
 
     def load(self, record: MemoryRecord) -> LatentMemory:
         """The memory a record (e.g. a query hit) points to, validated against the record."""
         ...
 
-    def delete(self, memory_id: str, namespace: str | None = None) -> bool: ...
+    def delete(self, memory_id: str, namespace: str | None = None) -> bool:
+        """Remove one memory; False when there is none."""
+        ...
 
-    def list(
-        self, namespace: str | None = None, *, kind: str | None = None, limit: int | None = None, offset: int = 0
-    ) -> list[MemoryRecord]: ...
-
-    def namespaces(self) -> list[str]: ...
-
-    def count(self, namespace: str | None = None, *, kind: str | None = None) -> int: ...
-
-    def query(self, kind: str, vector: torch.Tensor, namespace: str, k: int = 1) -> list[StoreHit]:
+    def query(self, kind: str, vector: torch.Tensor, namespace: str, k: int = 1) -> builtins.list[StoreHit]:
         """Top-``k`` rows of ``namespace`` by cosine similarity to ``vector`` (best first)."""
         ...
 
@@ -144,8 +145,84 @@ class MemoryStore(Protocol):
         """Count one retrieval for each memory (its usage counter and last-used time)."""
         ...
 
+
+class MemoryStoreBase(ABC):
+    """A :class:`MemoryStore` with every other store method derived from its six primitives.
+
+    Modelled on LangGraph's ``BaseStore``: a subclass implements the abstract methods
+    (``put_many``, ``list``, ``load``, ``delete``, ``query``, ``record_usage``) and gets
+    ``put``, ``get``, ``record``, ``namespaces``, ``count`` and ``check`` built on them, plus
+    the optional utility counters (``record_outcome``, ``record_ground_truth``,
+    ``utility_of``), which by default keep nothing. The derived versions are correct but
+    read every record; a store with an index overrides them (the Chroma store does).
+    """
+
+    # ---- primitives: what a store implements ----------------------------------------------------
+    @abstractmethod
+    def put_many(self, memories: Sequence[LatentMemory]) -> builtins.list[str]: ...
+
+    @abstractmethod
+    def list(
+        self, namespace: str | None = None, *, kind: str | None = None, limit: int | None = None, offset: int = 0
+    ) -> builtins.list[MemoryRecord]: ...
+
+    @abstractmethod
+    def load(self, record: MemoryRecord) -> LatentMemory: ...
+
+    @abstractmethod
+    def delete(self, memory_id: str, namespace: str | None = None) -> bool: ...
+
+    @abstractmethod
+    def query(self, kind: str, vector: torch.Tensor, namespace: str, k: int = 1) -> builtins.list[StoreHit]: ...
+
+    @abstractmethod
+    def record_usage(self, kind: str, namespace: str, memory_ids: Sequence[str]) -> None: ...
+
+    # ---- derived ----------------------------------------------------------------------------
+    def put(self, memory: LatentMemory) -> str:
+        """Store one memory; returns its blob name."""
+        return self.put_many([memory])[0]
+
+    def record(self, memory_id: str, namespace: str | None = None) -> MemoryRecord:
+        """The record of one memory, or :class:`MemoryNotFoundError`."""
+        for r in self.list(namespace):
+            if r.id == memory_id:
+                return r
+        where = f" in namespace {namespace!r}" if namespace is not None else ""
+        raise MemoryNotFoundError(f"no memory {memory_id!r}{where}")
+
+    def get(self, memory_id: str, namespace: str | None = None) -> LatentMemory:
+        """The validated memory, or :class:`MemoryNotFoundError`."""
+        return self.load(self.record(memory_id, namespace))
+
+    def namespaces(self) -> builtins.list[str]:
+        """Every namespace holding at least one memory, sorted."""
+        return sorted({r.namespace for r in self.list()})
+
+    def count(self, namespace: str | None = None, *, kind: str | None = None) -> int:
+        """Memories (of one key kind, if given)."""
+        return len(self.list(namespace, kind=kind))
+
+    def check(self, repair: bool = False) -> CheckReport:
+        """Every listed memory must load; one that does not is reported in ``errors`` (no repair)."""
+        report = CheckReport(repaired=repair)
+        for r in self.list():
+            report.memories += 1
+            try:
+                self.load(r)
+            except ELMError as exc:  # missing, corrupt or incompatible
+                report.errors.append(f"{r.id}: {exc}")
+        return report
+
+    # ---- optional counters (default: not kept) -----------------------------------------------
     def record_outcome(self, namespace: str, memory_id: str, outcome: str, similarity: float | None = None) -> None:
         """Count what an answer did with the memory it used: ``agree``, ``won``, ``lost`` or ``unjudged``."""
-        ...
+        return None
 
-    def check(self, repair: bool = False) -> CheckReport: ...
+    def record_ground_truth(self, namespace: str, memory_id: str, correct: bool) -> None:
+        """Count an answer that used the memory as right or wrong against a gold answer (evaluation runs)."""
+        return None
+
+    def utility_of(self, namespace: str, memory_ids: Sequence[str] | None = None) -> dict[str, Utility]:
+        """Counters of ``namespace``'s memories by id (a memory never counted is absent)."""
+        return {}

@@ -1,4 +1,4 @@
-"""Validation of the names a store files memories under: namespaces and memory ids.
+"""The names a store files memories under: namespaces, memory ids and question hashes.
 
 Kept free of torch and chromadb so the CLI can check its arguments before importing
 either, and so the facade, the memory format and the store apply one rule each.
@@ -6,6 +6,7 @@ either, and so the facade, the memory format and the store apply one rule each.
 
 from __future__ import annotations
 
+import hashlib
 import re
 from typing import Any
 
@@ -30,9 +31,7 @@ def validate_namespace(namespace: Any) -> str:
     if not namespace:
         raise InvalidNamespaceError("namespace is empty; omit it to use the configured one")
     if len(namespace) > MAX_NAMESPACE_CHARS:
-        raise InvalidNamespaceError(
-            f"namespace too long: {len(namespace)} characters (at most {MAX_NAMESPACE_CHARS})"
-        )
+        raise InvalidNamespaceError(f"namespace too long: {len(namespace)} characters (at most {MAX_NAMESPACE_CHARS})")
     if not namespace.isprintable() or namespace != namespace.strip():
         raise InvalidNamespaceError(
             f"invalid namespace {namespace[:40]!r}: use printable characters without leading or trailing spaces"
@@ -46,3 +45,8 @@ def validate_memory_id(memory_id: Any) -> str:
         shown = memory_id[:40] if isinstance(memory_id, str) else memory_id
         raise MemoryFormatError(f"invalid memory id {shown!r}: expected 8-64 lowercase hex characters")
     return memory_id
+
+
+def question_hash(question: str) -> str:
+    """sha256 of the stripped question: a memory's ``question_hash`` and the core of a learn job's id."""
+    return hashlib.sha256(question.strip().encode("utf-8")).hexdigest()

@@ -97,7 +97,9 @@ def export_adapter(memory: LatentMemory, out: str | os.PathLike[str], *, positio
         out.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(out / ADAPTER_WEIGHTS, weights)
         write_bytes_atomic(out / ELM_METADATA, json.dumps(elm, ensure_ascii=False, indent=1).encode("utf-8"))
-        write_bytes_atomic(out / ADAPTER_CONFIG, json.dumps(config, indent=2).encode("utf-8"))  # last: marks it complete
+        write_bytes_atomic(
+            out / ADAPTER_CONFIG, json.dumps(config, indent=2).encode("utf-8")
+        )  # last: marks it complete
     except OSError as exc:
         raise AdapterError(f"cannot write the adapter to {out}: {exc.strerror or exc}") from None
     return out
@@ -224,5 +226,3 @@ def _read_weights(path: Path) -> torch.Tensor:
     if prompt.dim() != 2 or not prompt.is_floating_point():
         raise AdapterError(f"{path}: {WEIGHT_KEY} must be a 2-D float tensor, got {prompt.dtype} {tuple(prompt.shape)}")
     return prompt.to(torch.float32)
-
-

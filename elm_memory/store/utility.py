@@ -206,7 +206,9 @@ class UtilityTable:
         self._run([self._bump(namespace, memory_id, **{"gold_right" if correct else "gold_wrong": 1})])
 
     # -- reading -------------------------------------------------------------------------
-    def get(self, namespace: str | None = None, memory_ids: Sequence[str] | None = None) -> dict[tuple[str, str], Utility]:
+    def get(
+        self, namespace: str | None = None, memory_ids: Sequence[str] | None = None
+    ) -> dict[tuple[str, str], Utility]:
         """Counters by (namespace, id); ``namespace=None``: every namespace."""
         if not self.path.exists():
             return {}

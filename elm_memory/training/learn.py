@@ -1,44 +1,21 @@
-"""Learn memories: pick the engine, initialise from the question, train, package.
+"""Learn memories: initialise from the question, train with the configured engine, package.
 
-This is the only place that knows both engines; both return a soft prompt and
-:class:`~elm_memory.memory.TrainingStats`, so their memories have the same format.
+The engine comes from the ``training_engines`` registry (:mod:`elm_memory.training.engines`);
+every engine returns a soft prompt and :class:`~elm_memory.memory.TrainingStats`, so the
+memories packaged here have the same format whichever trained them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, Protocol
-
-import torch
 
 from elm_memory.backends.base import GenerationBackend
 from elm_memory.config import ELMConfig
 from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import LoadedModel
 from elm_memory.models.prompting import PromptBuilder, validate_question
-from elm_memory.training.init import init_soft_prompt
-from elm_memory.training.native import NativeTrainer, TrainResult
-
-
-class Trainer(Protocol):
-    engine: str
-
-    def train(
-        self, prompt_ids: Any, init: torch.Tensor, *, at: int = 0, objective: str | None = None,
-        progress: bool | None = None,
-    ) -> TrainResult: ...  # fmt: skip
-
-    def train_many(
-        self, prompts: Any, *, objective: str | None = None, progress: bool | None = None
-    ) -> list[TrainResult]: ...
-
-
-def build_trainer(config: ELMConfig, loaded: LoadedModel, backend: GenerationBackend) -> Trainer:
-    if config.training.engine == "native":
-        return NativeTrainer(loaded, backend, config.training)
-    from elm_memory.training.trl_engine import TRLTrainer
-
-    return TRLTrainer(loaded, config.training)
+from elm_memory.training.engines import Trainer, build_trainer
+from elm_memory.training.initialization import init_soft_prompt
 
 
 def learn_memory(
@@ -59,9 +36,16 @@ def learn_memory(
     or failed training leaves no trace.
     """
     [memory] = learn_memories(
-        [question], config=config, loaded=loaded, backend=backend, prompts=prompts, namespace=namespace,
-        trainer=trainer, progress=progress, memory_ids=[memory_id],
-    )  # fmt: skip
+        [question],
+        config=config,
+        loaded=loaded,
+        backend=backend,
+        prompts=prompts,
+        namespace=namespace,
+        trainer=trainer,
+        progress=progress,
+        memory_ids=[memory_id],
+    )
     return memory
 
 
@@ -72,7 +56,7 @@ def learn_memories(
     loaded: LoadedModel,
     backend: GenerationBackend,
     prompts: PromptBuilder,
-    namespace: str | Sequence[str] | None = None,
+    namespace: str | Sequence[str | None] | None = None,
     trainer: Trainer | None = None,
     progress: bool | None = None,
     memory_ids: Sequence[str | None] | None = None,
@@ -88,12 +72,12 @@ def learn_memories(
     k = config.memory.num_tokens
     items = []
     for question in questions:
-        built = prompts.build(question, reserve=k + 1)
+        prompt = prompts.answer_prompt(question, memory_tokens=k)  # training sees the prompt answering sees
         question_ids = loaded.tokenizer(question, add_special_tokens=False)["input_ids"]
         init = init_soft_prompt(
             loaded.model.get_input_embeddings(), question_ids, k, config.memory.init, config.training.seed
         )
-        items.append((built.token_ids, init, built.memory_position(config.prompt.soft_prompt_position)))
+        items.append((prompt.token_ids, init, prompt.memory_at))
     trainer = trainer or build_trainer(config, loaded, backend)
     results = trainer.train_many(items, progress=progress)
     recipe = {

@@ -21,16 +21,17 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import cast
 
 import torch
 from tqdm.auto import tqdm
 
-from elm_memory.backends.base import GenerationBackend, PromptInput, SamplingParams
+from elm_memory.backends.base import Generation, GenerationBackend, PromptInput, SamplingParams
 from elm_memory.config import TrainingConfig
 from elm_memory.errors import NonFiniteError
 from elm_memory.memory import TrainingStats
 from elm_memory.models.loading import LoadedModel
+from elm_memory.models.teacher_forcing import completion_logprobs
 from elm_memory.training.losses import advantages_from_rewards, policy_loss, sft_loss
 from elm_memory.training.rewards import GroupReward, majority_vote_rewards
 
@@ -75,89 +76,23 @@ class NativeTrainer:
         (as TRL computes them). Gradients flow into each soft prompt that requires grad, and only
         from the rows of its own prompt.
         """
-        if rows is None:
-            prompt_ids, soft_prompt, at = [prompt_ids], [soft_prompt], [at]  # type: ignore[list-item]
-            rows = [0] * len(completions)
-        model = self.model
-        device = next(model.parameters()).device
-        embed = model.get_input_embeddings()
-        composed: dict[int, torch.Tensor] = {}
-        for p in dict.fromkeys(rows):  # each prompt embedded once, however many rows it has
-            tok = embed(torch.tensor(list(prompt_ids[p]), dtype=torch.long, device=device))
-            soft = soft_prompt[p].to(device=device, dtype=tok.dtype)  # type: ignore[union-attr]
-            composed[p] = torch.cat([tok[: at[p]], soft, tok[at[p] :]], dim=0)  # type: ignore[index]
-        B = len(completions)
-        P = max(e.shape[0] for e in composed.values())
-        T = max(1, max(len(c) for c in completions))
-        comp = torch.full((B, T), self.pad_id, dtype=torch.long, device=device)
-        mask = torch.zeros(B, T, dtype=torch.long, device=device)
-        for i, c in enumerate(completions):
-            comp[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
-            mask[i, : len(c)] = 1
-        hidden = next(iter(composed.values())).shape[1]
-        if self.cfg.share_prompt_kv:
-            logits = self._logits_shared_prompt(composed, rows, comp, mask, hidden)
-        else:
-            logits = self._logits_full_rows(composed, rows, comp, mask, P, hidden)
-        out = []
-        for i in range(B):  # one row at a time keeps the fp32 copy of (T, vocab) small
-            row = logits[i].float() / self.temperature
-            out.append(row.gather(1, comp[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))
-        return torch.stack(out), mask
-
-    def _logits_full_rows(
-        self, composed: dict[int, torch.Tensor], rows: Sequence[int], comp: torch.Tensor, mask: torch.Tensor,
-        P: int, hidden: int,
-    ) -> torch.Tensor:  # fmt: skip
-        """(B, T, vocab) logits for the completion tokens, each row carrying its own copy of its prompt."""
-        T = comp.shape[1]
-        embed = self.model.get_input_embeddings()
-        # Prompts are left-padded to a common length P, completions right-padded: every completion
-        # starts at column P, so one `logits_to_keep` serves all rows. Position ids count real tokens
-        # only, so each row sees exactly the positions it has alone (right pads are harmless for a
-        # causal model: real tokens never attend to the pads after them).
-        prompt_emb, prompt_mask = _left_padded(composed, rows, P, hidden)
-        full = torch.cat([prompt_emb, embed(comp)], dim=1)
-        attn = torch.cat([prompt_mask, mask], dim=1)
-        position_ids = (attn.cumsum(-1) - 1).clamp(min=0)
-        logits = self.model(
-            inputs_embeds=full, attention_mask=attn, position_ids=position_ids, logits_to_keep=T + 1, use_cache=False
-        ).logits
-        return logits[:, :T, :]
-
-    def _logits_shared_prompt(
-        self, composed: dict[int, torch.Tensor], rows: Sequence[int], comp: torch.Tensor, mask: torch.Tensor,
-        hidden: int,
-    ) -> torch.Tensor:  # fmt: skip
-        """As :meth:`_logits_full_rows`, but each prompt goes through the model once and its KV cache is
-        repeated for its rows (``training.share_prompt_kv``): G rollouts of a memory cost one prompt
-        forward/backward instead of G. Gradients reach the soft prompt through the cached keys/values."""
-        from transformers import DynamicCache
-
-        B, T = comp.shape
-        device = comp.device
-        embed = self.model.get_input_embeddings()
-        order = list(composed)  # the distinct prompts, each once
-        P = max(e.shape[0] for e in composed.values())
-        lengths = torch.tensor([composed[p].shape[0] for p in order], device=device)
-        prompt_emb, prompt_mask = _left_padded(composed, order, P, hidden)
-        cache = DynamicCache()
-        out = self.model(
-            inputs_embeds=prompt_emb, attention_mask=prompt_mask,
-            position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0), past_key_values=cache, use_cache=True,
-            logits_to_keep=1,
-        )  # fmt: skip
-        index = {p: u for u, p in enumerate(order)}
-        which = torch.tensor([index[p] for p in rows], device=device)
-        cache.batch_select_indices(which)  # row i now holds its prompt's keys/values (differentiable)
-        first = out.logits[:, -1, :][which]  # predicts each completion's first token
-        attn = torch.cat([prompt_mask[which], mask], dim=1)
-        positions = lengths[which].unsqueeze(1) + torch.arange(T, device=device).unsqueeze(0)
-        rest = self.model(
-            inputs_embeds=embed(comp), attention_mask=attn, position_ids=positions, past_key_values=cache,
-            use_cache=True, logits_to_keep=T,
-        ).logits  # fmt: skip
-        return torch.cat([first.unsqueeze(1), rest[:, : T - 1, :]], dim=1)
+        one = rows is None  # one prompt, given bare
+        all_ids = cast(Sequence[Sequence[int]], [prompt_ids] if one else prompt_ids)
+        softs = cast(Sequence[torch.Tensor], [soft_prompt] if one else soft_prompt)
+        ats = cast(Sequence[int], [at] if one else at)
+        prompts = [
+            PromptInput(tuple(ids), soft_prompt=soft, soft_prompt_at=pos)
+            for ids, soft, pos in zip(all_ids, softs, ats, strict=True)
+        ]
+        return completion_logprobs(
+            self.model,
+            prompts,
+            completions,
+            rows=rows,
+            temperature=self.temperature,
+            share_prompt_kv=self.cfg.share_prompt_kv,
+            pad_id=self.pad_id,
+        )
 
     def reference_logps(
         self,
@@ -176,7 +111,7 @@ class NativeTrainer:
         """
         if self.cfg.reference_policy == "base_model":
             # no soft prompt at all
-            init = init[:0] if rows is None else [t[:0] for t in init]  # type: ignore[union-attr,index]
+            init = init[:0] if rows is None else [t[:0] for t in init]
         elif current is not None:
             return current.detach()
         return self.completion_logps(prompt_ids, init, at, completions, rows=rows)[0].detach()
@@ -222,108 +157,92 @@ class NativeTrainer:
         mems = [_Memory.start(ids, init, at, cfg, self.engine, objective) for ids, init, at in prompts]
         if not mems:
             return []
-        M = len(mems)
-        desc = "learning memory" if M == 1 else f"learning {M} memories"
+        desc = "learning memory" if len(mems) == 1 else f"learning {len(mems)} memories"
         bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=_disable(progress), leave=False)
         for step in bar:
-            # 1. rollouts (or the SFT targets, generated once), one backend call for all memories
             t0 = time.perf_counter()
-            completions: list[list[list[int]]] = []
-            groups: list[GroupReward | None] = []
-            if objective == "sft":
-                if step == 0:
-                    for m, (target, answer) in zip(mems, self._greedy_targets([m.prompt_ids for m in mems])):
-                        m.sft_target = target
-                        m.stats.majority_answer, m.stats.majority_share = answer, 1.0 if answer is not None else 0.0
-                        m.saw_answer = answer is not None
-                completions = [[m.sft_target or []] for m in mems]
-                groups = [None] * M
-            else:
-                # copies: the optimizers update the soft prompts in place, rollout inputs must not change under them
-                batch = [(m.prompt_ids, m.soft.detach().clone(), m.at) for m in mems]
-                for m, rollouts in zip(mems, self._rollouts_many(batch, seed=_step_seed(cfg.seed, step))):
-                    group = majority_vote_rewards([g.text for g in rollouts])
-                    comps = [g.token_ids for g in rollouts]
-                    completions.append(comps)
-                    groups.append(group)
-                    m.saw_answer = m.saw_answer or any(a is not None for a in group.answers)
-                    m.stats.answers.append(group.answers)
-                    m.stats.mean_reward.append(sum(group.rewards) / len(group.rewards))
-                    m.stats.majority_answer, m.stats.majority_share = group.vote.answer, group.vote.share
-                    m.stats.completion_tokens += sum(len(c) for c in comps)
-            gen_seconds = time.perf_counter() - t0
-
-            # 2. a memory whose rewards are all equal skips its own backward (its optimizer is not stepped)
-            t1 = time.perf_counter()
-            active = []
-            for i, (m, group) in enumerate(zip(mems, groups)):
-                m.stats.generation_seconds += gen_seconds
-                if group is not None and cfg.skip_uniform_rewards and group.uniform:
-                    m.stats.skipped_backward.append(True)
-                    m.stats.loss.append(0.0)
-                    m.stats.kl.append(m.stats.kl[-1] if m.stats.kl else 0.0)
-                    m.stats.steps += 1
-                else:
-                    active.append(i)
-
-            # 3. one loss over the active memories' rows, then a per-memory clip and update
+            batch = self._sft_targets(mems, step) if objective == "sft" else self._rollout_groups(mems, step)
+            active = self._skip_uniform(mems, batch, time.perf_counter() - t0)
             if active:
-                for i in active:
-                    mems[i].optim.zero_grad(set_to_none=True)
-                losses, kls = self._backward(mems, active, completions, groups, step, objective)
-                for i in active:
-                    m = mems[i]
-                    if cfg.max_grad_norm is not None:
-                        torch.nn.utils.clip_grad_norm_([m.soft], cfg.max_grad_norm)  # per memory, never global
-                    m.optim.step()
-                    if not torch.isfinite(m.soft).all():
-                        raise NonFiniteError(
-                            f"{_which(i, M)}soft prompt became non-finite at step {step + 1}; memory aborted"
-                        )
-                bwd_seconds = time.perf_counter() - t1
-                for i in active:
-                    s = mems[i].stats
-                    s.backward_seconds += bwd_seconds
-                    s.skipped_backward.append(False)
-                    s.loss.append(losses[i])
-                    s.kl.append(kls[i])
-                    s.steps += 1
+                self._update(mems, active, batch)
             bar.set_postfix(_postfix(mems, active))
         bar.close()
         seconds = time.perf_counter() - t_start
-        results = []
-        for m in mems:
-            m.stats.no_consensus = not m.saw_answer if cfg.steps > 0 else False
-            m.stats.seconds = seconds
-            results.append(TrainResult(soft_prompt=m.soft.detach().to("cpu", torch.float32).clone(), stats=m.stats))
-        return results
+        return [m.result(seconds, trained=cfg.steps > 0) for m in mems]
+
+    # -- the steps of train_many ---------------------------------------------------------
+    def _sft_targets(self, mems: list[_Memory], step: int) -> _StepBatch:
+        """Step 1 (SFT): each memory's greedy answer, generated once at step 0, is its one target."""
+        if step == 0:
+            for m, (target, answer) in zip(mems, self._greedy_targets([m.prompt_ids for m in mems]), strict=True):
+                m.sft_target = target
+                m.stats.majority_answer, m.stats.majority_share = answer, 1.0 if answer is not None else 0.0
+                m.saw_answer = answer is not None
+        return _StepBatch(step, "sft", [[m.sft_target or []] for m in mems], [None] * len(mems))
+
+    def _rollout_groups(self, mems: list[_Memory], step: int) -> _StepBatch:
+        """Step 1 (GRPO): G rollouts per memory, one backend call for all, and their TTRL rewards."""
+        # copies: the optimizers update the soft prompts in place, rollout inputs must not change under them
+        inputs = [(m.prompt_ids, m.soft.detach().clone(), m.at) for m in mems]
+        completions: list[list[list[int]]] = []
+        groups: list[GroupReward | None] = []
+        for m, rollouts in zip(mems, self._rollouts_many(inputs, seed=_step_seed(self.cfg.seed, step)), strict=True):
+            group = majority_vote_rewards([g.text for g in rollouts])
+            comps = [g.token_ids for g in rollouts]
+            m.record_group(group, comps)
+            completions.append(comps)
+            groups.append(group)
+        return _StepBatch(step, "grpo", completions, groups)
+
+    def _skip_uniform(self, mems: list[_Memory], batch: _StepBatch, gen_seconds: float) -> list[int]:
+        """Step 2: the memories to update. One whose rewards are all equal has zero advantage
+        everywhere: it skips its backward (its optimizer is not stepped) but keeps its stats."""
+        active = []
+        for i, (m, group) in enumerate(zip(mems, batch.groups, strict=True)):
+            m.stats.generation_seconds += gen_seconds
+            if group is not None and self.cfg.skip_uniform_rewards and group.uniform:
+                m.record_skip()
+            else:
+                active.append(i)
+        return active
+
+    def _update(self, mems: list[_Memory], active: list[int], batch: _StepBatch) -> None:
+        """Step 3: one loss over the active memories' rows, then a per-memory clip and AdamW step."""
+        t1 = time.perf_counter()
+        for i in active:
+            mems[i].optim.zero_grad(set_to_none=True)
+        losses, kls = self._backward(mems, active, batch)
+        for i in active:
+            m = mems[i]
+            if self.cfg.max_grad_norm is not None:
+                torch.nn.utils.clip_grad_norm_([m.soft], self.cfg.max_grad_norm)  # per memory, never global
+            m.optim.step()
+            if not torch.isfinite(m.soft).all():
+                which = _which(i, len(mems))
+                raise NonFiniteError(f"{which}soft prompt became non-finite at step {batch.step + 1}; memory aborted")
+        seconds = time.perf_counter() - t1
+        for i in active:
+            mems[i].record_update(losses[i], kls[i], seconds)
 
     def _backward(
-        self,
-        mems: list[_Memory],
-        active: list[int],
-        completions: list[list[list[int]]],
-        groups: list[GroupReward | None],
-        step: int,
-        objective: str,
+        self, mems: list[_Memory], active: list[int], batch: _StepBatch
     ) -> tuple[dict[int, float], dict[int, float]]:
         """Backward of sum over active memories of each memory's own loss; (loss, mean KL) per memory.
 
         Each loss depends only on its memory's rows, so each soft prompt's gradient is the one
         it would get alone. Micro-batches (``micro_batch_size`` rows, across memories) accumulate.
         """
-        cfg = self.cfg
+        cfg, completions, step = self.cfg, batch.completions, batch.step
         rows = [(i, j) for i in active for j in range(len(completions[i]))]
         # default: one group's worth of rows per forward, so M memories cost M x the activations of one only in time
         micro = cfg.micro_batch_size or cfg.num_generations
-        adv: dict[int, torch.Tensor] = {}
+        adv = {
+            i: advantages_from_rewards(torch.tensor(group.rewards, dtype=torch.float32), cfg.scale_rewards)
+            for i in active
+            if (group := batch.groups[i]) is not None
+        }
         group_tokens = {i: sum(len(c) for c in completions[i]) for i in active}
-        for i in active:
-            group = groups[i]
-            if group is not None:
-                adv[i] = advantages_from_rewards(torch.tensor(group.rewards, dtype=torch.float32), cfg.scale_rewards)
-        all_ids = [m.prompt_ids for m in mems]
-        all_at = [m.at for m in mems]
+        all_ids, all_at = [m.prompt_ids for m in mems], [m.at for m in mems]
         loss_sum = dict.fromkeys(active, 0.0)
         kl_sum = dict.fromkeys(active, 0.0)
         kl_tokens = dict.fromkeys(active, 0)
@@ -333,23 +252,25 @@ class NativeTrainer:
             comps = [completions[i][j] for i, j in chunk]
             logps, mask = self.completion_logps(all_ids, [m.soft for m in mems], all_at, comps, rows=owner)
             ref = None
-            if objective != "sft" and cfg.beta != 0.0:
+            if batch.objective != "sft" and cfg.beta != 0.0:
                 with torch.no_grad():
-                    ref = self.reference_logps(all_ids, [m.init for m in mems], all_at, comps,
-                                               logps if step == 0 else None, rows=owner)  # fmt: skip
+                    ref = self.reference_logps(
+                        all_ids, [m.init for m in mems], all_at, comps, logps if step == 0 else None, rows=owner
+                    )
             total: torch.Tensor | None = None
             for i in dict.fromkeys(owner):
                 sel = torch.tensor([r for r, o in enumerate(owner) if o == i], device=logps.device)
                 js = [j for o, j in chunk if o == i]
-                if objective == "sft":
-                    loss = sft_loss(logps[sel], mask[sel]) * (len(js) / len(completions[i]))
-                    kl = torch.zeros(())
-                else:
-                    loss, kl = policy_loss(
-                        logps[sel], None if ref is None else ref[sel], adv[i][js].to(logps.device), mask[sel],
-                        beta=cfg.beta, loss_type=cfg.loss_type, max_completion_length=cfg.max_completion_length,
-                        group_size=len(completions[i]), group_tokens=group_tokens[i],
-                    )  # fmt: skip
+                loss, kl = self._memory_loss(
+                    logps[sel],
+                    None if ref is None else ref[sel],
+                    mask[sel],
+                    adv.get(i),
+                    js,
+                    len(completions[i]),
+                    group_tokens[i],
+                    batch.objective,
+                )
                 if not torch.isfinite(loss):
                     which = _which(i, len(mems))
                     raise NonFiniteError(f"{which}loss is {loss.item()} at step {step + 1}; memory aborted")
@@ -362,9 +283,39 @@ class NativeTrainer:
             total.backward()
         return loss_sum, {i: kl_sum[i] / max(1, kl_tokens[i]) for i in active}
 
+    def _memory_loss(
+        self,
+        logps: torch.Tensor,
+        ref: torch.Tensor | None,
+        mask: torch.Tensor,
+        adv: torch.Tensor | None,
+        js: list[int],
+        group_size: int,
+        group_tokens: int,
+        objective: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(loss, mean KL) of one memory's rows ``js`` of its group in a micro-batch; the group-wide
+        normalisers make the micro-batches' losses sum to the group's."""
+        cfg = self.cfg
+        if objective == "sft":
+            return sft_loss(logps, mask) * (len(js) / group_size), torch.zeros(())
+        assert adv is not None
+        return policy_loss(
+            logps,
+            ref,
+            adv[js].to(logps.device),
+            mask,
+            beta=cfg.beta,
+            loss_type=cfg.loss_type,
+            max_completion_length=cfg.max_completion_length,
+            group_size=group_size,
+            group_tokens=group_tokens,
+        )
+
+    # -- generation ------------------------------------------------------------------
     def _rollouts_many(
         self, prompts: Sequence[tuple[Sequence[int], torch.Tensor, int]], seed: int | None
-    ) -> list[list[Any]]:
+    ) -> list[list[Generation]]:
         """G rollouts per prompt in one backend call. Every prompt carries ``seed`` itself, so its
         rollouts are those it would get alone, whatever else is in the call."""
         cfg = self.cfg
@@ -379,7 +330,7 @@ class NativeTrainer:
         inputs = [PromptInput(tuple(ids), soft_prompt=soft, soft_prompt_at=at, seed=seed) for ids, soft, at in prompts]
         return self.backend.generate(inputs, params)
 
-    def _rollouts(self, prompt_ids: Sequence[int], soft: torch.Tensor, at: int, seed: int | None) -> list[Any]:
+    def _rollouts(self, prompt_ids: Sequence[int], soft: torch.Tensor, at: int, seed: int | None) -> list[Generation]:
         [group] = self._rollouts_many([(prompt_ids, soft, at)], seed)
         return group
 
@@ -390,14 +341,21 @@ class NativeTrainer:
         gens = self.backend.generate([PromptInput(tuple(ids)) for ids in prompts], params)
         return [(g.token_ids, extract_answer(g.text)) for [g] in gens]
 
-    def _greedy_target(self, prompt_ids: Sequence[int]) -> tuple[list[int], str | None]:
-        [target] = self._greedy_targets([prompt_ids])
-        return target
+
+@dataclass
+class _StepBatch:
+    """One step's completions per memory (G rollouts, or the one SFT target) and their rewards
+    (None under SFT)."""
+
+    step: int
+    objective: str
+    completions: list[list[list[int]]]
+    groups: list[GroupReward | None]
 
 
 @dataclass
 class _Memory:
-    """One memory's training state inside :meth:`NativeTrainer.train_many`."""
+    """One memory's training state inside :meth:`NativeTrainer.train_many`, and its stats bookkeeping."""
 
     prompt_ids: list[int]
     at: int
@@ -419,6 +377,36 @@ class _Memory:
         stats = TrainingStats(engine=engine, objective=objective)
         return cls(list(prompt_ids), at, init, soft, optim, stats)
 
+    def record_group(self, group: GroupReward, completions: list[list[int]]) -> None:
+        """A step's rollouts: their answers, mean reward, majority and length."""
+        s = self.stats
+        self.saw_answer = self.saw_answer or any(a is not None for a in group.answers)
+        s.answers.append(group.answers)
+        s.mean_reward.append(sum(group.rewards) / len(group.rewards))
+        s.majority_answer, s.majority_share = group.vote.answer, group.vote.share
+        s.completion_tokens += sum(len(c) for c in completions)
+
+    def record_skip(self) -> None:
+        """A step without backward (uniform rewards): zero loss, the KL unchanged."""
+        s = self.stats
+        s.skipped_backward.append(True)
+        s.loss.append(0.0)
+        s.kl.append(s.kl[-1] if s.kl else 0.0)
+        s.steps += 1
+
+    def record_update(self, loss: float, kl: float, seconds: float) -> None:
+        s = self.stats
+        s.backward_seconds += seconds
+        s.skipped_backward.append(False)
+        s.loss.append(loss)
+        s.kl.append(kl)
+        s.steps += 1
+
+    def result(self, seconds: float, *, trained: bool) -> TrainResult:
+        self.stats.no_consensus = not self.saw_answer if trained else False
+        self.stats.seconds = seconds
+        return TrainResult(soft_prompt=self.soft.detach().to("cpu", torch.float32).clone(), stats=self.stats)
+
 
 def _which(i: int, m: int) -> str:
     return "" if m == 1 else f"memory {i + 1}/{m}: "
@@ -436,18 +424,6 @@ def _postfix(mems: list[_Memory], active: list[int]) -> dict[str, str]:
     if len(active) < len(mems):
         out["skip"] = "uniform" if len(mems) == 1 else f"{len(mems) - len(active)}/{len(mems)}"
     return out
-
-
-def _left_padded(
-    composed: dict[int, torch.Tensor], keys: Sequence[int], width: int, hidden: int
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """(len(keys), width, hidden) prompt embeddings ``composed[k]``, left-padded with zeros, and their mask."""
-    emb = torch.stack(
-        [torch.cat([composed[k].new_zeros(width - composed[k].shape[0], hidden), composed[k]]) for k in keys]
-    )
-    lengths = torch.tensor([composed[k].shape[0] for k in keys], device=emb.device)
-    mask = (torch.arange(width, device=emb.device).unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
-    return emb, mask
 
 
 def _step_seed(seed: int | None, step: int) -> int | None:

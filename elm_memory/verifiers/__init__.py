@@ -4,7 +4,8 @@
 >>> verifier.score(question, [Candidate(text, ids, prompt), ...])
 
 Built-ins: ``prm`` (process reward model, own model), ``self_certainty`` and ``logprob``
-(the policy model through the backend), ``consistency`` (agreement with fresh samples). Plugins: entry-point group ``elm_memory.verifiers``.
+(the policy model through the backend), ``consistency`` (agreement with fresh samples).
+Plugins: entry-point group ``elm_memory.verifiers``.
 Importing this package does not import torch.
 """
 

@@ -29,14 +29,13 @@ Importing this module does not import torch.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from elm_memory.backends.base import PromptInput, compose_embeddings
+from elm_memory.backends.base import PromptInput
 from elm_memory.errors import BackendError, RegistryError
 
 if TYPE_CHECKING:
@@ -155,7 +154,7 @@ class PolicyVerifier:
         self.conditioning = conditioning
         self.prompt_config = prompt_config
         self.chunk_size = chunk_size
-        self._prompts: Any = None
+        self._zero_shot = ZeroShotPrompts(backend, prompt_config)
 
     @classmethod
     def from_config(cls, cfg: ELMConfig, backend: Any = None) -> PolicyVerifier:
@@ -170,9 +169,7 @@ class PolicyVerifier:
                 out.append(EMPTY_SCORE)
                 continue
             prompt = self._scoring_prompt(question, cand)
-            per_token = response_token_scores(
-                self.backend, prompt, ids, self.token_scores, chunk_size=self.chunk_size
-            )
+            per_token = response_token_scores(self.backend, prompt, ids, self.token_scores, chunk_size=self.chunk_size)
             out.append(per_token.double().mean().item() if per_token.numel() else EMPTY_SCORE)
         return out
 
@@ -190,14 +187,28 @@ class PolicyVerifier:
 
     def _scoring_prompt(self, question: str, cand: Candidate) -> PromptInput:
         if cand.prompt is None:
-            if self._prompts is None:
-                from elm_memory.models.prompting import PromptBuilder
-
-                self._prompts = PromptBuilder(self.backend.tokenizer, self.prompt_config)
-            return PromptInput(self._prompts.build(question).token_ids)
+            return self._zero_shot(question)
         if self.conditioning == "plain":
             return PromptInput(cand.prompt.token_ids)
         return cand.prompt
+
+
+class ZeroShotPrompts:
+    """The zero-shot answer prompt of a question (:meth:`PromptBuilder.answer_prompt`), for
+    candidates that come without their prompt. The builder is made on first use: candidates
+    from the graph and the evaluation carry their prompt and never need it."""
+
+    def __init__(self, backend: Any, prompt_config: Any = None):
+        self.backend = backend
+        self.prompt_config = prompt_config
+        self._builder: Any = None
+
+    def __call__(self, question: str) -> PromptInput:
+        if self._builder is None:
+            from elm_memory.models.prompting import PromptBuilder
+
+            self._builder = PromptBuilder(self.backend.tokenizer, self.prompt_config)
+        return self._builder.answer_prompt(question, memory_tokens=0).zero_shot()
 
 
 @contextlib.contextmanager
@@ -223,9 +234,9 @@ def response_token_scores(
 ) -> torch.Tensor:
     """Teacher-forced per-token scores (n,) float32 of a response; empty if nothing fits.
 
-    One forward of prompt (+ soft prompt, via :func:`compose_embeddings`) + response; only
-    the response positions' logits are kept (``logits_to_keep`` when the model supports
-    it). They become float32 log-probabilities ``chunk_size`` rows at a time and
+    One forward of prompt (+ soft prompt) + response through
+    :func:`~elm_memory.models.teacher_forcing.completion_logits`. The response positions'
+    logits become float32 log-probabilities ``chunk_size`` rows at a time and
     ``token_fn(logp (c, V), targets (c,)) -> (c,)`` reduces each chunk, so a long response
     over a large vocabulary never holds a float32 (n, V) copy at once.
     The response is truncated to fit ``backend.info.max_context`` (see :class:`PolicyVerifier`).
@@ -234,8 +245,6 @@ def response_token_scores(
 
     if prompt.length == 0:
         raise ValueError("cannot score a response without a prompt (no position predicts its first token)")
-    model = backend.model
-    device = model.get_input_embeddings().weight.device
     max_context = getattr(getattr(backend, "info", None), "max_context", None)
     ids = list(response_ids)
     if max_context is not None and prompt.length + len(ids) > max_context:
@@ -250,22 +259,13 @@ def response_token_scores(
         ids = ids[:keep]
     if not ids:
         return torch.zeros(0)
+    from elm_memory.models.teacher_forcing import completion_logits
+
     n = len(ids)
-    with torch.no_grad(), eval_mode(model):
-        resp = torch.tensor(ids, dtype=torch.long, device=device)
-        kwargs: dict[str, Any] = {"use_cache": False}
-        if prompt.soft_prompt is None:
-            prompt_ids = torch.tensor(prompt.token_ids, dtype=torch.long, device=device)
-            kwargs["input_ids"] = torch.cat([prompt_ids, resp]).unsqueeze(0)
-        else:
-            embed = model.get_input_embeddings()
-            emb = compose_embeddings(prompt, lambda t: embed(t.to(device)))
-            kwargs["inputs_embeds"] = torch.cat([emb, embed(resp)], dim=0).unsqueeze(0)
-        if "logits_to_keep" in inspect.signature(model.forward).parameters:
-            kwargs["logits_to_keep"] = n + 1
-        logits = model(**kwargs).logits[0, -(n + 1) : -1]  # position t predicts token t+1
+    with torch.no_grad(), eval_mode(backend.model):
+        logits, targets, _ = completion_logits(backend.model, [prompt], [ids])
         parts = []
         for start in range(0, n, chunk_size):
-            logp = torch.log_softmax(logits[start : start + chunk_size].float(), dim=-1)
-            parts.append(token_fn(logp, resp[start : start + chunk_size]).float().cpu())
+            logp = torch.log_softmax(logits[0, start : start + chunk_size].float(), dim=-1)
+            parts.append(token_fn(logp, targets[0, start : start + chunk_size]).float().cpu())
         return torch.cat(parts)

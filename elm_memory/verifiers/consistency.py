@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
 from elm_memory.errors import BackendError, ConfigError
-from elm_memory.verifiers.base import Candidate
+from elm_memory.verifiers.base import Candidate, ZeroShotPrompts
 
 if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
@@ -70,7 +70,7 @@ class ConsistencyVerifier:
         self.top_p = float(top_p)
         self.seed = seed
         self.prompt_config = prompt_config
-        self._prompts: Any = None
+        self._zero_shot = ZeroShotPrompts(backend, prompt_config)
 
     @classmethod
     def from_config(cls, cfg: ELMConfig, backend: Any = None) -> ConsistencyVerifier:
@@ -92,9 +92,7 @@ class ConsistencyVerifier:
             return [0.0] * len(answers)  # nothing to agree with: skip the sampling
         drawn = self.sample_answers(question, responses)
         total = len(drawn)
-        return [
-            0.0 if a is None or not total else sum(equivalent(a, s) for s in drawn) / total for a in answers
-        ]
+        return [0.0 if a is None or not total else sum(equivalent(a, s) for s in drawn) / total for a in answers]
 
     def sample_answers(self, question: str, responses: Sequence[Candidate] = ()) -> list[str | None]:
         """The ``samples`` zero-shot answers of one batched, seeded generate call (None: no box)."""
@@ -120,8 +118,4 @@ class ConsistencyVerifier:
         for cand in responses:
             if cand.prompt is not None:
                 return PromptInput(cand.prompt.token_ids)  # soft prompt dropped: zero-shot
-        if self._prompts is None:
-            from elm_memory.models.prompting import PromptBuilder
-
-            self._prompts = PromptBuilder(self.backend.tokenizer, self.prompt_config)
-        return PromptInput(self._prompts.build(question).token_ids)
+        return self._zero_shot(question)

@@ -244,7 +244,8 @@ class PRMVerifier:
             return []
         if not self.loaded:
             self.load()
-        model, tok = self._model, self._tokenizer
+        model, tok, step_id = self._model, self._tokenizer, self._step_id
+        assert step_id is not None  # set by load()
         text = format_prm_text(tok, question, steps, step_token=self.step_token, system_prompt=self.system_prompt)
         ids = tok(text, add_special_tokens=False)["input_ids"]
         limit = self._max_length()
@@ -258,7 +259,7 @@ class PRMVerifier:
         with torch.no_grad(), eval_mode(model):
             out = model(input_ids=input_ids)
             logits = out.logits if getattr(out, "logits", None) is not None else out[0]
-            return step_rewards(logits, input_ids, self._step_id).tolist()
+            return step_rewards(logits, input_ids, step_id).tolist()
 
     def score(self, question: str, responses: Sequence[Candidate]) -> list[float]:
         return [aggregate_rewards(self.step_scores(question, c.text), self.aggregate) for c in responses]

@@ -14,7 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from elm_memory.config import ELMConfig
 from elm_memory.elm import ELM
-from elm_memory.errors import RegistryError
+from elm_memory.errors import ConfigError, RegistryError
+from elm_memory.eval.records import run_dir
 
 
 @dataclass
@@ -53,11 +54,12 @@ class EvalRuntime:
     no learner). Methods with pools keep them under ``out_dir``. Built lazily: a resumed run
     with nothing left to do never loads the model."""
 
-    def __init__(self, config: ELMConfig, out_dir: Path, *, loaded: Any = None, backend: Any = None):
+    def __init__(self, config: ELMConfig, out_dir: str | Path, *, loaded: Any = None, backend: Any = None):
         """``loaded``/``backend``: reuse a model already in memory (tests, notebooks); it is not closed here."""
         self.config = config
-        self.out_dir = Path(out_dir).resolve()  # relative store paths are re-rooted under $ELM_HOME
+        self.out_dir = run_dir(out_dir)
         self._base: ELM | None = None
+        self._cache: Any = None  # the GreedyCache in front of the backend, once built
         self._raw_backend: Any = None
         self._given = (loaded, backend)
 
@@ -81,8 +83,15 @@ class EvalRuntime:
                     "learner": cfg.learner.model_copy(update={"mode": "off"}),
                 }
             )
-            self._base = ELM(zero_shot_cfg, loaded=loaded, backend=GreedyCache(backend))
+            self._cache = GreedyCache(backend)
+            self._base = ELM(zero_shot_cfg, loaded=loaded, backend=self._cache)
         return self._base
+
+    @property
+    def shared_generations(self) -> int:
+        """Greedy generations served from the cache so far (another method had made them); 0 before
+        the model is loaded."""
+        return self._cache.hits if self._cache is not None else 0
 
     @property
     def backend(self) -> Any:
@@ -105,6 +114,25 @@ class EvalRuntime:
             self._base.close()
         if self._raw_backend is not None and hasattr(self._raw_backend, "close"):
             self._raw_backend.close()  # e.g. a vLLM engine
+
+
+def open_runtime(config: ELMConfig, out: Path, runtime: EvalRuntime | None) -> tuple[EvalRuntime, bool]:
+    """The run's runtime and whether the runner owns it (then it closes it): the caller's, which must
+    keep its pools in the same run directory, or a new one (cheap: nothing loads before it is used)."""
+    if runtime is None:
+        return EvalRuntime(config, out), True
+    if runtime.out_dir != out:
+        raise ConfigError(f"the runtime keeps its pools in {runtime.out_dir}, not in the run directory {out}")
+    return runtime, False
+
+
+def memory_store_config(config: ELMConfig, run_directory: Path, method: str) -> ELMConfig:
+    """``config`` with its store in ``<run_directory>/store``: an evaluation keeps its pools in the run
+    directory, in a store of the configured kind (``store.kind``). A method that learns memories needs
+    one, so ``none`` is refused by name before any work."""
+    if config.store.kind == "none":
+        raise ConfigError(f"{method} learns memories into a store, but store.kind is 'none'; set store.kind (chroma)")
+    return config.model_copy(update={"store": config.store.model_copy(update={"path": str(run_directory / "store")})})
 
 
 def build_method(name: str, runtime: EvalRuntime) -> EvalMethod:

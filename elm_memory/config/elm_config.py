@@ -1,0 +1,85 @@
+"""``ELMConfig``: the sections assembled into one config, and how it is loaded and saved.
+
+>>> cfg = ELMConfig.load(preset="cpu-tiny", overrides={"training": {"steps": 2}})
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import Field, ValidationError
+
+from elm_memory.config.deployment import BackendConfig, LearnerConfig, ModelConfig, StoreConfig
+from elm_memory.config.loading import deep_merge, load_preset_dict, read_yaml, summarise_validation_error
+from elm_memory.config.method import (
+    GenerationConfig,
+    MemoryConfig,
+    PromptConfig,
+    RetrievalConfig,
+    TrainingConfig,
+    VerifierConfig,
+)
+from elm_memory.config.section import ConfigSection
+from elm_memory.errors import ConfigError
+
+
+class ELMConfig(ConfigSection):
+    """Everything ELM needs, with the paper's values as defaults."""
+
+    namespace: str = Field(default="default", description="Memories are only retrieved within their namespace.")
+    namespace_template: str | None = Field(
+        default=None,
+        description=(
+            "Namespace per run from its context/configurable, LangMem-style: e.g. `user-{user_id}` keeps "
+            "each user's memories apart in one served graph. A run that names a namespace wins; "
+            "None: `namespace`."
+        ),
+    )
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    prompt: PromptConfig = Field(default_factory=PromptConfig)
+    generation: GenerationConfig = Field(default_factory=GenerationConfig)
+    memory: MemoryConfig = Field(default_factory=MemoryConfig)
+    training: TrainingConfig = Field(default_factory=TrainingConfig)
+    retrieval: RetrievalConfig = Field(default_factory=RetrievalConfig)
+    verifier: VerifierConfig = Field(default_factory=VerifierConfig)
+    store: StoreConfig = Field(default_factory=StoreConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    learner: LearnerConfig = Field(default_factory=LearnerConfig)
+
+    @classmethod
+    def load(
+        cls,
+        path: str | os.PathLike[str] | None = None,
+        *,
+        preset: str | None = None,
+        overrides: dict[str, Any] | None = None,
+    ) -> ELMConfig:
+        """Defaults, then the preset, then the YAML file, then ``overrides`` (deep-merged)."""
+        data: dict[str, Any] = {}
+        if preset is not None:
+            data = deep_merge(data, load_preset_dict(preset))
+        if path is not None:
+            data = deep_merge(data, read_yaml(Path(path)))
+        if overrides:
+            data = deep_merge(data, overrides)
+        return cls.from_dict(data)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ELMConfig:
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise ConfigError(summarise_validation_error(exc)) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | os.PathLike[str]) -> ELMConfig:
+        return cls.from_dict(read_yaml(Path(path)))
+
+    def to_yaml(self, path: str | os.PathLike[str] | None = None) -> str:
+        text = yaml.safe_dump(self.model_dump(mode="json"), sort_keys=False)
+        if path is not None:
+            Path(path).write_text(text, encoding="utf-8")
+        return text

@@ -1,0 +1,104 @@
+"""Where a config's values come from besides the defaults: named presets (YAML files in
+``elm_memory/presets``), a YAML file, and ``section.key=value`` overrides, deep-merged in that order.
+
+Every reading error is a one-line :class:`~elm_memory.errors.ConfigError` naming the file or the
+override, since these are the user's typos, not bugs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from elm_memory.errors import ConfigError
+
+
+def available_presets() -> list[str]:
+    files = resources.files("elm_memory.presets").iterdir()
+    return sorted(f.name.removesuffix(".yaml") for f in files if f.name.endswith(".yaml"))
+
+
+def load_preset_dict(name: str) -> dict[str, Any]:
+    if name not in available_presets():
+        raise ConfigError(f"unknown preset {name!r}; available: {', '.join(available_presets())}")
+    text = resources.files("elm_memory.presets").joinpath(f"{name}.yaml").read_text(encoding="utf-8")
+    return yaml.safe_load(text) or {}
+
+
+def read_yaml(path: Path) -> dict[str, Any]:
+    """A config file's mapping (empty file: ``{}``)."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError:
+        raise ConfigError(f"config file {path} is not UTF-8 text") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path} is not valid YAML: {exc}".splitlines()[0]) from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path} must hold a mapping at the top level")
+    return data
+
+
+def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
+    """``update`` over ``base``, section by section (nested mappings merge; anything else replaces)."""
+    out = dict(base)
+    for key, value in update.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def summarise_validation_error(exc: ValidationError) -> str:
+    """One line naming every bad key: an unknown key as such, else the field and pydantic's message."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            parts.append(f"unknown config key {where!r}")
+        else:
+            parts.append(f"{where}: {err['msg']}")
+    return "invalid config: " + "; ".join(parts)
+
+
+def parse_override(text: str) -> dict[str, Any]:
+    """``"training.steps=2"`` -> ``{"training": {"steps": 2}}`` (value parsed as YAML)."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    dotted, raw = text.split("=", 1)
+    keys = dotted.strip().split(".")
+    if not all(k.strip() for k in keys):
+        raise ConfigError(f"override {text!r} must look like section.key=value")
+    # safe_load builds no Python objects (a !!python tag is an error); a bad value is the
+    # user's typo, so it is a ConfigError, as is "[[[..." nested past the recursion limit
+    try:
+        value = yaml.safe_load(raw) if raw else None
+    except (yaml.YAMLError, RecursionError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        shown = text if len(text) <= 80 else text[:77] + "..."
+        raise ConfigError(f"override {shown!r}: the value is not valid YAML ({first})") from None
+    out: dict[str, Any] = {}
+    cur = out
+    for k in keys[:-1]:
+        cur = cur.setdefault(k, {})
+    cur[keys[-1]] = value
+    return out
+
+
+def parse_overrides(items: Iterable[str] | None) -> dict[str, Any]:
+    """Several ``section.key=value`` overrides (``--set``, ``ELM_SET``) merged in order: later wins."""
+    out: dict[str, Any] = {}
+    for item in items or ():
+        out = deep_merge(out, parse_override(item))
+    return out

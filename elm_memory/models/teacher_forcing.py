@@ -1,0 +1,169 @@
+"""Teacher forcing: one forward of the frozen model over prompt (+ soft prompt) + a known
+completion, giving what the model predicted at each completion token.
+
+The one routine behind every "how likely is this completion" question in the library: the
+``hf`` backend's per-token log-probs, the policy-model verifiers' scores and the trainer's
+policy/reference log-probs. Keeping it in one place keeps the three numerically the same.
+
+Several completions go through one forward. Each carries its own prompt (``rows``), so the
+trainer can put several memories in one batch: prompts are left-padded and completions
+right-padded, so every completion starts at the same column and one ``logits_to_keep``
+serves all rows. With ``share_prompt_kv`` each distinct prompt is run once and its KV
+cache repeated for its rows instead.
+
+Gradients flow into any soft prompt that requires grad; callers that only read wrap the
+call in ``torch.no_grad()``.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from elm_memory.backends.base import PromptInput, compose_embeddings
+
+
+def completion_logits(
+    model: Any,
+    prompts: Sequence[PromptInput],
+    completions: Sequence[Sequence[int]],
+    *,
+    rows: Sequence[int] | None = None,
+    share_prompt_kv: bool = False,
+    pad_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(B, T, vocab) logits predicting each completion token, the (B, T) completion ids and mask.
+
+    Completion ``i`` is read under ``prompts[rows[i]]`` (every completion under ``prompts[0]``
+    without ``rows``). Completions are right-padded with ``pad_id`` to the longest, T >= 1.
+    """
+    if rows is None:
+        rows = [0] * len(completions)
+    embed = model.get_input_embeddings()
+    device = embed.weight.device
+    composed: dict[int, torch.Tensor] = {
+        # each prompt embedded once, however many rows it has
+        p: compose_embeddings(prompts[p], lambda ids: embed(ids.to(device)))
+        for p in dict.fromkeys(rows)
+    }
+    B = len(completions)
+    T = max(1, max(len(c) for c in completions))
+    comp = torch.full((B, T), pad_id, dtype=torch.long, device=device)
+    mask = torch.zeros(B, T, dtype=torch.long, device=device)
+    for i, c in enumerate(completions):
+        comp[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
+        mask[i, : len(c)] = 1
+    if share_prompt_kv:
+        logits = _logits_shared_prompt(model, composed, rows, comp, mask)
+    else:
+        logits = _logits_full_rows(model, composed, rows, comp, mask)
+    return logits, comp, mask
+
+
+def completion_logprobs(
+    model: Any,
+    prompts: Sequence[PromptInput],
+    completions: Sequence[Sequence[int]],
+    *,
+    rows: Sequence[int] | None = None,
+    temperature: float = 1.0,
+    share_prompt_kv: bool = False,
+    pad_id: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(B, T) float32 log-probs of each completion token under ``logits / temperature``, and the mask.
+
+    ``temperature``: the distribution the completions were sampled from (as TRL scores
+    rollouts); 1 for the model's own distribution. Arguments as :func:`completion_logits`.
+    """
+    logits, comp, mask = completion_logits(
+        model, prompts, completions, rows=rows, share_prompt_kv=share_prompt_kv, pad_id=pad_id
+    )
+    out = []
+    for i in range(len(completions)):  # one row at a time keeps the fp32 copy of (T, vocab) small
+        row = logits[i].float() / temperature
+        out.append(row.gather(1, comp[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))
+    return torch.stack(out), mask
+
+
+def _logits_full_rows(
+    model: Any, composed: dict[int, torch.Tensor], rows: Sequence[int], comp: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """(B, T, vocab) logits for the completion tokens, each row carrying its own copy of its prompt."""
+    T = comp.shape[1]
+    width = max(e.shape[0] for e in composed.values())
+    # Prompts are left-padded to a common width, completions right-padded: every completion
+    # starts at the same column. Position ids count real tokens only, so each row sees exactly
+    # the positions it has alone (right pads are harmless for a causal model: real tokens never
+    # attend to the pads after them).
+    prompt_emb, prompt_mask = _left_padded(composed, rows, width)
+    full = torch.cat([prompt_emb, model.get_input_embeddings()(comp)], dim=1)
+    attn = torch.cat([prompt_mask, mask], dim=1)
+    kwargs: dict[str, Any] = {"use_cache": False}
+    if _keeps_logits(model):
+        kwargs["logits_to_keep"] = T + 1
+    logits = model(
+        inputs_embeds=full, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), **kwargs
+    ).logits
+    return logits[:, -(T + 1) : -1, :]  # position t predicts token t + 1
+
+
+def _logits_shared_prompt(
+    model: Any, composed: dict[int, torch.Tensor], rows: Sequence[int], comp: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """As :func:`_logits_full_rows`, but each prompt goes through the model once and its KV cache is
+    repeated for its rows: G rollouts of a memory cost one prompt forward/backward instead of G.
+    Gradients reach the soft prompt through the cached keys/values."""
+    from transformers import DynamicCache
+
+    T = comp.shape[1]
+    device = comp.device
+    order = list(composed)  # the distinct prompts, each once
+    width = max(e.shape[0] for e in composed.values())
+    lengths = torch.tensor([composed[p].shape[0] for p in order], device=device)
+    prompt_emb, prompt_mask = _left_padded(composed, order, width)
+    cache = DynamicCache()
+    out = model(
+        inputs_embeds=prompt_emb,
+        attention_mask=prompt_mask,
+        position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    index = {p: u for u, p in enumerate(order)}
+    which = torch.tensor([index[p] for p in rows], device=device)
+    cache.batch_select_indices(which)  # row i now holds its prompt's keys/values (differentiable)
+    first = out.logits[:, -1, :][which]  # predicts each completion's first token
+    attn = torch.cat([prompt_mask[which], mask], dim=1)
+    positions = lengths[which].unsqueeze(1) + torch.arange(T, device=device).unsqueeze(0)
+    rest = model(
+        inputs_embeds=model.get_input_embeddings()(comp),
+        attention_mask=attn,
+        position_ids=positions,
+        past_key_values=cache,
+        use_cache=True,
+        logits_to_keep=T,
+    ).logits
+    return torch.cat([first.unsqueeze(1), rest[:, : T - 1, :]], dim=1)
+
+
+def _left_padded(
+    composed: dict[int, torch.Tensor], keys: Sequence[int], width: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(len(keys), width, hidden) prompt embeddings ``composed[k]``, left-padded with zeros, and their mask."""
+    hidden = next(iter(composed.values())).shape[1]
+    emb = torch.stack(
+        [torch.cat([composed[k].new_zeros(width - composed[k].shape[0], hidden), composed[k]]) for k in keys]
+    )
+    lengths = torch.tensor([composed[k].shape[0] for k in keys], device=emb.device)
+    mask = (torch.arange(width, device=emb.device).unsqueeze(0) >= (width - lengths).unsqueeze(1)).long()
+    return emb, mask
+
+
+def _keeps_logits(model: Any) -> bool:
+    # transformers' causal LMs take logits_to_keep (only the completion positions reach the
+    # lm_head); a model without it returns every position, which the caller slices.
+    return "logits_to_keep" in inspect.signature(model.forward).parameters

@@ -1,0 +1,146 @@
+"""What ``elm memories`` prints: one-line listings, a memory's details, the stats table, the check summary.
+
+Plain functions from store records to text or JSON-ready dicts, kept apart from the
+command wiring in :mod:`elm_memory.store.cli` so the wording of a listing is in one place.
+Imports neither torch nor chromadb.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from elm_memory.memory import LatentMemory
+    from elm_memory.store.base import CheckReport, MemoryRecord
+    from elm_memory.store.utility import Utility
+
+#: ``elm memories stats --sort`` keys (highest first).
+SORT_KEYS = ("won", "lost", "retrieved", "utility")
+#: Counters of a stats row, in column order; a memory never counted shows the zero values.
+_COUNTERS: dict[str, Any] = {
+    "retrieved": 0,
+    "agreed": 0,
+    "won": 0,
+    "lost": 0,
+    "observations": 0,
+    "utility": None,
+    "mean_similarity": None,
+    "gold_right": 0,
+    "gold_wrong": 0,
+}
+#: CheckReport lists, in the order the summary shows them.
+_CHECK_FIELDS = (
+    "reindexed",
+    "orphan_rows",
+    "superseded_blobs",
+    "corrupt_blobs",
+    "temp_files",
+    "errors",
+    "empty_collections",
+    "pending_deletes",
+    "orphan_blobs",
+    "orphan_utility",
+)
+
+
+def when(ts: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "never"
+
+
+def list_line(r: MemoryRecord) -> str:
+    """One memory in ``elm memories list``."""
+    flag = " no-consensus" if r.no_consensus else ""
+    question = r.question.replace("\n", " ")
+    return (
+        f"{r.id}  {r.namespace:<12} {','.join(r.kinds):<22} used {r.usage:>4}  {when(r.created_at)}"
+        f"{flag}  {question[:60]}"
+    )
+
+
+def memory_view(record: MemoryRecord, memory: LatentMemory) -> dict[str, Any]:
+    """``elm memories show --json``: record, metadata, soft-prompt and key shapes."""
+    sp = memory.soft_prompt
+    return {
+        "record": record.to_dict(),
+        "meta": asdict(memory.meta),
+        "soft_prompt": {
+            "shape": list(sp.shape),
+            "dtype": str(sp.dtype).removeprefix("torch."),
+            "norm_mean": float(sp.norm(dim=1).mean()),
+        },
+        "keys": {k: {"dim": int(v.numel()), "norm": float(v.norm())} for k, v in memory.keys.items()},
+    }
+
+
+def memory_text(view: dict[str, Any]) -> str:
+    """``elm memories show``: a :func:`memory_view` as aligned text."""
+    m, r = view["meta"], view["record"]
+    return (
+        f"id:         {m['id']}\nnamespace:  {m['namespace']}\nmodel:      {m['model_name']} "
+        f"(fingerprint {m['model_fingerprint']}, hidden {m['hidden_size']})\n"
+        f"created:    {when(m['created_at'])}\nusage:      {r['usage']} (last {when(r['last_used_at'])})\n"
+        f"blob:       {r['blob']}\nsoft prompt: {view['soft_prompt']}\nkeys:       {view['keys']}\n"
+        f"stats:      steps={m['stats']['steps']} majority={m['stats']['majority_answer']!r} "
+        f"share={m['stats']['majority_share']:.2f} no_consensus={m['stats']['no_consensus']}\n"
+        f"question:   {m['question']}"
+    )
+
+
+def stats_row(r: MemoryRecord, u: Utility | None) -> dict[str, Any]:
+    """One memory's record fields and utility counters (``elm memories stats --json``)."""
+    counters = u.to_dict() if u is not None else _COUNTERS
+    return {
+        "id": r.id,
+        "namespace": r.namespace,
+        "question": r.question,
+        "created_at": r.created_at,
+        "usage": r.usage,
+        "last_used_at": r.last_used_at,
+        **{k: counters[k] for k in _COUNTERS},
+    }
+
+
+def sort_stats(rows: list[dict[str, Any]], sort: str, limit: int | None) -> list[dict[str, Any]]:
+    """Highest ``sort`` first; a memory never judged (utility None) sorts last."""
+    rows = sorted(rows, key=lambda x: (x[sort] is not None, x[sort] or 0, x["retrieved"]), reverse=True)
+    return rows[:limit] if limit is not None else rows
+
+
+def stats_table(rows: list[dict[str, Any]]) -> list[str]:
+    """``elm memories stats``: a header and one line per :func:`stats_row`."""
+    lines = [
+        f"{'id':<32}  {'namespace':<12} {'used':>5} {'agree':>5} {'won':>5} {'lost':>5} {'util':>5} "
+        f"{'sim':>5} {'gold':>7}  question"
+    ]
+    for x in rows:
+        util = "-" if x["utility"] is None else f"{x['utility']:.2f}"
+        sim = "-" if x["mean_similarity"] is None else f"{x['mean_similarity']:.2f}"
+        gold = f"{x['gold_right']}/{x['gold_right'] + x['gold_wrong']}"
+        question = x["question"].replace("\n", " ")
+        lines.append(
+            f"{x['id'][:32]:<32}  {x['namespace'][:12]:<12} {x['retrieved']:>5} {x['agreed']:>5} "
+            f"{x['won']:>5} {x['lost']:>5} {util:>5} {sim:>5} {gold:>7}  {question[:50]}"
+        )
+    return lines
+
+
+def check_summary(report: CheckReport, repair: bool) -> list[str]:
+    """``elm memories check``: totals, each non-empty finding (first three items), the verdict."""
+    lines = [f"{report.memories} memories, {report.blobs} blobs, {report.rows} index rows"]
+    for name in _CHECK_FIELDS:
+        items = getattr(report, name)
+        if items:
+            verb = "fixed" if repair else "found"
+            lines.append(
+                f"  {name.replace('_', ' ')}: {len(items)} {verb}  ({', '.join(map(str, items[:3]))}"
+                f"{', ...' if len(items) > 3 else ''})"
+            )
+    if report.ok:
+        lines.append("ok")
+    elif repair:
+        lines.append("repair incomplete (see errors)" if report.errors else "repaired")
+    else:
+        lines.append("problems found; run with --repair")
+    return lines
