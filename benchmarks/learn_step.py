@@ -53,7 +53,7 @@ def _floor_step(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, 
     """The least a step costs: one batched generation of the G rollouts, one forward/backward on them."""
     import torch
 
-    from elm_memory.backends.base import PromptInput, SamplingParams
+    from elm_memory.backends.base import PromptInput
     from elm_memory.training.initialization import init_soft_prompt
     from elm_memory.training.native import NativeTrainer
 
@@ -61,16 +61,8 @@ def _floor_step(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, 
     q_ids = loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
     init = init_soft_prompt(loaded.model.get_input_embeddings(), q_ids, cfg.memory.num_tokens)
     trainer = NativeTrainer(loaded, backend, cfg.training)
-    t = cfg.training
     # the trainer's rollout call: G samples with the soft prompt first, one batched generation
-    params = SamplingParams(
-        max_new_tokens=t.max_completion_length,
-        temperature=trainer.temperature,
-        top_p=t.top_p,
-        n=t.num_generations,
-        seed=0,
-        stop_at_answer=t.stop_at_answer,
-    )
+    params = trainer.rollout_params(seed=0)
     prompt = PromptInput(tuple(built.token_ids), soft_prompt=init, soft_prompt_at=0, seed=0)
     t0 = time.perf_counter()
     [rollouts] = backend.generate([prompt], params)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 
 import pytest
+from _fakes import one_thread
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -56,6 +57,14 @@ def default_loaded():
     """The default model (Qwen2.5-Coder-0.5B-Instruct) in the dtype users get: ``auto`` (bf16 where the
     CPU has native bf16, fp32 elsewhere; see elm_memory/hardware.py)."""
     return _load(DEFAULT, "auto")
+
+
+@pytest.fixture(scope="module")
+def smol(tiny_loaded):
+    """The session's SmolLM2-135M, run on one thread for the module: 2 threads on a busy 2-core box
+    were measured 8x slower than 1."""
+    with one_thread():
+        yield tiny_loaded
 
 
 @pytest.fixture(scope="session")

@@ -14,48 +14,16 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fakes import fake_memory, fake_model_info
 from _servers import chroma_server
 from typer.testing import CliRunner
 
 from elm_memory.config import ELMConfig, StoreConfig
 from elm_memory.errors import ConfigError, StoreError
-from elm_memory.memory import LatentMemory, TrainingStats
-from elm_memory.models.loading import ModelInfo
 from elm_memory.store.chroma import ChromaMemoryStore
 from elm_memory.store.cli import memories_app
 
 TENANT, DATABASE = "elm-team", "memories"
-
-
-def model_info() -> ModelInfo:
-    return ModelInfo(
-        name="fake",
-        path="/nowhere",
-        model_type="llama",
-        hidden_size=8,
-        num_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        vocab_size=10,
-        max_context=128,
-        dtype="float32",
-        device="cpu",
-        fingerprint="0123456789abcdef",
-    )
-
-
-def make_memory(info: ModelInfo, namespace: str, seed: int) -> LatentMemory:
-    g = torch.Generator().manual_seed(seed)
-    m = LatentMemory.create(
-        torch.randn(4, info.hidden_size, generator=g),
-        question=f"question {seed}?",
-        namespace=namespace,
-        model=info,
-        stats=TrainingStats(steps=3, majority_answer="42", majority_share=0.5),
-    )
-    m.keys = {"input": torch.randn(info.hidden_size, generator=g)}
-    return m
 
 
 @pytest.fixture(scope="module")
@@ -103,9 +71,9 @@ def _count_calls(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
 def test_store_lives_in_the_configured_tenant_and_database(server: str, tmp_path: Path) -> None:
     import chromadb
 
-    info = model_info()
+    info = fake_model_info()
     store = _server_store(server, tmp_path / "blobs", model=info)
-    mems = [make_memory(info, "tenant-ns", seed=i) for i in range(4)]
+    mems = [fake_memory(info, "tenant-ns", seed=i) for i in range(4)]
     store.put_many(mems)
     hit = store.query("input", mems[2].keys["input"], "tenant-ns", k=1)[0]
     assert hit.record.id == mems[2].id and hit.score == pytest.approx(1.0, abs=1e-5)
@@ -133,7 +101,7 @@ def test_missing_tenant_or_database_is_a_one_line_store_error(server, tmp_path, 
 
 def test_server_writes_are_cut_to_the_servers_batch_limit(server: str, tmp_path: Path, monkeypatch) -> None:
     """Every write path sends at most max_batch_size rows per request; chromadb itself refuses more."""
-    info = model_info()
+    info = fake_model_info()
     store = _server_store(server, tmp_path / "blobs", model=info)
     # the HTTP client asks its server object for the limit, for our chunks and for its own check alike
     monkeypatch.setattr(store.client._server, "get_max_batch_size", lambda: 5)
@@ -143,7 +111,7 @@ def test_server_writes_are_cut_to_the_servers_batch_limit(server: str, tmp_path:
             ids=[str(i) for i in range(6)], embeddings=[[1.0, 0.0]] * 6
         )
     sizes = _count_calls(monkeypatch)
-    mems = [make_memory(info, "batched", seed=i) for i in range(12)]
+    mems = [fake_memory(info, "batched", seed=i) for i in range(12)]
     for m in mems:  # a second, unregistered kind: re-putting without it deletes its rows in bulk
         m.keys["extra"] = torch.randn(3)
     store.put_many(mems)
@@ -163,12 +131,12 @@ def test_server_writes_are_cut_to_the_servers_batch_limit(server: str, tmp_path:
 
 def test_embedded_writes_are_cut_to_the_clients_batch_limit(tmp_path: Path, monkeypatch) -> None:
     """PersistentClient has a limit too (5461 in chromadb 1.5.9); chunks follow whatever it reports."""
-    info = model_info()
+    info = fake_model_info()
     store = ChromaMemoryStore(tmp_path / "store", model=info)
     assert store._batch_size() == store.client.get_max_batch_size() > 0
     monkeypatch.setattr(store.client, "get_max_batch_size", lambda: 5)
     sizes = _count_calls(monkeypatch)
-    mems = [make_memory(info, "local", seed=i) for i in range(11)]
+    mems = [fake_memory(info, "local", seed=i) for i in range(11)]
     store.put_many(mems)
     assert sizes["upsert"] == [5, 5, 1] and store.count("local") == 11
     for m in mems[:7]:  # lose rows behind the store's back: repair rebuilds them (one upsert each)
@@ -180,12 +148,12 @@ def test_cli_import_to_a_server_is_chunked(server: str, tmp_path: Path, monkeypa
     """`elm memories import --url ... --set store.tenant=...` of more memories than one request may carry."""
     from chromadb.api.fastapi import FastAPI
 
-    info = model_info()
+    info = fake_model_info()
     src = tmp_path / "exported"
     src.mkdir()
     files = []
     for i in range(13):
-        m = make_memory(info, "imported", seed=100 + i)
+        m = fake_memory(info, "imported", seed=100 + i)
         files.append(str(m.save(src / f"{m.id}.safetensors")))
     monkeypatch.setattr(FastAPI, "get_max_batch_size", lambda self: 4)  # every HTTP client in this process
     sizes = _count_calls(monkeypatch)

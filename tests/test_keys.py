@@ -62,18 +62,6 @@ def tiny() -> LoadedModel:
     return random_tiny_model()
 
 
-@pytest.fixture(scope="module")
-def smol(tiny_loaded):
-    """The session's SmolLM2-135M (conftest), run on one thread: 2 threads on a busy 2-core box
-    were measured 8x slower than 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield tiny_loaded
-    finally:
-        torch.set_num_threads(threads)
-
-
 def reference_kv(loaded: LoadedModel, proj: str, **inputs) -> torch.Tensor:
     """Per-layer pooled projections WITHOUT hooks: layer input = hidden_states[l] -> input_layernorm -> proj.
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fakes import fake_model_info
 from typer.testing import CliRunner
 
 from elm_memory.config import ELMConfig
@@ -181,21 +182,7 @@ def test_bad_adapters_are_refused_and_nothing_is_stored(tmp_path: Path, tiny_loa
     _one_line_error(_invoke("import", other, "--config", cfg_file), "model_fingerprint", "f" * 16)
 
     # another hidden size (a consistent adapter for a model with hidden size 8)
-    info8 = ModelInfo(
-        name="fake",
-        path="/nowhere",
-        model_type="llama",
-        hidden_size=8,
-        num_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        vocab_size=10,
-        max_context=128,
-        dtype="float32",
-        device="cpu",
-        fingerprint=tiny_loaded.info.fingerprint,
-    )
+    info8 = fake_model_info(fingerprint=tiny_loaded.info.fingerprint)
     small = LatentMemory.create(torch.randn(K, 8), question=QUESTION, namespace="default", model=info8)
     export_adapter(small, tmp_path / "small", position="prefix", base_model="fake")
     _one_line_error(_invoke("import", tmp_path / "small", "--config", cfg_file), "token_dim is 8", "hidden size 576")

@@ -34,18 +34,6 @@ QUESTIONS = [
 ]
 
 
-@pytest.fixture(scope="module")
-def smol(tiny_loaded):
-    """The session's SmolLM2-135M (conftest), run on one thread: 2 threads on a busy 2-core box
-    were measured 8x slower than 1."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield tiny_loaded
-    finally:
-        torch.set_num_threads(threads)
-
-
 def question_memory(loaded: LoadedModel, question: str, namespace: str = "default", **stats) -> LatentMemory:
     """A memory as training would start it: the question's embeddings tiled to k=20, plus a nudge."""
     ids = torch.tensor(tokenize_question(loaded.tokenizer, question))

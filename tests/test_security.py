@@ -15,6 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from _fakes import fake_memory, fake_model_info
 from typer.testing import CliRunner
 
 from elm_memory.config import ELMConfig, parse_override
@@ -36,35 +37,11 @@ FP = "5a5a5a5a5a5a5a5a"  # the "right" fingerprint: a model prepared on this mac
 
 
 def model_info(hidden: int = HIDDEN, fingerprint: str = FP) -> ModelInfo:
-    return ModelInfo(
-        name="fake",
-        path="/nowhere",
-        model_type="llama",
-        hidden_size=hidden,
-        num_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        vocab_size=10,
-        max_context=128,
-        dtype="float32",
-        device="cpu",
-        fingerprint=fingerprint,
-    )
+    return fake_model_info(hidden, fingerprint)
 
 
 def make_memory(info: ModelInfo, namespace: str = "default", seed: int = 0, memory_id: str | None = None):
-    g = torch.Generator().manual_seed(seed)
-    m = LatentMemory.create(
-        torch.randn(4, info.hidden_size, generator=g),
-        question=f"question {seed}?",
-        namespace=namespace,
-        model=info,
-        stats=TrainingStats(steps=1),
-        memory_id=memory_id,
-    )
-    m.keys = {"input": torch.randn(info.hidden_size, generator=g)}
-    return m
+    return fake_memory(info, namespace, seed, memory_id=memory_id, stats=TrainingStats(steps=1))
 
 
 def craft(path: Path, memory: LatentMemory, extra_metadata: dict | None = None, **meta) -> Path:

@@ -8,12 +8,13 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _fakes import fake_memory, fake_model_info
 from _servers import chroma_server as real_chroma_server
 from _servers import free_port
 from typer.testing import CliRunner
 
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, StoreError
-from elm_memory.memory import LatentMemory, TrainingStats
+from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import ModelInfo
 from elm_memory.store.base import MemoryNotFoundError, MemoryStore
 from elm_memory.store.blobs import BlobStore, MissingBlobError
@@ -23,40 +24,9 @@ from elm_memory.store.cli import memories_app
 HIDDEN = 8
 
 
-def model_info(hidden: int = HIDDEN, fingerprint: str = "0123456789abcdef", name: str = "fake") -> ModelInfo:
-    return ModelInfo(
-        name=name,
-        path="/nowhere",
-        model_type="llama",
-        hidden_size=hidden,
-        num_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        vocab_size=10,
-        max_context=128,
-        dtype="float32",
-        device="cpu",
-        fingerprint=fingerprint,
-    )
-
-
-def make_memory(info: ModelInfo, namespace: str = "default", keys: dict | None = None, seed: int = 0, **stats):
-    g = torch.Generator().manual_seed(seed)
-    m = LatentMemory.create(
-        torch.randn(4, info.hidden_size, generator=g),
-        question=f"question {seed}?",
-        namespace=namespace,
-        model=info,
-        stats=TrainingStats(steps=3, majority_answer="42", majority_share=0.5, **stats),
-    )
-    m.keys = keys if keys is not None else {"input": torch.randn(info.hidden_size, generator=g)}
-    return m
-
-
 @pytest.fixture
 def info() -> ModelInfo:
-    return model_info()
+    return fake_model_info()
 
 
 @pytest.fixture
@@ -105,7 +75,7 @@ def test_store_satisfies_protocol(store: ChromaMemoryStore) -> None:
 
 
 def test_roundtrip_is_bit_identical_and_persistent(tmp_path: Path, store: ChromaMemoryStore, info: ModelInfo) -> None:
-    m = make_memory(info, keys={"input": torch.randn(HIDDEN), "kv": torch.randn(8)})
+    m = fake_memory(info, keys={"input": torch.randn(HIDDEN), "kv": torch.randn(8)})
     m.soft_prompt[0, 0] = 1e-38  # a denormal-adjacent value survives too
     sha = store.put(m)
     reopened = ChromaMemoryStore(tmp_path / "store", model=info)
@@ -121,20 +91,20 @@ def test_roundtrip_is_bit_identical_and_persistent(tmp_path: Path, store: Chroma
 
 
 def test_collection_layout_and_hnsw_config(store: ChromaMemoryStore, info: ModelInfo) -> None:
-    store.put(make_memory(info, namespace="team a/β"))
+    store.put(fake_memory(info, namespace="team a/β"))
     name = collection_name(info.fingerprint, "input", "team a/β")
     col = store.client.get_collection(name, embedding_function=None)
     assert col.configuration["hnsw"]["space"] == "cosine"
     assert col.configuration["hnsw"]["ef_search"] == store.hnsw_settings("input")["ef_search"]
     assert col.metadata["namespace"] == "team a/β" and col.metadata["dim"] == HIDDEN
     assert 3 <= len(name) <= 63
-    store.put(make_memory(info, keys={"kv": torch.randn(8)}, seed=5))
+    store.put(fake_memory(info, keys={"kv": torch.randn(8)}, seed=5))
     kv = store.client.get_collection(collection_name(info.fingerprint, "kv", "default"), embedding_function=None)
     assert kv.configuration["hnsw"]["max_neighbors"] == 32 and kv.configuration["hnsw"]["ef_search"] == 800
 
 
 def test_reopen_applies_mutable_hnsw_settings(tmp_path: Path, info: ModelInfo) -> None:
-    ChromaMemoryStore(tmp_path / "s", model=info).put(make_memory(info))
+    ChromaMemoryStore(tmp_path / "s", model=info).put(fake_memory(info))
     tuned = ChromaMemoryStore(tmp_path / "s", model=info, hnsw={"ef_search": 37})
     assert len(tuned.query("input", torch.randn(HIDDEN), "default")) == 1
     col = tuned.client.get_collection(collection_name(info.fingerprint, "input", "default"), embedding_function=None)
@@ -144,7 +114,7 @@ def test_reopen_applies_mutable_hnsw_settings(tmp_path: Path, info: ModelInfo) -
 
 
 def test_query_scores_are_cosines(store: ChromaMemoryStore, info: ModelInfo) -> None:
-    mems = [make_memory(info, seed=i) for i in range(20)]
+    mems = [fake_memory(info, seed=i) for i in range(20)]
     store.put_many(mems)
     q = torch.randn(HIDDEN)
     hits = store.query("input", q, "default", k=20)
@@ -157,8 +127,8 @@ def test_query_scores_are_cosines(store: ChromaMemoryStore, info: ModelInfo) -> 
 
 def test_namespace_isolation(store: ChromaMemoryStore, info: ModelInfo) -> None:
     key = torch.randn(HIDDEN)
-    a = make_memory(info, "alice", keys={"input": key.clone()}, seed=1)
-    b = make_memory(info, "bob", keys={"input": key.clone()}, seed=2)
+    a = fake_memory(info, "alice", keys={"input": key.clone()}, seed=1)
+    b = fake_memory(info, "bob", keys={"input": key.clone()}, seed=2)
     store.put_many([a, b])
     for ns, own in (("alice", a), ("bob", b)):
         hits = store.query("input", key, ns, k=10)
@@ -171,10 +141,10 @@ def test_namespace_isolation(store: ChromaMemoryStore, info: ModelInfo) -> None:
 
 
 def test_refuses_memory_of_another_model(store: ChromaMemoryStore, info: ModelInfo) -> None:
-    wider = make_memory(model_info(hidden=16, name="bigger"))
+    wider = fake_memory(fake_model_info(hidden=16, name="bigger"))
     with pytest.raises(IncompatibleMemoryError, match="hidden size 16"):
         store.put(wider)
-    other_fp = make_memory(model_info(fingerprint="ffffffffffffffff", name="other"))
+    other_fp = fake_memory(fake_model_info(fingerprint="ffffffffffffffff", name="other"))
     with pytest.raises(IncompatibleMemoryError, match="fingerprint"):
         store.put(other_fp)
     assert store.count() == 0 and list(store.blobs) == []
@@ -182,13 +152,13 @@ def test_refuses_memory_of_another_model(store: ChromaMemoryStore, info: ModelIn
 
 def test_unbound_store_files_by_model_and_checks_dims(tmp_path: Path, info: ModelInfo) -> None:
     s = ChromaMemoryStore(tmp_path / "s")
-    s.put(make_memory(info))
-    s.put(make_memory(model_info(hidden=16, fingerprint="ffffffffffffffff"), seed=3))
+    s.put(fake_memory(info))
+    s.put(fake_memory(fake_model_info(hidden=16, fingerprint="ffffffffffffffff"), seed=3))
     assert s.count() == 2
     assert ChromaMemoryStore(tmp_path / "s", model=info).count() == 1
     with pytest.raises(StoreError, match="not bound"):
         s.query("input", torch.randn(HIDDEN), "default")
-    bad = make_memory(info, keys={"input": torch.randn(HIDDEN + 1)}, seed=4)
+    bad = fake_memory(info, keys={"input": torch.randn(HIDDEN + 1)}, seed=4)
     with pytest.raises(StoreError, match="dimensions"):
         s.put(bad)
     assert len(list(s.blobs)) == 2 and s.check().ok  # refused before anything was written
@@ -198,13 +168,13 @@ def test_unbound_store_files_by_model_and_checks_dims(tmp_path: Path, info: Mode
 
 def test_memory_without_keys_or_bad_namespace_refused(store: ChromaMemoryStore, info: ModelInfo) -> None:
     with pytest.raises(StoreError, match="no retrieval keys"):
-        store.put(make_memory(info, keys={}))
+        store.put(fake_memory(info, keys={}))
     with pytest.raises(StoreError, match="namespace"):
         store.query("input", torch.randn(HIDDEN), "")
 
 
 def test_get_validates_blob(store: ChromaMemoryStore, info: ModelInfo) -> None:
-    m = make_memory(info)
+    m = fake_memory(info)
     sha = store.put(m)
     path = store.blobs.path(sha)
     data = bytearray(path.read_bytes())
@@ -220,7 +190,7 @@ def test_get_validates_blob(store: ChromaMemoryStore, info: ModelInfo) -> None:
 
 
 def test_usage_counter_and_delete(store: ChromaMemoryStore, info: ModelInfo) -> None:
-    m = make_memory(info)
+    m = fake_memory(info)
     store.put(m)
     store.record_usage("input", "default", [m.id])
     store.record_usage("input", "default", [m.id, m.id])  # one retrieval counts once
@@ -235,7 +205,7 @@ def test_usage_counter_and_delete(store: ChromaMemoryStore, info: ModelInfo) -> 
 
 
 def test_reput_with_new_keys_replaces_blob_and_rows(store: ChromaMemoryStore, info: ModelInfo) -> None:
-    m = make_memory(info, keys={"input": torch.randn(HIDDEN), "kv": torch.randn(8)})
+    m = fake_memory(info, keys={"input": torch.randn(HIDDEN), "kv": torch.randn(8)})
     old = store.put(m)
     m.keys = {"input": torch.randn(HIDDEN)}
     new = store.put(m)
@@ -261,7 +231,7 @@ def _crash_on_call(monkeypatch: pytest.MonkeyPatch, store: ChromaMemoryStore, me
 
 
 def test_crash_between_blob_and_rows_is_repaired(store: ChromaMemoryStore, info: ModelInfo, monkeypatch) -> None:
-    m = make_memory(info)
+    m = fake_memory(info)
     _crash_on_call(monkeypatch, store, "_upsert_rows", 1)
     with pytest.raises(RuntimeError):
         store.put(m)
@@ -276,7 +246,7 @@ def test_crash_between_blob_and_rows_is_repaired(store: ChromaMemoryStore, info:
 
 
 def test_crash_between_rows_of_two_kinds_is_repaired(store: ChromaMemoryStore, info: ModelInfo, monkeypatch) -> None:
-    m = make_memory(info, keys={"input": torch.randn(HIDDEN), "kv": torch.randn(8)})
+    m = fake_memory(info, keys={"input": torch.randn(HIDDEN), "kv": torch.randn(8)})
     _crash_on_call(monkeypatch, store, "_upsert_rows", 2)
     with pytest.raises(RuntimeError):
         store.put(m)
@@ -288,7 +258,7 @@ def test_crash_between_rows_of_two_kinds_is_repaired(store: ChromaMemoryStore, i
 
 def test_crash_between_journal_and_row_delete_is_repaired(store: ChromaMemoryStore, info: ModelInfo, monkeypatch):
     # delete order: journal -> rows -> blob; a crash before the rows go leaves the memory whole, journalled
-    m, keep = make_memory(info, seed=1), make_memory(info, seed=2)
+    m, keep = fake_memory(info, seed=1), fake_memory(info, seed=2)
     store.put_many([m, keep])
     _crash_on_call(monkeypatch, store, "_delete_rows", 1)
     with pytest.raises(RuntimeError):
@@ -302,7 +272,7 @@ def test_crash_between_journal_and_row_delete_is_repaired(store: ChromaMemorySto
 
 
 def test_crash_before_superseded_blob_removal_is_repaired(store: ChromaMemoryStore, info: ModelInfo, monkeypatch):
-    m = make_memory(info)
+    m = fake_memory(info)
     old = store.put(m)
     m.keys = {"input": torch.randn(HIDDEN)}
     monkeypatch.setattr(store.blobs, "delete", lambda sha: (_ for _ in ()).throw(RuntimeError("simulated crash")))
@@ -316,7 +286,7 @@ def test_crash_before_superseded_blob_removal_is_repaired(store: ChromaMemorySto
 
 
 def test_check_removes_stale_temp_files_but_not_young_ones(store: ChromaMemoryStore, info: ModelInfo) -> None:
-    sha = store.put(make_memory(info))
+    sha = store.put(fake_memory(info))
     leftover = store.blobs.path(sha).parent / ".tmp-deadbeef.safetensors"
     leftover.write_bytes(b"partial")
     assert store.check().ok  # younger than the grace period: maybe a live writer
@@ -330,7 +300,7 @@ def test_check_removes_stale_temp_files_but_not_young_ones(store: ChromaMemorySt
 def test_cli_list_show_export_import_delete_check(tmp_path: Path, info: ModelInfo) -> None:
     root = tmp_path / "store"
     store = ChromaMemoryStore(root, model=info)
-    a, b = make_memory(info, "ns1", seed=1), make_memory(info, "ns2", seed=2)
+    a, b = fake_memory(info, "ns1", seed=1), fake_memory(info, "ns2", seed=2)
     store.put_many([a, b])
     run = CliRunner().invoke
     res = run(memories_app, ["list", "--store", str(root), "--json"])
@@ -370,7 +340,7 @@ def chroma_server(tmp_path: Path):
 def test_http_client_against_real_chroma_server(chroma_server: str, tmp_path: Path, info: ModelInfo, monkeypatch):
     store = ChromaMemoryStore(tmp_path / "blobs-here", url=chroma_server, model=info)
     assert not (tmp_path / "blobs-here" / "chroma").exists()  # rows live in the server
-    mems = [make_memory(info, "srv", seed=i) for i in range(5)]
+    mems = [fake_memory(info, "srv", seed=i) for i in range(5)]
     store.put_many(mems)
     hit = store.query("input", mems[3].keys["input"], "srv", k=1)[0]
     assert hit.record.id == mems[3].id and hit.score == pytest.approx(1.0, abs=1e-5)
@@ -378,7 +348,7 @@ def test_http_client_against_real_chroma_server(chroma_server: str, tmp_path: Pa
     assert torch.equal(store.get(mems[3].id).soft_prompt, mems[3].soft_prompt)
     store.record_usage("input", "srv", [mems[3].id])
     assert {r.id: r.usage for r in store.list()}[mems[3].id] == 1
-    m = make_memory(info, "srv", seed=99)
+    m = fake_memory(info, "srv", seed=99)
     _crash_on_call(monkeypatch, store, "_upsert_rows", 1)
     with pytest.raises(RuntimeError):
         store.put(m)

@@ -10,12 +10,11 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
+from _fakes import fake_memory, fake_model_info
 from typer.testing import CliRunner
 
 from elm_memory.config import ELMConfig, StoreConfig
-from elm_memory.memory import LatentMemory
-from elm_memory.models.loading import ModelInfo
+from elm_memory.memory import TrainingStats
 from elm_memory.store.chroma import ChromaMemoryStore
 from elm_memory.store.cli import memories_app
 from elm_memory.store.location import data_home, resolve_store_path
@@ -30,28 +29,6 @@ def home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     cwd.mkdir()
     monkeypatch.chdir(cwd)
     return h
-
-
-def _memory(seed: int = 0) -> LatentMemory:
-    info = ModelInfo(
-        name="fake",
-        path="/nowhere",
-        model_type="llama",
-        hidden_size=8,
-        num_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=1,
-        head_dim=4,
-        vocab_size=10,
-        max_context=128,
-        dtype="float32",
-        device="cpu",
-        fingerprint="0123456789abcdef",
-    )
-    g = torch.Generator().manual_seed(seed)
-    m = LatentMemory.create(torch.randn(4, 8, generator=g), question=f"q{seed}?", namespace="default", model=info)
-    m.keys = {"input": torch.randn(8, generator=g)}
-    return m
 
 
 def test_resolution_rules(home: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -79,7 +56,7 @@ def test_config_and_presets_resolve_under_elm_home(home: Path) -> None:
 
 
 def test_memories_cli_takes_preset_config_and_set(home: Path, tmp_path: Path) -> None:
-    m = _memory()
+    m = fake_memory(fake_model_info(), question="q0?", stats=TrainingStats())
     ChromaMemoryStore(home / "store-tiny").put(m)
     run = CliRunner().invoke
     res = run(memories_app, ["list", "--preset", "cpu-tiny", "--json"])

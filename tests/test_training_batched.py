@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _fakes import one_thread
 
 from elm_memory.backends.base import Generation, PromptInput, SamplingParams
 from elm_memory.config import TrainingConfig
@@ -62,12 +63,8 @@ def rand_loaded():
         device="cpu",
         fingerprint=embedding_fingerprint(model),
     )
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny matrices: more threads only add contention on a shared box
-    try:
+    with one_thread():  # tiny matrices: more threads only add contention on a shared box
         yield LoadedModel(model=model, tokenizer=tok, info=info, load_seconds=0.0)
-    finally:
-        torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -318,8 +318,13 @@ class NativeTrainer:
     ) -> list[list[Generation]]:
         """G rollouts per prompt in one backend call. Every prompt carries ``seed`` itself, so its
         rollouts are those it would get alone, whatever else is in the call."""
+        inputs = [PromptInput(tuple(ids), soft_prompt=soft, soft_prompt_at=at, seed=seed) for ids, soft, at in prompts]
+        return self.backend.generate(inputs, self.rollout_params(seed))
+
+    def rollout_params(self, seed: int | None) -> SamplingParams:
+        """How a training step samples its G rollouts (public: the learn-step benchmark times this call)."""
         cfg = self.cfg
-        params = SamplingParams(
+        return SamplingParams(
             max_new_tokens=cfg.max_completion_length,
             temperature=self.temperature,
             top_p=cfg.top_p,
@@ -327,8 +332,6 @@ class NativeTrainer:
             seed=seed,
             stop_at_answer=cfg.stop_at_answer,
         )
-        inputs = [PromptInput(tuple(ids), soft_prompt=soft, soft_prompt_at=at, seed=seed) for ids, soft, at in prompts]
-        return self.backend.generate(inputs, params)
 
     def _rollouts(self, prompt_ids: Sequence[int], soft: torch.Tensor, at: int, seed: int | None) -> list[Generation]:
         [group] = self._rollouts_many([(prompt_ids, soft, at)], seed)
