@@ -10,6 +10,7 @@ with a model checks hidden size and the embedding-table fingerprint.
 from __future__ import annotations
 
 import json
+import math
 import numbers
 import os
 import re
@@ -85,7 +86,7 @@ class MemoryMeta:
             raw = json.loads(text)
             stats = TrainingStats(**raw.pop("stats", {}))
             meta = cls(stats=stats, **raw)
-        except (ValueError, TypeError, AttributeError) as exc:
+        except (ValueError, TypeError, AttributeError, RecursionError) as exc:  # RecursionError: deep nesting
             raise MemoryFormatError(f"memory metadata is malformed: {exc}") from None
         meta.validate()  # header-only readers (the store's check) see the same rules as a full load
         return meta
@@ -109,9 +110,11 @@ class MemoryMeta:
         s = self.stats
         checks = {
             "namespace": isinstance(self.namespace, str),
-            "model_name": isinstance(self.model_name, str),
-            "model_fingerprint": isinstance(self.model_fingerprint, str),
+            # both are shown in the messages of a model mismatch, which must stay one line
+            "model_name": isinstance(self.model_name, str) and self.model_name.isprintable(),
+            "model_fingerprint": isinstance(self.model_fingerprint, str) and self.model_fingerprint.isprintable(),
             "question_hash": isinstance(self.question_hash, str),
+            "format": isinstance(self.format, int) and not isinstance(self.format, bool),
             "created_at": _is_number(self.created_at),
             "stats.engine": isinstance(s.engine, str),
             "stats.objective": isinstance(s.objective, str),
@@ -122,7 +125,7 @@ class MemoryMeta:
         }
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
-            raise MemoryFormatError(f"memory {self.id[:8]}: metadata field {bad[0]} has the wrong type")
+            raise MemoryFormatError(f"memory {self.id[:8]}: metadata field {bad[0]} has the wrong type or value")
 
 
 @dataclass
@@ -191,8 +194,8 @@ class LatentMemory:
         for kind, key in self.keys.items():
             if not _KIND_RE.fullmatch(kind):
                 raise MemoryFormatError(f"invalid key kind {kind[:40]!r}: use 1-64 of [A-Za-z0-9_.-]")
-            if key.dim() != 1 or not torch.isfinite(key).all():
-                raise MemoryFormatError(f"key {kind!r} must be a finite 1-D vector")
+            if key.dim() != 1 or key.numel() < 1 or not torch.isfinite(key).all():
+                raise MemoryFormatError(f"key {kind!r} must be a finite, non-empty 1-D vector")
 
     def check_compatible(self, model: ModelInfo) -> None:
         """Refuse a memory made for another model, with a message that says which."""
@@ -259,7 +262,13 @@ class LatentMemory:
 
 
 def _is_number(value: Any) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    """A finite real that ``float()`` can hold: index rows are built with ``float()`` after the blob is written."""
+    if not isinstance(value, numbers.Real) or isinstance(value, bool):
+        return False
+    try:
+        return math.isfinite(value)
+    except OverflowError:  # an int too large for a float
+        return False
 
 
 def _check_size(data: bytes) -> None:

@@ -40,7 +40,7 @@ def read_yaml(path: Path) -> dict[str, Any]:
         raise ConfigError(f"config file {path} is not UTF-8 text") from None
     try:
         data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:  # see parse_override
         raise ConfigError(f"config file {path} is not valid YAML: {exc}".splitlines()[0]) from None
     if data is None:
         return {}
@@ -81,10 +81,11 @@ def parse_override(text: str) -> dict[str, Any]:
     if not all(k.strip() for k in keys):
         raise ConfigError(f"override {text!r} must look like section.key=value")
     # safe_load builds no Python objects (a !!python tag is an error); a bad value is the
-    # user's typo, so it is a ConfigError, as is "[[[..." nested past the recursion limit
+    # user's typo, so it is a ConfigError, as is "[[[..." nested past the recursion limit and
+    # an integer past Python's 4300-digit conversion limit (a ValueError)
     try:
         value = yaml.safe_load(raw) if raw else None
-    except (yaml.YAMLError, RecursionError) as exc:
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         shown = text if len(text) <= 80 else text[:77] + "..."
         raise ConfigError(f"override {shown!r}: the value is not valid YAML ({first})") from None

@@ -57,7 +57,9 @@ def _load_config(
 
     overrides = parse_overrides(sets)
     if store is not None:
-        overrides = deep_merge(overrides, {"store": {"path": str(store.expanduser().absolute())}})
+        from elm_memory.store.location import expand_user
+
+        overrides = deep_merge(overrides, {"store": {"path": str(expand_user(store).absolute())}})
     if url is not None:
         overrides = deep_merge(overrides, {"store": {"url": url}})
     return ELMConfig.load(config, preset=preset, overrides=overrides)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from elm_memory.errors import ConfigError
+
 #: ``store.path`` when a config says nothing: ``<data home>/store``.
 DEFAULT_STORE = "store"
 #: Where versions before this rule kept the default store (named in "no store" errors).
@@ -47,5 +49,14 @@ def resolve_store_path(path: str | os.PathLike[str] | None = None) -> Path:
     raw = os.fspath(path) if path is not None else ""
     if not raw.strip():
         raw = DEFAULT_STORE
-    p = Path(raw).expanduser()
+    p = expand_user(Path(raw))
     return p if p.is_absolute() else data_home() / p
+
+
+def expand_user(path: Path) -> Path:
+    """``path`` with ``~`` / ``~user`` expanded; a user this machine does not know is a
+    :class:`ConfigError` (a ValueError, so pydantic validators report it too), not a RuntimeError."""
+    try:
+        return path.expanduser()
+    except RuntimeError as exc:
+        raise ConfigError(f"cannot expand {str(path)!r}: {exc}") from None
