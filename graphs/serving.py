@@ -15,15 +15,21 @@ from __future__ import annotations
 import importlib
 import os
 import threading
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from elm_memory.errors import ConfigError
 
+if TYPE_CHECKING:
+    from elm_memory.elm import ELM
+    from elm_memory.graph.services import ELMServices
+
+# LangGraph Server imports a graph module once per process and passes only JSON with a run, so the
+# process's one ELM lives here; it is built under the lock and never replaced.
 _lock = threading.Lock()
-_elm: Any = None
+_elm: ELM | None = None
 
 
-def served_elm() -> Any:
+def served_elm() -> ELM:
     """The process's ELM, built on the first call (thread-safe)."""
     global _elm
     with _lock:
@@ -42,7 +48,7 @@ def served_elm() -> Any:
         return _elm
 
 
-def served_services() -> Any:
+def served_services() -> ELMServices:
     return served_elm().services()
 
 
