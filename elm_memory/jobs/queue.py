@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import Literal
 
 from elm_memory.errors import ConfigError
+from elm_memory.faults import point
 from elm_memory.jobs.owners import owner_is_alive
 from elm_memory.jobs.records import STATES, JobRecord, JobState, LearnerError, LearnJob
 
@@ -184,6 +185,7 @@ class JobQueue:
                 if n:
                     log.info("job %s had failed; resubmitted, queued again", job.job_id[:12])
             row = conn.execute("SELECT * FROM jobs WHERE job_id = ?", (job.job_id,)).fetchone()
+        point("job.added")
         return self._record(row), created
 
     def claim(self, owner: str, job_id: str | None = None) -> JobRecord | None:
@@ -215,6 +217,8 @@ class JobQueue:
                     (owner, now, now, seq),
                 )
                 rows.append(conn.execute("SELECT * FROM jobs WHERE seq = ?", (seq,)).fetchone())
+        if rows:
+            point("job.claimed")
         return [self._record(r) for r in rows]
 
     def complete(self, job_id: str, owner: str, memory_id: str | None) -> bool:
@@ -225,6 +229,7 @@ class JobQueue:
                 " WHERE job_id = ? AND state = 'running' AND owner = ?",
                 (memory_id, time.time(), job_id, owner),
             ).rowcount
+        point("job.completed")
         return n == 1
 
     def fail(self, job_id: str, owner: str, error: str) -> JobRecord | None:
@@ -240,6 +245,7 @@ class JobQueue:
                 (error, self.max_attempts, self.max_attempts, time.time(), job_id, owner),
             ).rowcount
             row = conn.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
+        point("job.failed")
         return self._record(row) if n == 1 else None
 
     def release(self, job_id: str, owner: str) -> bool:
@@ -250,6 +256,7 @@ class JobQueue:
                 " started_at = NULL WHERE job_id = ? AND state = 'running' AND owner = ?",
                 (job_id, owner),
             ).rowcount
+        point("job.released")
         return n == 1
 
     def heartbeat(self, job_id: str, owner: str) -> bool:
@@ -300,6 +307,7 @@ class JobQueue:
                     log.error("job %s failed: %s (max_attempts=%d reached)", job_id[:12], error, self.max_attempts)
                 else:
                     log.warning("job %s resumed: %s; back to pending", job_id[:12], error)
+        point("job.recovered")
         return recovered
 
     # -- reads -------------------------------------------------------------------------

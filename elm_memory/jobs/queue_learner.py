@@ -25,6 +25,7 @@ import time
 from typing import Any, Self
 
 from elm_memory.errors import ConfigError
+from elm_memory.faults import point
 from elm_memory.jobs.learner import LearnerOptions, LearnFn, LearnManyFn, QueueLike
 from elm_memory.jobs.queue import JobQueue
 from elm_memory.jobs.records import TERMINAL, JobRecord, LearnerError, LearnJob, LearnTicket
@@ -201,6 +202,7 @@ class QueueLearner:
         if memory_id is not None and not isinstance(memory_id, str):
             memory_id = str(memory_id)
         short = job.job_id[:12]
+        point("job.learned")
         if self.queue.complete(job.job_id, owner, memory_id):
             log.info("job %s done in %.1fs -> memory %s", short, time.monotonic() - t0, memory_id)
         else:

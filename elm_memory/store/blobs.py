@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from elm_memory.errors import MemoryFormatError, StoreError
+from elm_memory.faults import point
 
 SUFFIX = ".safetensors"
 TEMP_PREFIX = ".tmp-"
@@ -87,9 +88,12 @@ class BlobStore:
         try:
             with os.fdopen(fd, "wb") as fh:
                 self._write(fh, data)
+                point("blob.temp_written")
                 fh.flush()
                 os.fsync(fh.fileno())
+                point("blob.fsynced")
             os.replace(tmp, final)
+            point("blob.renamed")
         except OSError as exc:
             raise StoreError(f"cannot write blob {sha[:12]}: {exc.strerror or exc}") from None
         finally:
@@ -145,6 +149,7 @@ class BlobStore:
     # -- delete / enumerate ------------------------------------------------------------
     def delete(self, sha: str) -> bool:
         path = self.path(sha)
+        point("blob.delete")
         try:
             path.unlink()
         except FileNotFoundError:

@@ -19,6 +19,7 @@ import typer
 
 from elm_memory.cli_errors import handle_errors
 from elm_memory.errors import ConfigError, StoreError
+from elm_memory.faults import point
 from elm_memory.store import views
 
 if TYPE_CHECKING:  # torch and chromadb load only when a command runs
@@ -326,6 +327,7 @@ def import_(
         info = transfer.rebuild_keys(adapters, cfg)
         known[info.fingerprint] = info
         memories += [m for _, m in adapters]
+    point("import.read")
     s = _open(cfg, create=True)
     s.known_models = known
     s.put_many(memories)

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from elm_memory.errors import StoreError
+from elm_memory.faults import point
 
 FILENAME = "utility.sqlite3"
 #: What the answer path did with a used memory (see ``record_outcome``).
@@ -190,6 +191,7 @@ class UtilityTable:
     # -- counting ------------------------------------------------------------------------
     def record_usage(self, namespace: str, memory_ids: Sequence[str], now: float | None = None) -> None:
         now = time.time() if now is None else now
+        point("utility.usage")
         self._run(self._bump(namespace, m, usage=1, last_used_at=now) for m in dict.fromkeys(memory_ids))
 
     def record_outcome(self, namespace: str, memory_id: str, outcome: str, similarity: float | None = None) -> None:

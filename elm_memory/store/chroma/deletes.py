@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from elm_memory.faults import point
 from elm_memory.store.blobs import BlobStore
 from elm_memory.store.chroma.connection import chroma_errors
 from elm_memory.store.chroma.index import ChromaIndex, Collection
@@ -98,6 +99,7 @@ class DeleteJournal(ChromaIndex):
                 for (mid, fp, ns), rows in victims.items()
             ]
         )
+        point("delete.journalled")
         dropped = {info.name for info, _ in drop}
         by_col: dict[str, tuple[Collection, list[str]]] = {}
         for rows in victims.values():
@@ -110,7 +112,9 @@ class DeleteJournal(ChromaIndex):
             with chroma_errors(f"dropping collection {info.name}"):
                 self.client.delete_collection(info.name)
             self._forget(info.name)
+        point("delete.rows_removed")
         self._delete_unused_blobs(victims)
+        point("delete.blobs_removed")
         ids_by_ns: dict[str, list[str]] = {}
         for mid, _, ns in victims:
             ids_by_ns.setdefault(ns, []).append(mid)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from elm_memory.errors import IncompatibleMemoryError, StoreError
+from elm_memory.faults import point
 from elm_memory.store.base import MemoryStoreBase
 from elm_memory.store.chroma.connection import chroma_errors
 from elm_memory.store.chroma.rows import SCHEMA, CollectionInfo, IndexRow, collection_name
@@ -221,9 +222,11 @@ class ChromaIndex(MemoryStoreBase):
         """
         with chroma_errors(f"writing to {col[0].name}"):
             for part in self._chunks(len(ids)):
+                point("index.upsert")
                 col[1].upsert(ids=ids[part], embeddings=vectors[part], metadatas=metas[part])
 
     def _delete_rows(self, col: Collection, ids: list[str]) -> None:
         with chroma_errors(f"deleting from {col[0].name}"):
             for part in self._chunks(len(ids)):
+                point("index.delete")
                 col[1].delete(ids=ids[part])

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, MemoryIdConflictError, StoreError
+from elm_memory.faults import point
 from elm_memory.memory import LatentMemory
 from elm_memory.store.base import MemoryNotFoundError, MemoryRecord, StoreHit
 from elm_memory.store.blobs import BlobStore
@@ -150,6 +151,7 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits):
             for kind, key in m.keys.items():
                 self._create(m.meta.model_fingerprint, kind, m.meta.namespace, m.meta.hidden_size, key.numel())
         shas = [self.blobs.put(m.to_bytes()) for m in memories]
+        point("put.blobs_written")
         batches: dict[str, tuple[Collection, list[str], list[np.ndarray], list[dict]]] = {}
         stale_blobs: set[str] = set()
         stale_rows: dict[str, tuple[Collection, list[str]]] = {}
@@ -170,10 +172,12 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits):
                 b[3].append(row_metadata(m, sha, *usage.get(kind, (0, 0.0))))
         for col, ids, vecs, metas in batches.values():
             self._upsert_rows(col, ids, np.stack(vecs).astype(np.float32), metas)
+        point("put.rows_written")
         for col, ids in stale_rows.values():
             self._delete_rows(col, ids)
         for sha in stale_blobs - set(shas):
             self.blobs.delete(sha)
+        point("put.stale_removed")
         if self.ttl_days is not None or self.max_memories is not None:
             self._after_put({m.meta.namespace for m in memories}, [m.id for m in memories])
         return shas
