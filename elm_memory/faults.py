@@ -23,6 +23,8 @@ The points, in the order a write passes them:
   ``index.delete`` (before each batch of rows), ``delete.rows_removed``, ``delete.blobs_removed``
   (counters and journal entry not yet forgotten);
 - counters (``store/utility.py``): ``utility.usage`` (before a usage update);
+- a merge (``store/chroma/merges.py``): ``merge.written`` (merged memory put, members untouched),
+  ``merge.absorbed`` (members' counters added to it and their deletes journalled), then a delete's points;
 - jobs (``jobs/queue.py``, ``jobs/queue_learner.py``): ``job.added``, ``job.claimed``,
   ``job.learned`` (memory stored, job not yet completed), ``job.completed``, ``job.failed``,
   ``job.released``, ``job.recovered`` (each after its transaction committed);

@@ -39,6 +39,7 @@ MAX_HEADER_BYTES = 8 * 1024 * 1024  # JSON header: tensor table + metadata (ques
 MAX_FILE_BYTES = 64 * 1024 * 1024  # e.g. 512 tokens x 8192 hidden in float32 is 16 MiB
 MAX_KEY_KINDS = 16  # each kind is an index collection per namespace
 _KIND_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
+MAX_MERGED = 10_000  # ids in a merged memory's provenance
 
 
 @dataclass
@@ -76,9 +77,16 @@ class MemoryMeta:
     config: dict[str, Any] = field(default_factory=dict)
     stats: TrainingStats = field(default_factory=TrainingStats)
     format: int = FORMAT_VERSION
+    # provenance of a merged memory (``elm memories merge``): the ids it replaced and how it was made.
+    # Left out of the file when empty, so an unmerged memory's bytes are what older versions wrote.
+    merged_from: list[str] = field(default_factory=list)
+    merge_strategy: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps(asdict(self), ensure_ascii=False, sort_keys=True)
+        raw = asdict(self)
+        if not self.merged_from and self.merge_strategy is None:
+            del raw["merged_from"], raw["merge_strategy"]
+        return json.dumps(raw, ensure_ascii=False, sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str) -> MemoryMeta:
@@ -126,6 +134,25 @@ class MemoryMeta:
         bad = [name for name, ok in checks.items() if not ok]
         if bad:
             raise MemoryFormatError(f"memory {self.id[:8]}: metadata field {bad[0]} has the wrong type or value")
+        self._validate_provenance()
+
+    def _validate_provenance(self) -> None:
+        """``merged_from``: distinct valid memory ids, not this one, at most ``MAX_MERGED``; a strategy
+        name with them (and neither without the other)."""
+        ids, strategy = self.merged_from, self.merge_strategy
+        if not isinstance(ids, list) or len(ids) > MAX_MERGED:
+            raise MemoryFormatError(f"memory {self.id[:8]}: merged_from must be a list of at most {MAX_MERGED} ids")
+        for mid in ids:
+            if not isinstance(mid, str):
+                raise MemoryFormatError(f"memory {self.id[:8]}: merged_from holds a non-text id")
+            validate_memory_id(mid)
+        if len(set(ids)) != len(ids) or self.id in ids:
+            raise MemoryFormatError(f"memory {self.id[:8]}: merged_from repeats an id or names the memory itself")
+        named = isinstance(strategy, str) and bool(_KIND_RE.fullmatch(strategy))
+        if strategy is not None and not named:
+            raise MemoryFormatError(f"memory {self.id[:8]}: merge_strategy must be a short name")
+        if bool(ids) != (strategy is not None):
+            raise MemoryFormatError(f"memory {self.id[:8]}: merged_from and merge_strategy go together")
 
 
 @dataclass

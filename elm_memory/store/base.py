@@ -73,7 +73,9 @@ class CheckReport:
     ``pending_deletes``: memories ("namespace/id") whose journalled delete was interrupted: a
     repair finishes it. ``orphan_blobs``: blobs of such memories whose rows are already gone
     (removed on repair; never reindexed). ``orphan_utility``: counter rows ("namespace/id")
-    of memories that no longer exist (removed on repair).
+    of memories that no longer exist (removed on repair). ``interrupted_merges``: merged memories
+    ("namespace/id") whose members are still present (a merge a crash interrupted after the merged
+    memory was written): a repair finishes the merge (members' counters added, members deleted).
     """
 
     blobs: int = 0
@@ -89,6 +91,7 @@ class CheckReport:
     pending_deletes: list[str] = field(default_factory=list)  # "namespace/id"
     orphan_blobs: list[str] = field(default_factory=list)  # sha256
     orphan_utility: list[str] = field(default_factory=list)  # "namespace/id"
+    interrupted_merges: list[str] = field(default_factory=list)  # "namespace/id" of the merged memory
     repaired: bool = False
 
     @property
@@ -103,6 +106,7 @@ class CheckReport:
             or self.pending_deletes
             or self.orphan_blobs
             or self.orphan_utility
+            or self.interrupted_merges
         )
 
     def to_dict(self) -> dict[str, Any]:

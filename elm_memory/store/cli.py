@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
@@ -27,7 +27,7 @@ if TYPE_CHECKING:  # torch and chromadb load only when a command runs
     from elm_memory.store.chroma import ChromaMemoryStore
 
 memories_app = typer.Typer(
-    help="Stored memories: list, show, stats, delete, evict, export, import, check (and repair).",
+    help="Stored memories: list, show, stats, delete, evict, merge, export, import, check (and repair).",
     no_args_is_help=True,
 )
 
@@ -245,6 +245,82 @@ def evict(
         typer.echo(json.dumps(out))
     else:
         typer.echo(f"expired {len(out['expired'])}, evicted {len(out['evicted'])} memories")
+
+
+@memories_app.command("merge")
+@handle_errors
+def merge(
+    store: StoreOpt = None,
+    url: UrlOpt = None,
+    namespace: NamespaceOpt = None,
+    threshold: Annotated[
+        float | None,
+        typer.Option(
+            help="Cosine of two keys at or above which they are near-duplicates (default 0.98).", show_default=False
+        ),
+    ] = None,
+    strategy: Annotated[
+        str,
+        typer.Option(
+            help="average (mean soft prompt) or train (brief GRPO on the members' questions; loads the model)."
+        ),
+    ] = "average",
+    kind: Annotated[
+        str | None, typer.Option(help="Key kind compared (default: retrieval.key).", show_default=False)
+    ] = None,
+    steps: Annotated[int, typer.Option(min=1, help="GRPO steps of a train merge.")] = 2,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the clusters; change nothing.")] = False,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Join near-duplicate memories (keys of one model and namespace at or above --threshold) into one
+    each, with provenance (merged_from); members' counters are summed into it, then they are deleted."""
+    from elm_memory.store.merge import DEFAULT_THRESHOLD, STRATEGIES, find_clusters, merge_clusters
+
+    if strategy not in STRATEGIES:
+        raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
+    cfg = _load_config(config, preset, set_, store, url)
+    s = _open(cfg)
+    clusters = find_clusters(
+        s,
+        namespace=namespace,
+        kind=kind or cfg.retrieval.key,
+        threshold=DEFAULT_THRESHOLD if threshold is None else threshold,
+    )
+    questions = {r.id: r.question for r in s.list(namespace)} if clusters and not json_out else {}
+    merged: dict[tuple[str, ...], str] = {}
+    if clusters and not dry_run:
+        build = None
+        if strategy == "train":
+            build = _train_builder(cfg, steps)
+        outcomes = merge_clusters(s, clusters, build) if build is not None else merge_clusters(s, clusters)
+        merged = {o.cluster.ids: o.merged_id for o in outcomes}
+    if json_out:
+        out = [{**c.to_dict(), "ids": list(c.ids), "merged_id": merged.get(c.ids)} for c in clusters]
+        typer.echo(json.dumps({"clusters": out, "dry_run": dry_run, "strategy": strategy}))
+        return
+    for c in clusters:
+        for line in views.merge_lines(c.to_dict(), questions, merged.get(c.ids)):
+            typer.echo(line)
+    verb = "would merge" if dry_run else "merged"
+    typer.echo(f"{verb} {sum(len(c.ids) for c in clusters)} memories into {len(clusters)}", err=True)
+
+
+def _train_builder(cfg: ELMConfig, steps: int) -> Any:
+    """The ``train`` strategy's builder: the configured model, backend and prompts, loaded once."""
+    from elm_memory.elm import ELM
+    from elm_memory.training.merging import train_merged
+
+    elm = ELM(cfg)
+
+    def build(members: Any) -> Any:
+        return train_merged(
+            members, config=cfg, loaded=elm.loaded, backend=elm.backend, prompts=elm.prompts, steps=steps
+        )
+
+    return build
 
 
 @memories_app.command("export")

@@ -40,6 +40,19 @@ FILENAME = "utility.sqlite3"
 Outcome = Literal["agree", "won", "lost", "unjudged"]
 OUTCOMES: tuple[str, ...] = ("agree", "won", "lost", "unjudged")
 _COLUMN = {"agree": "agreed", "won": "won", "lost": "lost"}
+#: The counter columns of the utility table, in table order (after namespace and memory_id).
+_COUNTER_COLUMNS = (
+    "usage",
+    "last_used_at",
+    "retrieved",
+    "agreed",
+    "won",
+    "lost",
+    "sim_sum",
+    "sim_n",
+    "gold_right",
+    "gold_wrong",
+)
 
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS utility (
@@ -241,6 +254,33 @@ class UtilityTable:
             )
             for e in entries
         )
+
+    def absorb(self, namespace: str, into: str, entries: Sequence[PendingDelete]) -> None:
+        """Add the counters of ``entries``' memories to ``into``'s and journal their deletes, in one
+        transaction (a merge: the merged memory inherits its members' record exactly once, because a
+        journalled member is never absorbed again). Counts add up; ``last_used_at`` takes the max."""
+        ids = [e.memory_id for e in entries]
+        if not ids:
+            return
+        totals = ", ".join(f"coalesce({'max' if c == 'last_used_at' else 'sum'}({c}), 0)" for c in _COUNTER_COLUMNS)
+        updates = ", ".join(
+            f"{c} = max({c}, excluded.{c})" if c == "last_used_at" else f"{c} = {c} + excluded.{c}"
+            for c in _COUNTER_COLUMNS
+        )
+        sql = (
+            f"INSERT INTO utility (namespace, memory_id, {', '.join(_COUNTER_COLUMNS)}) "
+            f"SELECT ?, ?, {totals} FROM utility "
+            f"WHERE namespace = ? AND memory_id IN ({', '.join('?' for _ in ids)}) GROUP BY namespace "
+            f"ON CONFLICT (namespace, memory_id) DO UPDATE SET {updates}"
+        )
+        journal = (
+            (
+                "INSERT OR REPLACE INTO pending_deletes VALUES (?, ?, ?, ?, ?)",
+                [e.namespace, e.memory_id, e.fingerprint, " ".join(e.blobs), e.started_at],
+            )
+            for e in entries
+        )
+        self._run([(sql, [namespace, into, namespace, *ids]), *journal])
 
     def pending(self, namespace: str | None = None, memory_ids: Sequence[str] | None = None) -> list[PendingDelete]:
         if not self.path.exists():

@@ -42,6 +42,7 @@ _CHECK_FIELDS = (
     "pending_deletes",
     "orphan_blobs",
     "orphan_utility",
+    "interrupted_merges",
 )
 
 
@@ -123,6 +124,18 @@ def stats_table(rows: list[dict[str, Any]]) -> list[str]:
             f"{x['id'][:32]:<32}  {x['namespace'][:12]:<12} {x['retrieved']:>5} {x['agreed']:>5} "
             f"{x['won']:>5} {x['lost']:>5} {util:>5} {sim:>5} {gold:>7}  {question[:50]}"
         )
+    return lines
+
+
+def merge_lines(cluster: dict[str, Any], questions: dict[str, str], merged_id: str | None) -> list[str]:
+    """``elm memories merge``: one cluster (a :meth:`Cluster.to_dict`), its members and what it became."""
+    into = f" -> {merged_id}" if merged_id else ""
+    lines = [
+        f"{cluster['namespace']}: {len(cluster['ids'])} memories, {cluster['kind']} keys, "
+        f"least similar pair {cluster['min_similarity']:.4f}{into}"
+    ]
+    for mid in cluster["ids"]:
+        lines.append(f"  {mid}  {questions.get(mid, '').replace(chr(10), ' ')[:70]}")
     return lines
 
 

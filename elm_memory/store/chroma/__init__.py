@@ -25,6 +25,7 @@ Modules, one concern each:
 - ``deletes.py``     journalled deletes (crash-safe order) and index compaction
 - ``capacity.py``    eviction (``max_memories``) and expiry (``ttl_days``)
 - ``check.py``       ``check`` / ``check --repair``
+- ``merges.py``      key matrices for clustering; a merge's commit (merged memory first, then members)
 """
 
 from elm_memory.store.chroma.capacity import EVICTION_POLICIES

@@ -8,6 +8,7 @@ one method below, run in the order :meth:`ConsistencyCheck.check` lists.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -68,6 +69,7 @@ class ConsistencyCheck(DeleteJournal):
         run = CheckRun(report, repair, pending, rows, self._scan_blobs(report, repair, deep))
         self._remove_temp_files(report, repair, temp_grace_seconds)
         self._report_shared_ids(run)
+        self._finish_merges(run)  # before the journal: a finished merge journals its members
         self._finish_journalled(run)
         self._clean_utility(run)
         for group in sorted(set(run.rows) | set(run.blobs)):
@@ -120,6 +122,26 @@ class ConsistencyCheck(DeleteJournal):
                     f"{mid}: id used by {len(where)} memories, in {', '.join(sorted(where))}; "
                     f"delete all but one with `elm memories delete {mid} --namespace NS`"
                 )
+
+    def _finish_merges(self, run: CheckRun) -> None:
+        """A merged memory whose members are still here: a merge interrupted after the merged memory was
+        written (see ``merges.py``). A repair finishes it: in one transaction the members' counters go to
+        the merged memory and their deletes are journalled, so ``_finish_journalled`` deletes them next."""
+        for (merged_id, fp, ns), entries in sorted(run.blobs.items()):
+            found: list[PendingDelete] = []
+            for mid in sorted({m for e in entries for m in e.meta.merged_from}):
+                key = (mid, fp, ns)
+                if key in run.pending or (key not in run.rows and key not in run.blobs):
+                    continue  # gone, or journalled already (its counters were absorbed with the journal entry)
+                shas = {str(r.meta["blob"]) for r in run.rows.get(key, []) if r.meta.get("blob")}
+                shas |= {b.sha for b in run.blobs.get(key, [])}
+                found.append(PendingDelete(ns, mid, fp, tuple(sorted(shas)), time.time()))
+            if not found:
+                continue
+            run.report.interrupted_merges.append(f"{ns}/{merged_id}")
+            if run.repair:
+                self.utility.absorb(ns, merged_id, found)
+                run.pending.update({(p.memory_id, p.fingerprint, p.namespace): p for p in found})
 
     def _finish_journalled(self, run: CheckRun) -> None:
         """Interrupted deletes: finished, and taken out of the scans (their blob without rows is

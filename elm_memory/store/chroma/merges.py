@@ -1,0 +1,100 @@
+"""The store's half of a merge: reading a collection's keys, and replacing members by their merged memory.
+
+Commit order (``commit_merge``), so that a crash (kill -9) at any point leaves a pool that
+``check`` finds clean or ``check --repair`` makes clean, with each member's experience held
+exactly once, by the members or by the merged memory:
+
+1. the merged memory is put (blob, then rows: the ordinary write path). Its metadata names
+   the members (``merged_from``), so from the moment its blob exists it *is* the merge's
+   journal: ``check`` reports members still present next to it as an interrupted merge, and
+   a repair finishes the merge (never undoes it);
+2. one transaction adds the members' utility counters to the merged memory's and journals
+   the members' deletes (a member already journalled is never absorbed again, so counters
+   are summed exactly once);
+3. the members go through the journalled delete path (rows, blobs, counters).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from elm_memory import faults
+from elm_memory.errors import StoreError
+from elm_memory.memory import LatentMemory
+from elm_memory.store.chroma.connection import chroma_errors
+from elm_memory.store.chroma.deletes import DeleteJournal
+from elm_memory.store.chroma.index import Collection
+from elm_memory.store.chroma.rows import IndexRow, MemoryKey, group_by_memory
+from elm_memory.store.utility import PendingDelete
+
+_PAGE = 5000
+
+
+class MergeSupport(DeleteJournal):
+    """Key matrices for clustering, and the crash-safe replacement of members by a merged memory."""
+
+    def key_collections(self, kind: str, namespace: str | None = None) -> list[Collection]:
+        """The collections of key ``kind`` (every model's when the store is unbound), one namespace or all."""
+        return self._collections(kind=kind, namespace=namespace)
+
+    def key_matrix(self, col: Collection) -> tuple[list[str], list[float], np.ndarray]:
+        """Ids, creation times and key vectors (rows of a float32 matrix) of one collection, oldest first."""
+        info, c = col
+        ids: list[str] = []
+        created: list[float] = []
+        vecs: list[np.ndarray] = []
+        offset = 0
+        with chroma_errors(f"reading {info.name}"):
+            while True:
+                res = c.get(include=["embeddings", "metadatas"], limit=_PAGE, offset=offset)
+                ids.extend(res["ids"])
+                created.extend(float((m or {}).get("created_at", 0.0)) for m in res["metadatas"])
+                if len(res["ids"]):
+                    vecs.append(np.asarray(res["embeddings"], dtype=np.float32))
+                if len(res["ids"]) < _PAGE:
+                    break
+                offset += _PAGE
+        matrix = np.concatenate(vecs) if vecs else np.zeros((0, info.dim), dtype=np.float32)
+        order = sorted(range(len(ids)), key=lambda i: (created[i], ids[i]))
+        return [ids[i] for i in order], [created[i] for i in order], matrix[order]
+
+    def commit_merge(self, merged: LatentMemory) -> list[str]:
+        """Put ``merged``, then move its members' counters to it and delete the members (see the
+        module docstring for the order). Returns the ids of the members that were deleted."""
+        meta = merged.meta
+        if not meta.merged_from:
+            raise StoreError(f"memory {merged.id[:8]} names no members (merged_from is empty)")
+        members = self._member_rows(meta.model_fingerprint, meta.namespace, meta.merged_from)
+        missing = sorted(set(meta.merged_from) - {mid for mid, _, _ in members})
+        if missing:
+            raise StoreError(f"cannot merge: memory {missing[0]} is not in namespace {meta.namespace!r}")
+        self.put_many([merged])
+        faults.point("merge.written")
+        self.absorb_members(merged.id, members)
+        faults.point("merge.absorbed")
+        self._delete_memories(members)
+        return sorted(mid for mid, _, _ in members)
+
+    def absorb_members(self, merged_id: str, members: dict[MemoryKey, list[IndexRow]]) -> None:
+        """Step 2: one transaction adds the members' counters to ``merged_id`` and journals their deletes."""
+        now = time.time()
+        by_ns: dict[str, list[PendingDelete]] = {}
+        for (mid, fp, ns), rows in members.items():
+            blobs = tuple(sorted({str(r.meta["blob"]) for r in rows if r.meta.get("blob")}))
+            by_ns.setdefault(ns, []).append(PendingDelete(ns, mid, fp, blobs, now))
+        for ns, entries in by_ns.items():
+            self.utility.absorb(ns, merged_id, entries)
+
+    def _member_rows(
+        self, fingerprint: str, namespace: str, member_ids: Sequence[str]
+    ) -> dict[MemoryKey, list[IndexRow]]:
+        """Every row of each member (all key kinds) of one model and namespace."""
+        rows = [
+            r
+            for col in self._collections(fingerprint=fingerprint, namespace=namespace)
+            for r in self._rows(col, list(member_ids))
+        ]
+        return group_by_memory(rows)
