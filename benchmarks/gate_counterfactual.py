@@ -1,7 +1,8 @@
 """What would the retrieval gates have changed in a finished online run? (no model needed)
 
 Reads an ``elm stream`` run directory and replays ELM's final answer under a grid of
-``retrieval.min_majority_share`` and ``retrieval.min_similarity`` values: where the used memory
+``retrieval.min_majority_share`` and ``retrieval.min_similarity`` values, and of
+``retrieval.min_utility`` (counters rebuilt from the run's own routes, question by question): where the used memory
 falls below a gate, the answer becomes ELM's own zero-shot candidate (route ``zero_shot``).
 This is a lower bound on what the gate does online: the real gate moves on to the next-best
 memory that passes (``top_k`` > 1) or answers zero-shot, and memories are still learned either way.
@@ -57,6 +58,52 @@ def replay(records: list[dict], min_share: float, min_sim: float | None) -> dict
     }
 
 
+def outcome(record: dict) -> str | None:
+    """The utility counter the graph's respond node recorded for the used memory (None: not judged)."""
+    route = record.get("route")
+    if route == "agree":
+        return "agree"
+    mem = next((c for c in record.get("candidates", []) if c["kind"] == "memory"), None)
+    if mem is None or route not in ("verifier", "answered"):
+        return None
+    return "won" if mem.get("answer") == record.get("answer") and route != "zero_shot" else "lost"
+
+
+def replay_utility(records: list[dict], min_utility: float, observations: int) -> dict:
+    """``retrieval.min_utility``: a memory whose counters so far say (won + agreed) / judged < ``min_utility``
+    after ``observations`` judgements is not used (the answer becomes the zero-shot candidate; a gated
+    memory records nothing more, as online)."""
+    counts: dict[str, list[int]] = {}  # memory id -> [won + agreed, judged]
+    correct = gains = losses = gated = 0
+    for r in records:
+        zs = bool(candidate_correct(r, "zero_shot"))
+        mid = r.get("memory_id") if r.get("route") != "zero_shot" else None
+        good, judged = counts.get(mid, [0, 0]) if mid else (0, 0)
+        blocked = bool(mid) and judged >= observations and good / judged < min_utility
+        final = zs if blocked else bool(r["correct"])
+        if mid and not blocked:
+            o = outcome(r)
+            if o is not None:
+                c = counts.setdefault(mid, [0, 0])
+                c[0] += o in ("agree", "won")
+                c[1] += 1
+        gated += blocked
+        correct += final
+        gains += final and not zs
+        losses += zs and not final
+    n = len(records)
+    return {
+        "min_utility": min_utility,
+        "min_utility_observations": observations,
+        "accuracy": round(100 * correct / n, 1) if n else None,
+        "correct": correct,
+        "n": n,
+        "gains": gains,
+        "losses": losses,
+        "gated": gated,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("run_dirs", nargs="+", type=Path)
@@ -76,6 +123,19 @@ def main() -> None:
             sim = "-" if g["min_similarity"] is None else f"{g['min_similarity']:.3f}"
             print(
                 f"  {g['min_majority_share']:9.2f}  {sim:>7}  {g['accuracy']:5.1f}  "
+                f"+{g['gains']}/-{g['losses']:<8}  {g['gated']}"
+            )
+        utility = [replay_utility(records, u, obs) for u in (0.5,) for obs in (1, 2, 3, 5)]
+        report[f"{run_dir}:min_utility"] = utility
+        reuse = {}
+        for r in records:
+            if r.get("memory_id") and r.get("route") != "zero_shot":
+                reuse[r["memory_id"]] = reuse.get(r["memory_id"], 0) + 1
+        print(f"  memories used: {len(reuse)}, used more than once: {sum(v > 1 for v in reuse.values())}")
+        print("  min_utility  observations   acc%  gains/losses  gated")
+        for g in utility:
+            print(
+                f"  {g['min_utility']:11.2f}  {g['min_utility_observations']:12d}  {g['accuracy']:5.1f}  "
                 f"+{g['gains']}/-{g['losses']:<8}  {g['gated']}"
             )
     if args.out:
