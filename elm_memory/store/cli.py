@@ -256,7 +256,7 @@ def merge(
     threshold: Annotated[
         float | None,
         typer.Option(
-            help="Cosine of two keys at or above which they are near-duplicates (default 0.98).", show_default=False
+            help="Cosine of two keys at or above which they are near-duplicates (default 0.99).", show_default=False
         ),
     ] = None,
     strategy: Annotated[
