@@ -27,6 +27,7 @@ from elm_memory.cli_options import (
     SetOpt,
     load_config,
 )
+from elm_memory.jobs.cli import learner_app
 from elm_memory.store.cli import memories_app
 
 app = typer.Typer(
@@ -41,6 +42,7 @@ config_app = typer.Typer(help="Show the effective configuration and the presets.
 app.add_typer(model_app, name="model")
 app.add_typer(config_app, name="config")
 app.add_typer(memories_app, name="memories")
+app.add_typer(learner_app, name="learner")
 
 
 @app.command(cls=QuestionCommand)

@@ -174,6 +174,7 @@ class ELM:
                     poll_interval=lc.poll_interval,
                     batch_size=lc.batch_size,
                     learn_many_fn=self._run_learn_jobs,
+                    config=self.config,
                 )
         return self._learner
 

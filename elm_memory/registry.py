@@ -132,6 +132,7 @@ learners: Registry[LearnerFactory] = Registry("learner mode", "elm_memory.learne
 learners.register("sync", "elm_memory.jobs.sync:SyncLearner")
 learners.register("background", "elm_memory.jobs.background:BackgroundLearner")
 learners.register("off", "elm_memory.jobs.off:NoLearner")
+learners.register("ray", "elm_memory.jobs.ray_learner:RayLearner")  # extra .[ray]
 
 # Training engines (`training.engine`): what trains a memory's soft prompt (elm_memory.training.engines).
 training_engines: Registry[TrainerFactory] = Registry("training engine", "elm_memory.training_engines")

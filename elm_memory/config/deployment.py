@@ -136,6 +136,17 @@ class StoreConfig(ConfigSection):
             "without a TTL)."
         ),
     )
+    merge_threshold: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Merge a memory as it lands with the stored memories of its namespace whose key (`input`, else "
+            "its first kind) has cosine at least this with it and with each other: `average` strategy, as "
+            "`elm memories merge`, so the landed memory's id may be merged away at once (it is then in the "
+            "merged memory's `merged_from`). Default None = off."
+        ),
+    )
 
     @field_validator("path")
     @classmethod
@@ -208,6 +219,60 @@ class BackendConfig(ConfigSection):
     )
 
 
+class RayLearnerConfig(ConfigSection):
+    """``learner.mode: ray``: learning jobs on a pool of Ray actors (extra ``.[ray]``).
+
+    The job ledger is the SQLite queue of ``learner.queue_path`` on the host that owns it; a
+    dispatcher process there (``elm learner serve``, or one started by the answering process:
+    ``dispatcher: auto``) claims up to ``learner.batch_size`` jobs at a time and sends them to the
+    actors, which load the frozen model once and write memories to the shared store."""
+
+    address: str | None = Field(
+        default=None,
+        description=(
+            "Ray cluster to join: `HOST:PORT` of a head (`ray start --head`), `ray://HOST:10001` (Ray Client) "
+            "or `auto`. Default None: `$RAY_ADDRESS`, else `auto` (the cluster this machine belongs to)."
+        ),
+    )
+    namespace: str = Field(default="elm-memory", min_length=1, description="Ray namespace of the named learner actors.")
+    num_workers: int = Field(
+        default=1, ge=1, description="Learner actors in the pool; each loads the model once. Default 1."
+    )
+    num_cpus: float = Field(
+        default=1.0, ge=0, description="CPUs Ray reserves per actor (its torch threads). Default 1."
+    )
+    num_gpus: float = Field(
+        default=0.0, ge=0, description="GPUs Ray reserves per actor (1 on a GPU cluster; fractions share). Default 0."
+    )
+    max_restarts: int = Field(
+        default=-1,
+        ge=-1,
+        description="Times Ray restarts an actor whose process died (-1: always). Its job is retried by the ledger.",
+    )
+    backoff: float = Field(
+        default=5.0,
+        ge=0,
+        description=(
+            "Seconds before a failed job is retried, doubled with each attempt up to `backoff_max`. Default 5."
+        ),
+    )
+    backoff_max: float = Field(default=300.0, ge=0, description="Longest retry delay in seconds. Default 300.")
+    reconnect_interval: float = Field(
+        default=5.0,
+        gt=0,
+        description=(
+            "Seconds between attempts to reach an unreachable Ray cluster (jobs wait in the ledger). Default 5."
+        ),
+    )
+    dispatcher: Literal["auto", "external"] = Field(
+        default="auto",
+        description=(
+            "`auto`: the answering process starts and watches a dispatcher process for its ledger; `external`: "
+            "`elm learner serve` runs it (answering processes only write the ledger)."
+        ),
+    )
+
+
 class LearnerConfig(ConfigSection):
     """When memories are learned relative to answering."""
 
@@ -215,7 +280,8 @@ class LearnerConfig(ConfigSection):
         default="sync",
         description=(
             "`sync`: memory i exists before question i+1 is answered (paper's online protocol); "
-            "`background`: a worker thread learns from a durable queue, answers never wait; `off`; "
+            "`background`: a worker thread learns from a durable queue, answers never wait; `ray`: Ray actors "
+            "learn (other machines, placed by GPU/CPU; see `learner.ray`); `off`; "
             "or a plugin learner registered under `elm_memory.learners`."
         ),
     )
@@ -240,4 +306,7 @@ class LearnerConfig(ConfigSection):
             "forward/backward (same results as one at a time, more throughput); 1: one job at a time. "
             "Also the batch of `elm offline` training. Ignored by training.engine=trl (one at a time)."
         ),
+    )
+    ray: RayLearnerConfig = Field(
+        default_factory=RayLearnerConfig, description="`learner.mode: ray` only: the Ray actor pool and retries."
     )

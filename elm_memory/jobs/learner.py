@@ -1,7 +1,8 @@
 """What a memory learner is, and how one is built from ``learner.mode``.
 
 A learner accepts questions (``submit``) and sees to it that a memory is learned from each:
-inline (``sync``), by a worker thread (``background``) or not at all (``off``). The modes
+inline (``sync``), by a worker thread (``background``), by Ray actors on other machines (``ray``)
+or not at all (``off``). The modes
 are registered in :data:`elm_memory.registry.learners` (plugins: the entry-point group
 ``elm_memory.learners``); :func:`build_learner` picks one by name.
 """
@@ -63,6 +64,7 @@ class LearnerOptions:
     poll_interval: float = 1.0
     batch_size: int = 1
     learn_many_fn: LearnManyFn | None = None
+    config: Any = None  # the ELMConfig, for learners that start processes of their own (``ray``)
 
 
 class LearnerFactory(Protocol):
@@ -82,6 +84,7 @@ def build_learner(
     poll_interval: float = 1.0,
     batch_size: int = 1,
     learn_many_fn: LearnManyFn | None = None,
+    config: Any = None,
 ) -> MemoryLearner:
     """The learner for ``LearnerConfig.mode``. ``queue_path`` is the SQLite file (see
     :func:`~elm_memory.jobs.records.default_queue_path`); ``scope`` is mixed into job ids (use the
@@ -91,5 +94,5 @@ def build_learner(
         factory = learners.get(mode)
     except RegistryError as exc:  # a bad mode is a config mistake, like every other config value
         raise ConfigError(str(exc)) from None
-    options = LearnerOptions(scope, max_attempts, poll_interval, batch_size, learn_many_fn)
+    options = LearnerOptions(scope, max_attempts, poll_interval, batch_size, learn_many_fn, config)
     return factory.create(learn_fn, queue_path, options)

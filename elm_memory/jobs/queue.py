@@ -3,10 +3,14 @@
 Durability. Jobs live in one SQLite file (WAL; committed before ``submit`` returns), by
 convention ``<store path>/learner.sqlite3``. A job moves ``pending -> running -> done |
 failed``. Claiming is an atomic transaction, so several workers (threads or processes) can
-drain the same queue. A job left ``running`` by a worker that is gone (its process is dead,
-its thread in this process has exited, or, for a worker on another host, its heartbeat is
-older than the queue's ``lease``) goes back to ``pending`` when any learner opens the queue
-(and periodically while a background worker idles): that is the crash-resume path.
+drain the same queue. One host only: SQLite's WAL mode needs every process that opens the
+file on the machine that holds it (shared memory; network filesystems are not safe), so the
+file is never shared between hosts. Learning on other machines goes through a process of this
+host that owns the file (``learner.mode: ray``: :mod:`elm_memory.jobs.ray_dispatch`). A job left
+``running`` by a worker that is gone (its process is dead, or its thread in this process has
+exited) goes back to ``pending`` when any learner opens the queue (and periodically while a
+background worker idles): that is the crash-resume path. A failed attempt may set a
+``not_before`` time (retry backoff): the job is not claimed before it.
 ``attempts`` counts claims; an attempt that raises, or whose process dies, counts as
 failed, and after ``max_attempts`` the job becomes ``failed`` with the last error kept. An
 interrupt (``KeyboardInterrupt``, ``SystemExit``) in ``learn_fn`` does not count: the job
@@ -35,7 +39,7 @@ from elm_memory.jobs.records import STATES, JobRecord, JobState, LearnerError, L
 
 log = logging.getLogger("elm_memory.jobs")
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2  # 2: not_before (retry backoff), added in place to version-1 files
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS jobs (
     seq INTEGER PRIMARY KEY AUTOINCREMENT,
@@ -51,7 +55,8 @@ CREATE TABLE IF NOT EXISTS jobs (
     finished_at REAL,
     owner TEXT,
     memory_id TEXT,
-    error TEXT
+    error TEXT,
+    not_before REAL
 );
 CREATE INDEX IF NOT EXISTS jobs_by_state ON jobs (state, seq);
 """
@@ -75,6 +80,11 @@ def _connect(path: Path, busy_timeout: float, synchronous: str) -> sqlite3.Conne
         version = conn.execute("PRAGMA user_version").fetchone()[0]
         if version > SCHEMA_VERSION:
             raise LearnerError(f"learner queue {path} has format {version}; this elm-memory reads {SCHEMA_VERSION}")
+        conn.execute("BEGIN IMMEDIATE")
+        columns = {r[1] for r in conn.execute("PRAGMA table_info(jobs)").fetchall()}
+        if columns and "not_before" not in columns:  # a version-1 file: add the column in place
+            conn.execute("ALTER TABLE jobs ADD COLUMN not_before REAL")
+        conn.execute("COMMIT")
         conn.executescript(f"BEGIN IMMEDIATE;{_SCHEMA}PRAGMA user_version = {SCHEMA_VERSION};COMMIT;")
     except (sqlite3.Error, LearnerError) as exc:
         if conn is not None:
@@ -90,8 +100,9 @@ class JobQueue:
     """Durable FIFO of :class:`LearnJob` rows in one SQLite file (WAL mode).
 
     A running job's owner heartbeats every ``lease / 4`` s (see
-    :class:`~elm_memory.jobs.learner.QueueLearner`); owners on other hosts are presumed dead
-    once their heartbeat is ``lease`` s old.
+    :class:`~elm_memory.jobs.learner.QueueLearner`). Every process that opens the file must run
+    on its host (WAL); an owner token naming another host (a file copied or restored elsewhere)
+    is presumed dead once its heartbeat is ``lease`` s old.
 
     ``synchronous="NORMAL"`` (default): a committed job survives any crash of the
     process, without an fsync on the request path (a few ms saved per submit; measured
@@ -179,7 +190,7 @@ class JobQueue:
             if not created and requeue_failed:
                 n = conn.execute(
                     "UPDATE jobs SET state = 'pending', attempts = 0, error = NULL, owner = NULL,"
-                    " started_at = NULL, finished_at = NULL WHERE job_id = ? AND state = 'failed'",
+                    " started_at = NULL, finished_at = NULL, not_before = NULL WHERE job_id = ? AND state = 'failed'",
                     (job.job_id,),
                 ).rowcount
                 if n:
@@ -200,8 +211,11 @@ class JobQueue:
         """Atomically move the ``limit`` oldest pending jobs (or fewer) to ``running``, in order."""
         return self._take(owner, "state = 'pending'", (), max(1, int(limit)))
 
-    def _take(self, owner: str, where: str, args: Sequence[str], limit: int) -> list[JobRecord]:
-        """Claim up to ``limit`` of the oldest rows matching ``where`` for ``owner``, in one transaction."""
+    def _take(self, owner: str, where: str, args: Sequence[str | float], limit: int) -> list[JobRecord]:
+        """Claim up to ``limit`` of the oldest rows matching ``where`` for ``owner``, in one transaction
+        (never a job whose retry backoff, ``not_before``, is still ahead)."""
+        where = f"{where} AND (not_before IS NULL OR not_before <= ?)"
+        args = (*args, time.time())
         with self._db() as conn:  # cheap read first: no write lock while the queue is idle
             if conn.execute(f"SELECT 1 FROM jobs WHERE {where} LIMIT 1", args).fetchone() is None:
                 return []
@@ -213,7 +227,7 @@ class JobQueue:
             for seq in seqs:
                 conn.execute(
                     "UPDATE jobs SET state = 'running', attempts = attempts + 1, owner = ?, started_at = ?,"
-                    " heartbeat_at = ?, finished_at = NULL WHERE seq = ?",
+                    " heartbeat_at = ?, finished_at = NULL, not_before = NULL WHERE seq = ?",
                     (owner, now, now, seq),
                 )
                 rows.append(conn.execute("SELECT * FROM jobs WHERE seq = ?", (seq,)).fetchone())
@@ -232,17 +246,30 @@ class JobQueue:
         point("job.completed")
         return n == 1
 
-    def fail(self, job_id: str, owner: str, error: str) -> JobRecord | None:
-        """Record a failed attempt: back to ``pending``, or ``failed`` after ``max_attempts``.
+    def fail(self, job_id: str, owner: str, error: str, *, retry_in: float = 0.0) -> JobRecord | None:
+        """Record a failed attempt: back to ``pending`` (claimable again ``retry_in`` s from now),
+        or ``failed`` after ``max_attempts``.
 
         None if ``owner`` no longer holds the job."""
+        now = time.time()
         with self._tx() as conn:
             n = conn.execute(
                 "UPDATE jobs SET error = ?, owner = NULL,"
                 " state = CASE WHEN attempts >= ? THEN 'failed' ELSE 'pending' END,"
-                " finished_at = CASE WHEN attempts >= ? THEN ? ELSE NULL END"
+                " finished_at = CASE WHEN attempts >= ? THEN ? ELSE NULL END,"
+                " not_before = CASE WHEN attempts >= ? OR ? <= 0 THEN NULL ELSE ? END"
                 " WHERE job_id = ? AND state = 'running' AND owner = ?",
-                (error, self.max_attempts, self.max_attempts, time.time(), job_id, owner),
+                (
+                    error,
+                    self.max_attempts,
+                    self.max_attempts,
+                    now,
+                    self.max_attempts,
+                    retry_in,
+                    now + retry_in,
+                    job_id,
+                    owner,
+                ),
             ).rowcount
             row = conn.execute("SELECT * FROM jobs WHERE job_id = ?", (job_id,)).fetchone()
         point("job.failed")

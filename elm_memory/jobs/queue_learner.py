@@ -72,7 +72,8 @@ class QueueLearner:
         """The registry's constructor (:class:`~elm_memory.jobs.learner.LearnerFactory`)."""
         if learn_fn is None or queue is None:
             raise ConfigError(f"learner mode {cls.mode!r} needs a learn_fn and a queue path")
-        return cls(learn_fn, queue, **vars(options))  # the options' fields are this class's keywords
+        kwargs = {k: v for k, v in vars(options).items() if k != "config"}  # the rest are this class's keywords
+        return cls(learn_fn, queue, **kwargs)
 
     # -- common API --------------------------------------------------------------------
     def job(self, job_id: str) -> JobRecord | None:

@@ -1,0 +1,398 @@
+"""``learner.mode: ray``: the dispatcher, the Ray learner actors, and the supervisor that keeps a
+dispatcher running.
+
+Who owns what::
+
+    answering processes (any host) ──submit──▶ ledger: SQLite queue on the dispatcher's host
+                                                   │ (learner.queue_path; WAL: one host only)
+                                                   ▼
+    supervisor (``elm learner serve`` or the answering process) ─▶ dispatcher process (Ray driver)
+                                                   │ batches of learner.batch_size jobs
+                                                   ▼
+                     Ray actors "elm-learner-<config hash>-<i>" (num_cpus / num_gpus each),
+                     each loads the frozen model once; memories go to the shared store
+                     (Chroma server index + blobs on a shared folder)
+
+* The **ledger** is the :class:`~elm_memory.jobs.queue.JobQueue` file. Only processes on its
+  host open it: the answering processes there, and the dispatcher. (Answering processes on other
+  hosts run their own ledger and dispatcher, and share the actors: actors are named by a hash of
+  the config, so the same config finds the same pool.)
+* The **dispatcher** (:class:`Dispatcher`, run as ``python -m elm_memory.jobs.ray_dispatch``)
+  is the only process that imports Ray. It claims jobs, sends each batch to an idle actor,
+  and records the outcome: done with the memory id, or a failed attempt retried after
+  ``backoff * 2**(attempt-1)`` seconds (at most ``backoff_max``) on another actor when there is
+  one; after ``learner.max_attempts`` the job is ``failed`` with its last error. An actor whose
+  process dies mid-job fails that attempt; Ray restarts it (``max_restarts``).
+* The **supervisor** (:class:`DispatcherSupervisor`) runs the dispatcher as a child process and
+  starts it again when it exits (the cluster was unreachable or went away: Ray may end its
+  driver), after releasing the jobs the dead child held without counting an attempt. So
+  answering never depends on Ray: a submit is a SQLite insert, and jobs wait in the ledger until
+  a cluster is there.
+* **Exactly one memory per job.** The memory id is the job id (see :mod:`elm_memory.jobs`), and an
+  actor first looks the id up in the store: a job whose memory was stored by an attempt that
+  died before reporting back is done without training again. The one window left: a dispatcher
+  dies while an actor trains (the actor goes on), and the re-dispatched job starts on another
+  actor before the first one stored it; then both train and the second write replaces the first
+  (still one memory, the same id).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from elm_memory.jobs.owners import HOST, LIVE_OWNERS, new_owner
+from elm_memory.jobs.queue import JobQueue
+from elm_memory.jobs.records import JobRecord, LearnerError, LearnJob
+
+if TYPE_CHECKING:
+    from elm_memory.config import ELMConfig
+
+log = logging.getLogger("elm_memory.jobs.ray")
+
+ACTOR_PREFIX = "elm-learner"
+
+
+def pool_key(config: ELMConfig) -> str:
+    """What the actors' work depends on (everything but the learner section and the namespace):
+    the same key means the same model, method and store, so actors can be shared."""
+    data = config.model_dump(mode="json")
+    data.pop("learner", None)
+    data.pop("namespace", None)
+    data.pop("namespace_template", None)
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def actor_name(config: ELMConfig, index: int) -> str:
+    return f"{ACTOR_PREFIX}-{pool_key(config)}-{index}"
+
+
+def retry_delay(attempt: int, backoff: float, backoff_max: float) -> float:
+    """Seconds before retrying after failed attempt number ``attempt`` (1 for the first)."""
+    if backoff <= 0:
+        return 0.0
+    return float(min(backoff_max, backoff * 2 ** max(0, attempt - 1)))
+
+
+class LearnerWorker:
+    """The body of one Ray learner actor: loads the frozen model once, learns batches of jobs.
+
+    Wrapped with ``ray.remote`` by the dispatcher (placement: ``learner.ray.num_cpus`` /
+    ``num_gpus``). Rollouts use the config's backend: the actor's own model (``hf``), or a shared
+    vLLM server (``backend.name: vllm-server``, prompt embeddings; the model is frozen, so no
+    weights move)."""
+
+    def __init__(self, config: dict[str, Any]):
+        from elm_memory.config import ELMConfig
+        from elm_memory.elm import ELM
+
+        config = {**config, "learner": {**config.get("learner", {}), "mode": "off"}}
+        self.elm = ELM(ELMConfig.from_dict(config))
+        self.elm.backend  # noqa: B018  (load the model and backend now, once)
+        if self.elm.retriever is None:
+            raise LearnerError("a ray learner needs a memory store (store.kind is 'none')")
+
+    def info(self) -> dict[str, Any]:
+        return {"pid": os.getpid(), "host": HOST, "fingerprint": self.elm.loaded.info.fingerprint}
+
+    def _stored(self, job: LearnJob) -> bool:
+        from elm_memory.store.base import MemoryNotFoundError
+
+        retriever = self.elm.retriever
+        assert retriever is not None
+        try:
+            retriever.store.record(job.job_id, job.namespace)
+        except MemoryNotFoundError:
+            return False
+        return True
+
+    def learn(self, jobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        """One result per job, in order: ``{"memory_id": ..., "trained": bool}`` or ``{"error": ...}``.
+        The batch trains together; a job the batch did not complete runs again alone."""
+        parsed = [LearnJob.from_dict(j) for j in jobs]
+        out: list[dict[str, Any]] = [{} for _ in parsed]
+        todo = []
+        for i, job in enumerate(parsed):
+            if self._stored(job):  # an earlier attempt stored it and died before reporting back
+                out[i] = {"memory_id": job.job_id, "trained": False}
+            else:
+                todo.append(i)
+        results: list[Any] = self.elm._run_learn_jobs([parsed[i] for i in todo]) if len(todo) > 1 else []
+        for n, i in enumerate(todo):
+            result = results[n] if results else None
+            if not isinstance(result, str):
+                try:
+                    result = self.elm._run_learn_job(parsed[i])
+                except Exception as exc:
+                    error = f"{type(exc).__name__}: {exc}"
+                    out[i] = {"error": error if len(error) <= 2000 else error[:2000] + " [...]"}
+                    continue
+            out[i] = {"memory_id": result, "trained": True}
+        return out
+
+
+class Dispatcher:
+    """Claims jobs from the ledger and runs them on the Ray actor pool (one Ray driver).
+
+    ``run`` returns when ``stop`` is set (jobs in flight are released, not counted as attempts)
+    and raises when the cluster goes away (the supervisor starts a fresh dispatcher)."""
+
+    def __init__(self, config: ELMConfig, queue_path: str | os.PathLike[str]):
+        self.config = config
+        self.rc = config.learner.ray
+        self.batch_size = config.learner.batch_size
+        self.poll_interval = min(config.learner.poll_interval, 1.0)
+        self.queue = JobQueue(queue_path, max_attempts=config.learner.max_attempts)
+        self.owner = new_owner()
+        self.stop = threading.Event()
+        self._avoid: dict[str, set[int]] = {}  # job id -> actors whose process died running it
+
+    # -- Ray -----------------------------------------------------------------------------
+    def connect(self) -> None:
+        """Join the cluster; retry every ``reconnect_interval`` s until it answers (or ``stop``)."""
+        import ray
+
+        address = self.rc.address or os.environ.get("RAY_ADDRESS") or "auto"
+        while not self.stop.is_set():
+            try:
+                ray.init(
+                    address=address,
+                    namespace=self.rc.namespace,
+                    log_to_driver=False,
+                    configure_logging=False,
+                    include_dashboard=False,
+                )
+                log.info("dispatcher %s joined Ray cluster at %s", self.owner, address)
+                return
+            except Exception as exc:  # unreachable: jobs wait in the ledger
+                log.warning(
+                    "Ray cluster %s unreachable (%s); retrying in %.0fs", address, exc, self.rc.reconnect_interval
+                )
+                with contextlib.suppress(Exception):
+                    ray.shutdown()
+                self.stop.wait(self.rc.reconnect_interval)
+
+    def actors(self) -> list[Any]:
+        """The named pool (created here when absent, shared by every dispatcher with this config)."""
+        import ray
+
+        cls = ray.remote(LearnerWorker)
+        cfg = self.config.model_dump(mode="json")
+        pool = []
+        for i in range(self.rc.num_workers):
+            pool.append(
+                cls.options(
+                    name=actor_name(self.config, i),
+                    namespace=self.rc.namespace,
+                    get_if_exists=True,
+                    lifetime="detached",  # shared by dispatchers; outlives a restarting one
+                    num_cpus=self.rc.num_cpus,
+                    num_gpus=self.rc.num_gpus,
+                    max_restarts=self.rc.max_restarts,
+                    max_task_retries=0,  # the ledger retries, with backoff, counting attempts
+                    max_concurrency=1,
+                ).remote(cfg)
+            )
+        return pool
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> None:
+        import ray
+        from ray.exceptions import RayActorError, RayTaskError
+
+        LIVE_OWNERS.add(self.owner)
+        self.queue.recover()
+        self.connect()
+        if self.stop.is_set():
+            return
+        pool = self.actors()
+        in_flight: dict[Any, tuple[int, list[JobRecord]]] = {}
+        last_beat = time.monotonic()
+        last_recover = time.monotonic()
+        try:
+            while not self.stop.is_set():
+                busy = {a for a, _ in in_flight.values()}
+                idle = [i for i in range(len(pool)) if i not in busy]
+                while idle:
+                    recs = self.queue.claim_many(self.owner, self.batch_size)
+                    if not recs:
+                        break
+                    avoid = set().union(*(self._avoid.get(r.job_id, set()) for r in recs))
+                    actor = next((i for i in idle if i not in avoid), idle[0])
+                    idle.remove(actor)
+                    ref = pool[actor].learn.remote([r.job.to_dict() for r in recs])
+                    in_flight[ref] = (actor, recs)
+                    log.info("sent %d jobs to actor %d: %s", len(recs), actor, ", ".join(r.job_id[:12] for r in recs))
+                if not in_flight:
+                    self.stop.wait(self.poll_interval)
+                else:
+                    ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=self.poll_interval)
+                    for ref in ready:
+                        actor, recs = in_flight.pop(ref)
+                        try:
+                            results = ray.get(ref)
+                        except RayActorError as exc:  # the actor's process died (Ray restarts it)
+                            for r in recs:
+                                self._avoid.setdefault(r.job_id, set()).add(actor)
+                            self._failed(recs, f"learner actor {actor} died: {type(exc).__name__}")
+                        except RayTaskError as exc:  # the batch call itself raised
+                            self._failed(recs, f"{type(exc.cause).__name__}: {exc.cause}"[:2000])
+                        else:
+                            self._record(recs, results)
+                now = time.monotonic()
+                if in_flight and now - last_beat > self.queue.lease / 4:
+                    for _, recs in in_flight.values():
+                        for r in recs:
+                            self.queue.heartbeat(r.job_id, self.owner)
+                    last_beat = now
+                if now - last_recover > 30:
+                    self.queue.recover()  # jobs of a dispatcher on this host that died
+                    last_recover = now
+        finally:
+            for _, recs in in_flight.values():  # stopped or lost the cluster: not an attempt
+                for r in recs:
+                    with contextlib.suppress(LearnerError):
+                        self.queue.release(r.job_id, self.owner)
+            LIVE_OWNERS.discard(self.owner)
+
+    def _record(self, recs: list[JobRecord], results: list[dict[str, Any]]) -> None:
+        for rec, result in zip(recs, results, strict=True):
+            if "error" in result:
+                self._failed([rec], result["error"])
+            elif self.queue.complete(rec.job_id, self.owner, result["memory_id"]):
+                self._avoid.pop(rec.job_id, None)
+                how = "learned" if result.get("trained") else "already stored"
+                log.info("job %s done (%s) -> memory %s", rec.job_id[:12], how, result["memory_id"])
+
+    def _failed(self, recs: list[JobRecord], error: str) -> None:
+        for rec in recs:
+            delay = retry_delay(rec.job.attempts, self.rc.backoff, self.rc.backoff_max)
+            after = self.queue.fail(rec.job_id, self.owner, error, retry_in=delay)
+            if after is not None and after.state == "failed":
+                log.error("job %s failed for good after %d attempts: %s", rec.job_id[:12], rec.job.attempts, error)
+                self._avoid.pop(rec.job_id, None)
+            else:
+                log.warning(
+                    "job %s attempt %d failed (%s); retry in %.0fs", rec.job_id[:12], rec.job.attempts, error, delay
+                )
+
+
+class DispatcherSupervisor:
+    """Runs a dispatcher process for one ledger and starts it again whenever it exits.
+
+    Between restarts it waits ``reconnect_interval`` s (doubled after each quick exit, at most
+    60 s) and releases the jobs the dead child still held, without counting an attempt: a
+    dispatcher that lost its cluster did not fail the job."""
+
+    def __init__(self, config: ELMConfig, queue_path: str | os.PathLike[str], *, log_path: Path | None = None):
+        self.config = config
+        self.queue_path = Path(queue_path)
+        self.log_path = log_path
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.restarts = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        fd, name = tempfile.mkstemp(prefix="elm-ray-config-", suffix=".json")
+        with os.fdopen(fd, "w") as fh:
+            json.dump(config.model_dump(mode="json"), fh)
+        self._config_file = Path(name)
+
+    def command(self) -> list[str]:
+        return [sys.executable, "-m", "elm_memory.jobs.ray_dispatch", str(self._config_file), str(self.queue_path)]
+
+    def start(self) -> None:
+        """Watch the dispatcher from a daemon thread (the answering process's ``dispatcher: auto``)."""
+        self._thread = threading.Thread(target=self.run, name="elm-memory-ray-supervisor", daemon=True)
+        self._thread.start()
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def run(self) -> None:
+        """Keep a dispatcher running until :meth:`stop`."""
+        wait = self.config.learner.ray.reconnect_interval
+        while not self._stop.is_set():
+            started = time.monotonic()
+            out = self.log_path.open("ab") if self.log_path is not None else None
+            try:
+                self.proc = subprocess.Popen(self.command(), stdout=out, stderr=subprocess.STDOUT if out else None)
+            finally:
+                if out is not None:
+                    out.close()
+            log.info("ray dispatcher started (pid %d) for %s", self.proc.pid, self.queue_path)
+            rc = self.proc.wait()
+            self.release_jobs_of(self.proc.pid)
+            if self._stop.is_set():
+                break
+            self.restarts += 1
+            wait = self.config.learner.ray.reconnect_interval if time.monotonic() - started > 60 else min(60, wait * 2)
+            log.warning("ray dispatcher exited (rc %s); starting another in %.0fs", rc, wait)
+            self._stop.wait(wait)
+
+    def release_jobs_of(self, pid: int) -> int:
+        """Jobs left ``running`` by the dispatcher ``pid`` of this host go back to ``pending``, uncounted."""
+        n = 0
+        with JobQueue(self.queue_path, max_attempts=self.config.learner.max_attempts) as queue:
+            for rec in queue.list("running"):
+                if rec.owner and rec.owner.startswith(f"{HOST}|{pid}|") and queue.release(rec.job_id, rec.owner):
+                    n += 1
+        if n:
+            log.info("released %d jobs of the exited dispatcher %d", n, pid)
+        return n
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the dispatcher (SIGTERM: it releases its jobs) and the watching."""
+        self._stop.set()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(10)
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+        elif proc is not None:
+            self.release_jobs_of(proc.pid)
+        with contextlib.suppress(OSError):
+            self._config_file.unlink()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m elm_memory.jobs.ray_dispatch CONFIG_JSON QUEUE``: one dispatcher (run by the supervisor)."""
+    from elm_memory.config import ELMConfig
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("config_json")
+    parser.add_argument("queue")
+    args = parser.parse_args(argv)
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s elm-ray-dispatch[%(process)d] %(message)s")
+    config = ELMConfig.from_dict(json.loads(Path(args.config_json).read_text()))
+    dispatcher = Dispatcher(config, args.queue)
+    signal.signal(signal.SIGTERM, lambda *_: dispatcher.stop.set())
+    try:
+        dispatcher.run()
+    except KeyboardInterrupt:
+        return 0
+    except Exception:
+        log.exception("dispatcher stopped")
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
