@@ -136,6 +136,28 @@ def test_average_merge_result_provenance_and_counters(tmp_path):
     assert merge_namespace(s, namespace="pool", threshold=0.99) == []
 
 
+def test_merge_threshold_policy_merges_a_landing_near_duplicate(tmp_path):
+    from elm_memory.config import StoreConfig
+
+    info = fake_model_info(HIDDEN)
+    cfg = StoreConfig(path=str(tmp_path / "store"), merge_threshold=0.99)
+    s = ChromaMemoryStore.from_config(cfg)
+    assert s.merge_threshold == 0.99 and ChromaMemoryStore(tmp_path / "off").merge_threshold is None
+    near_ones, far = pool(info, n_near=3, n_far=1)[:3], pool(info, n_far=1)[3]
+    s.put(far)
+    s.put(near_ones[0])
+    assert s.count() == 2  # nothing near yet
+    s.put(near_ones[1])  # lands next to near_ones[0]: both become one
+    [merged] = [r for r in s.list("pool") if r.id != far.id]
+    assert s.get(merged.id).meta.merged_from == [near_ones[0].id, near_ones[1].id]
+    s.put(near_ones[2])  # lands next to the merged memory: merged again, provenance of the merge before it
+    [again] = [r for r in s.list("pool") if r.id != far.id]
+    assert s.get(again.id).meta.merged_from == [merged.id, near_ones[2].id]
+    assert s.count() == 2 and len(list(s.blobs)) == 2 and s.check().ok
+    with pytest.raises(Exception, match="merge_threshold"):
+        ChromaMemoryStore(tmp_path / "bad", merge_threshold=1.5)
+
+
 def test_memory_files_without_provenance_still_load_and_bad_provenance_is_refused():
     info = fake_model_info(HIDDEN)
     m = fake_memory(info)

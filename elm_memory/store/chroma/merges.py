@@ -31,10 +31,15 @@ from elm_memory.store.chroma.rows import IndexRow, MemoryKey, group_by_memory
 from elm_memory.store.utility import PendingDelete
 
 _PAGE = 5000
+#: Nearest memories a landing memory is compared with under ``store.merge_threshold``.
+MERGE_CANDIDATES = 16
 
 
 class MergeSupport(DeleteJournal):
     """Key matrices for clustering, and the crash-safe replacement of members by a merged memory."""
+
+    merge_threshold: float | None
+    _merging: bool  # a merge's own put must not start another
 
     def key_collections(self, kind: str, namespace: str | None = None) -> list[Collection]:
         """The collections of key ``kind`` (every model's when the store is unbound), one namespace or all."""
@@ -77,6 +82,54 @@ class MergeSupport(DeleteJournal):
         faults.point("merge.absorbed")
         self._delete_memories(members)
         return sorted(mid for mid, _, _ in members)
+
+    def merge_on_put(self, memories: Sequence[LatentMemory]) -> list[str]:
+        """``store.merge_threshold``: merge each memory just put with its near-duplicates in its namespace
+        (the cluster containing it, complete link, ``average`` strategy); returns the merged ids.
+
+        Near-duplicates are found with one top-``MERGE_CANDIDATES`` query of its key (``input``, else its
+        first kind), so the cost per put does not grow with the pool."""
+        from elm_memory.store.merge import average_memory, cluster_keys
+
+        threshold = self.merge_threshold
+        assert threshold is not None
+        merged_ids: list[str] = []
+        gone: set[str] = set()
+        for m in memories:
+            if m.id in gone or not m.keys:
+                continue
+            kind = "input" if "input" in m.keys else sorted(m.keys)[0]
+            found = self._open(m.meta.model_fingerprint, kind, m.meta.namespace)
+            if found is None:
+                continue
+            key = m.keys[kind].numpy().astype(np.float32)
+            with chroma_errors(f"querying {found[0].name}"):
+                res = found[1].query(
+                    query_embeddings=key[None, :], n_results=MERGE_CANDIDATES, include=["distances", "embeddings"]
+                )
+            near = [
+                (mid, np.asarray(emb, dtype=np.float32))
+                for mid, dist, emb in zip(res["ids"][0], res["distances"][0], res["embeddings"][0], strict=True)
+                if mid != m.id and 1.0 - float(dist) >= threshold
+            ]
+            if not near:
+                continue
+            ids = [m.id] + [mid for mid, _ in near]
+            clusters = cluster_keys(np.stack([key] + [emb for _, emb in near]), threshold)
+            rows = next((r for r, _ in clusters if 0 in r), None)
+            if rows is None:
+                continue
+            members = sorted(
+                (self.get(ids[i], m.meta.namespace) for i in rows), key=lambda x: (x.meta.created_at, x.id)
+            )
+            merged = average_memory(members)
+            self._merging = True
+            try:
+                gone.update(self.commit_merge(merged))
+            finally:
+                self._merging = False
+            merged_ids.append(merged.id)
+        return merged_ids
 
     def absorb_members(self, merged_id: str, members: dict[MemoryKey, list[IndexRow]]) -> None:
         """Step 2: one transaction adds the members' counters to ``merged_id`` and journals their deletes."""

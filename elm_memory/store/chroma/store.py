@@ -87,6 +87,7 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport):
         max_memories: int | None = None,
         eviction: str = "lru",
         ttl_days: float | None = None,
+        merge_threshold: float | None = None,
     ):
         self.root = Path(path).expanduser()
         check_policy(eviction)
@@ -95,6 +96,9 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport):
         if ttl_days is not None and not ttl_days > 0:
             raise StoreError(f"ttl_days must be positive (or None: memories never expire), got {ttl_days}")
         self.max_memories, self.eviction, self.ttl_days = max_memories, eviction, ttl_days
+        if merge_threshold is not None and not 0.0 < merge_threshold <= 1.0:
+            raise StoreError(f"merge_threshold must be a cosine in (0, 1] (or None: off), got {merge_threshold}")
+        self.merge_threshold, self._merging = merge_threshold, False
         self.utility = UtilityTable(self.root)
         self._delete_listeners = []
         self.url = url
@@ -132,7 +136,8 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport):
             "token_env": cfg.token_env,
             "token_header": cfg.token_header,
         }
-        for name in ("max_memories", "eviction", "ttl_days"):  # getattr: configs built before these fields
+        # getattr: configs built before these fields
+        for name in ("max_memories", "eviction", "ttl_days", "merge_threshold"):
             if hasattr(cfg, name):
                 kwargs.setdefault(name, getattr(cfg, name))
         return cls(resolve_store_path(cfg.path), url=cfg.url, model=model, **{**server, **kwargs})
@@ -180,6 +185,8 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport):
         for sha in stale_blobs - set(shas):
             self.blobs.delete(sha)
         point("put.stale_removed")
+        if self.merge_threshold is not None and not self._merging:
+            self.merge_on_put(memories)
         if self.ttl_days is not None or self.max_memories is not None:
             self._after_put({m.meta.namespace for m in memories}, [m.id for m in memories])
         return shas
