@@ -376,6 +376,25 @@ def test_retrievals_never_fail_during_eviction_and_merge(tmp_path):
     assert s.check().ok
 
 
+def test_rebuild_index_after_eviction_keeps_the_live_rows(tmp_path):
+    info = fake_model_info(HIDDEN)
+    root = tmp_path / "store"
+    s = ChromaMemoryStore(root, model=info)
+    ms = [fake_memory(info, "pool", i) for i in range(40)]
+    for i, m in enumerate(ms):
+        m.meta.created_at = 1_000_000.0 + i
+    s.put_many([*ms, fake_memory(info, "other", 99)])
+    s.evict("oldest", 5, "pool")
+    res = CliRunner().invoke(memories_app, ["compact", "--store", str(root), "--namespace", "pool", "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout) == {"rows": 5, "compacted": True}
+    s = ChromaMemoryStore(root, model=info)
+    assert [r.id for r in s.list("pool")] == [m.id for m in ms[-5:]] and s.count("other") == 1
+    for m in ms[-5:]:
+        assert s.query("input", m.keys["input"], "pool", k=1)[0].record.id == m.id
+    assert s.check().ok
+
+
 # ---- the train strategy on a real small pool (cpu-tiny) -------------------------------------------------
 
 

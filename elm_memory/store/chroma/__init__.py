@@ -26,6 +26,7 @@ Modules, one concern each:
 - ``capacity.py``    eviction (``max_memories``) and expiry (``ttl_days``)
 - ``check.py``       ``check`` / ``check --repair``
 - ``merges.py``      key matrices for clustering; a merge's commit (merged memory first, then members)
+- ``rebuild.py``     collections rewritten with their live rows (HNSW keeps deleted entries)
 """
 
 from elm_memory.store.chroma.capacity import EVICTION_POLICIES

@@ -4,7 +4,8 @@ This module holds the class callers use and the operations that touch both halve
 write path (checks, blobs, rows), reads and search, and the utility counters. What it
 inherits, one part a module: :mod:`.index` (collections and rows), :mod:`.deletes` (the
 delete journal), :mod:`.capacity` (eviction and TTL), :mod:`.check` (check and repair),
-:mod:`.merges` (key matrices and the crash-safe commit of a merge).
+:mod:`.merges` (key matrices and the crash-safe commit of a merge), :mod:`.rebuild` (fresh
+collections after a large eviction).
 
 Write order (crash safety): blob (temp, fsync, rename) -> index rows -> removal of the
 superseded blob, so after any crash no row points at a missing blob and
@@ -38,6 +39,7 @@ from elm_memory.store.chroma.check import ConsistencyCheck
 from elm_memory.store.chroma.connection import DEFAULT_DATABASE, DEFAULT_TENANT, chroma_errors, connect
 from elm_memory.store.chroma.index import Collection
 from elm_memory.store.chroma.merges import MergeSupport
+from elm_memory.store.chroma.rebuild import IndexRebuild
 from elm_memory.store.chroma.rows import CollectionInfo, IndexRow, record_from_rows, row_metadata, usage_by_kind
 from elm_memory.store.names import validate_namespace
 from elm_memory.store.utility import Utility, UtilityTable
@@ -60,7 +62,7 @@ def check_key_dims(memory: LatentMemory, model: ModelInfo) -> None:
             )
 
 
-class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport):
+class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport, IndexRebuild):
     """Memories in a blob folder, their keys in Chroma collections (one per model/kind/namespace).
 
     ``model`` binds the store to one model: ``put`` refuses memories made for another
