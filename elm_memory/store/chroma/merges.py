@@ -16,13 +16,14 @@ exactly once, by the members or by the merged memory:
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Sequence
 
 import numpy as np
 
 from elm_memory import faults
-from elm_memory.errors import StoreError
+from elm_memory.errors import ELMError, StoreError
 from elm_memory.memory import LatentMemory
 from elm_memory.store.chroma.connection import chroma_errors
 from elm_memory.store.chroma.deletes import DeleteJournal
@@ -30,6 +31,7 @@ from elm_memory.store.chroma.index import Collection
 from elm_memory.store.chroma.rows import IndexRow, MemoryKey, group_by_memory
 from elm_memory.store.utility import PendingDelete
 
+log = logging.getLogger(__name__)
 _PAGE = 5000
 #: Nearest memories a landing memory is compared with under ``store.merge_threshold``.
 MERGE_CANDIDATES = 16
@@ -88,7 +90,16 @@ class MergeSupport(DeleteJournal):
         (the cluster containing it, complete link, ``average`` strategy); returns the merged ids.
 
         Near-duplicates are found with one top-``MERGE_CANDIDATES`` query of its key (``input``, else its
-        first kind), so the cost per put does not grow with the pool."""
+        first kind), so the cost per put does not grow with the pool. The put has succeeded before this
+        runs: a merge that fails (e.g. a member's blob is unreadable) is logged and leaves the memories
+        as they are (or, interrupted, for ``check --repair`` to finish), never fails the put."""
+        try:
+            return self._merge_landed(memories)
+        except ELMError as exc:
+            log.warning("merging landed memories skipped: %s", exc)
+            return []
+
+    def _merge_landed(self, memories: Sequence[LatentMemory]) -> list[str]:
         from elm_memory.store.merge import average_memory, cluster_keys
 
         threshold = self.merge_threshold
