@@ -55,7 +55,7 @@ def serve(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = Non
     jobs_log.addHandler(handler)
     jobs_log.setLevel(logging.INFO)
     supervisor = DispatcherSupervisor(cfg, path)
-    signal.signal(signal.SIGTERM, lambda *_: supervisor.stop())
+    signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
     typer.echo(f"elm learner: serving {path} on Ray {cfg.learner.ray.address or 'auto'}", err=True)
     try:
         supervisor.run()

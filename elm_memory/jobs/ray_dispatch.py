@@ -184,28 +184,26 @@ class Dispatcher:
                     ray.shutdown()
                 self.stop.wait(self.rc.reconnect_interval)
 
-    def actors(self) -> list[Any]:
-        """The named pool (created here when absent, shared by every dispatcher with this config)."""
+    def actor(self, index: int) -> Any:
+        """Learner actor ``index`` of the named pool (created when absent; shared by every dispatcher
+        with this config, and by a restarted dispatcher)."""
         import ray
 
-        cls = ray.remote(LearnerWorker)
-        cfg = self.config.model_dump(mode="json")
-        pool = []
-        for i in range(self.rc.num_workers):
-            pool.append(
-                cls.options(
-                    name=actor_name(self.config, i),
-                    namespace=self.rc.namespace,
-                    get_if_exists=True,
-                    lifetime="detached",  # shared by dispatchers; outlives a restarting one
-                    num_cpus=self.rc.num_cpus,
-                    num_gpus=self.rc.num_gpus,
-                    max_restarts=self.rc.max_restarts,
-                    max_task_retries=0,  # the ledger retries, with backoff, counting attempts
-                    max_concurrency=1,
-                ).remote(cfg)
+        return (
+            ray.remote(LearnerWorker)
+            .options(
+                name=actor_name(self.config, index),
+                namespace=self.rc.namespace,
+                get_if_exists=True,
+                lifetime="detached",  # outlives a restarting dispatcher
+                num_cpus=self.rc.num_cpus,
+                num_gpus=self.rc.num_gpus,
+                max_restarts=self.rc.max_restarts,
+                max_task_retries=0,  # the ledger retries, with backoff, counting attempts
+                max_concurrency=1,
             )
-        return pool
+            .remote(self.config.model_dump(mode="json"))
+        )
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> None:
@@ -217,14 +215,24 @@ class Dispatcher:
         self.connect()
         if self.stop.is_set():
             return
-        pool = self.actors()
+        pool = [self.actor(i) for i in range(self.rc.num_workers)]
         in_flight: dict[Any, tuple[int, list[JobRecord]]] = {}
+        # An actor gets jobs only once it answered a probe (its model is loaded): calls to an actor
+        # that is (re)starting fail at once and must not use up the attempts of the jobs.
+        ready: set[int] = set()
+        probes: dict[Any, int] = {pool[i].info.remote(): i for i in range(len(pool))}
+        cooling: dict[int, float] = {}  # actor -> when to probe it again
         last_beat = time.monotonic()
         last_recover = time.monotonic()
         try:
             while not self.stop.is_set():
+                for i, when in list(cooling.items()):
+                    if time.monotonic() >= when:
+                        del cooling[i]
+                        pool[i] = self.actor(i)  # the same actor, or a new one if Ray gave it up
+                        probes[pool[i].info.remote()] = i
                 busy = {a for a, _ in in_flight.values()}
-                idle = [i for i in range(len(pool)) if i not in busy]
+                idle = [i for i in sorted(ready) if i not in busy]
                 while idle:
                     recs = self.queue.claim_many(self.owner, self.batch_size)
                     if not recs:
@@ -235,22 +243,35 @@ class Dispatcher:
                     ref = pool[actor].learn.remote([r.job.to_dict() for r in recs])
                     in_flight[ref] = (actor, recs)
                     log.info("sent %d jobs to actor %d: %s", len(recs), actor, ", ".join(r.job_id[:12] for r in recs))
-                if not in_flight:
+                waiting = [*in_flight, *probes]
+                if not waiting:
                     self.stop.wait(self.poll_interval)
-                else:
-                    ready, _ = ray.wait(list(in_flight), num_returns=1, timeout=self.poll_interval)
-                    for ref in ready:
-                        actor, recs = in_flight.pop(ref)
+                    continue
+                done, _ = ray.wait(waiting, num_returns=1, timeout=self.poll_interval)
+                for ref in done:
+                    if ref in probes:
+                        i = probes.pop(ref)
                         try:
-                            results = ray.get(ref)
-                        except RayActorError as exc:  # the actor's process died (Ray restarts it)
-                            for r in recs:
-                                self._avoid.setdefault(r.job_id, set()).add(actor)
-                            self._failed(recs, f"learner actor {actor} died: {type(exc).__name__}")
-                        except RayTaskError as exc:  # the batch call itself raised
-                            self._failed(recs, f"{type(exc.cause).__name__}: {exc.cause}"[:2000])
+                            info = ray.get(ref)
+                        except RayActorError:  # still (re)starting
+                            cooling[i] = time.monotonic() + 1.0
                         else:
-                            self._record(recs, results)
+                            ready.add(i)
+                            log.info("learner actor %d ready: %s", i, info)
+                        continue
+                    actor, recs = in_flight.pop(ref)
+                    try:
+                        results = ray.get(ref)
+                    except RayActorError as exc:  # the actor's process died running them (Ray restarts it)
+                        ready.discard(actor)
+                        cooling[actor] = time.monotonic() + 1.0
+                        for r in recs:
+                            self._avoid.setdefault(r.job_id, set()).add(actor)
+                        self._failed(recs, f"learner actor {actor} died: {type(exc).__name__}")
+                    except RayTaskError as exc:  # the batch call itself raised
+                        self._failed(recs, f"{type(exc.cause).__name__}: {exc.cause}"[:2000])
+                    else:
+                        self._record(recs, results)
                 now = time.monotonic()
                 if in_flight and now - last_beat > self.queue.lease / 4:
                     for _, recs in in_flight.values():
@@ -352,12 +373,18 @@ class DispatcherSupervisor:
             log.info("released %d jobs of the exited dispatcher %d", n, pid)
         return n
 
-    def stop(self, timeout: float = 15.0) -> None:
-        """Stop the dispatcher (SIGTERM: it releases its jobs) and the watching."""
+    def request_stop(self) -> None:
+        """Ask the dispatcher to stop (SIGTERM: it releases its jobs); returns at once (signal-safe)."""
         self._stop.set()
         proc = self.proc
         if proc is not None and proc.poll() is None:
             proc.send_signal(signal.SIGTERM)
+
+    def stop(self, timeout: float = 15.0) -> None:
+        """Stop the dispatcher and the watching; kill the dispatcher if it has not exited in ``timeout`` s."""
+        self.request_stop()
+        proc = self.proc
+        if proc is not None and proc.poll() is None:
             try:
                 proc.wait(timeout)
             except subprocess.TimeoutExpired:
@@ -384,15 +411,20 @@ def main(argv: list[str] | None = None) -> int:
     config = ELMConfig.from_dict(json.loads(Path(args.config_json).read_text()))
     dispatcher = Dispatcher(config, args.queue)
     signal.signal(signal.SIGTERM, lambda *_: dispatcher.stop.set())
+    rc = 0
     try:
         dispatcher.run()
     except KeyboardInterrupt:
-        return 0
+        pass
     except Exception:
         log.exception("dispatcher stopped")
-        return 1
-    return 0
+        rc = 1
+    dispatcher.queue.close()
+    logging.shutdown()
+    return rc
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # os._exit: the ledger is committed and closed; Ray's own teardown of a driver whose cluster went
+    # away can hang, and the supervisor must see this process end
+    os._exit(main())
