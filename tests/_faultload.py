@@ -50,7 +50,7 @@ class Ledger:
 
 
 def store_workload(root: Path, seed: int, n_ops: int = 14) -> None:
-    """Random puts, re-puts, usage counts, deletes, evictions, namespace deletes and CLI imports."""
+    """Random puts, re-puts, usage counts, deletes, evictions, merges, namespace deletes and CLI imports."""
     from elm_memory.store.blobs import sha256_hex
     from elm_memory.store.cli import memories_app
 
@@ -71,8 +71,9 @@ def store_workload(root: Path, seed: int, n_ops: int = 14) -> None:
 
     for step in range(n_ops):
         ns = rng.choice(NAMESPACES)
-        op = rng.choices(["put", "reput", "use", "delete", "evict", "import", "delete_ns"], [5, 2, 2, 2, 1, 2, 1])[0]
-        if op in ("reput", "use", "delete", "evict") and not live[ns]:
+        ops = ["put", "reput", "use", "delete", "evict", "merge", "import", "delete_ns"]
+        op = rng.choices(ops, [5, 2, 3, 2, 1, 2, 2, 1])[0]
+        if op in ("reput", "use", "delete", "evict") and not live[ns] or op == "merge" and len(live[ns]) < 2:
             op = "put"
         if op in ("put", "reput", "import"):
             n_new = rng.randint(1, 3)
@@ -95,6 +96,20 @@ def store_workload(root: Path, seed: int, n_ops: int = 14) -> None:
                 live[ns].pop(i)
             for m in ms:
                 live[ns][m.id] = (created[m.id], shas[m.id])
+        elif op == "merge":  # members replaced by one memory naming them (merged_from), as merges.py commits it
+            members = rng.sample(sorted(live[ns]), rng.randint(2, min(3, len(live[ns]))))
+            m = fake_kv_memory(info, ns, rng.getrandbits(31), new_id())
+            m.meta.merged_from, m.meta.merge_strategy = members, "average"
+            sha = sha256_hex(m.to_bytes())
+            evicted = victims(ns, {m.id: m.meta.created_at})  # the merged memory's put may evict, members too
+            gone = sorted(set(evicted) | set(members))
+            ledger.write(
+                kind="begin", op=op, ns=ns, shas={m.id: sha}, victims=gone, members=members, evicted=evicted, step=step
+            )
+            assert sorted(s.commit_merge(m)) == sorted(members)
+            for i in gone:
+                live[ns].pop(i)
+            live[ns][m.id] = (m.meta.created_at, sha)
         elif op == "use":
             mid = rng.choice(sorted(live[ns]))
             ledger.write(kind="begin", op=op, ns=ns, id=mid, step=step)

@@ -109,6 +109,7 @@ def expected_store(entries: list[dict]) -> tuple[dict, dict]:
             continue
         assert begun is not None and e["step"] == begun["step"]
         ns = begun["ns"]
+        absorbed = sum(usage[(ns, mid)] for mid in merged_counters(begun)[-1])
         for mid in begun.get("victims", []):
             saved.pop((ns, mid))
             usage.pop((ns, mid), None)
@@ -116,6 +117,8 @@ def expected_store(entries: list[dict]) -> tuple[dict, dict]:
             saved[(ns, mid)] = sha
         if begun["op"] == "use":
             usage[(ns, begun["id"])] += 1
+        if begun["op"] == "merge":  # the members' counters move to the merged memory
+            usage[(ns, next(iter(begun["shas"])))] = absorbed
         begun = None
     versions: dict[tuple[str, str], set] = {k: {sha} for k, sha in saved.items()}
     counts: dict[tuple[str, str], set] = {k: {usage[k]} for k in saved}
@@ -129,7 +132,23 @@ def expected_store(entries: list[dict]) -> tuple[dict, dict]:
             counts.setdefault((ns, mid), {0})
         if begun["op"] == "use":
             counts[(ns, begun["id"])].add(usage[(ns, begun["id"])] + 1)
+        if begun["op"] == "merge":
+            counts[(ns, next(iter(begun["shas"])))] |= {
+                sum(usage[(ns, m)] for m in ms) for ms in merged_counters(begun)
+            }
     return versions, counts
+
+
+def merged_counters(begun: dict) -> list[list[str]]:
+    """Whose counters a merged memory may hold: the members, less any that its own put evicted first
+    (the eviction forgets their counters); the last entry is what a finished merge holds."""
+    members = begun.get("members", [])
+    evicted = [m for m in members if m in begun.get("evicted", [])]
+    out = []
+    for mask in range(2 ** len(evicted)):
+        gone = {m for i, m in enumerate(evicted) if mask >> i & 1}
+        out.append([m for m in members if m not in gone])
+    return out
 
 
 def check_store_run(root: Path) -> tuple[int, int, bool, int]:
