@@ -191,9 +191,10 @@ def _stop_session(sid: int) -> None:
 
 
 @contextmanager
-def ray_head(tmp: Path, num_cpus: int) -> Iterator[tuple[str, int]]:
-    """``ray start --head --block`` on 127.0.0.1 in its own session; yields (address, session id)."""
-    port = free_port()
+def ray_head(tmp: Path, num_cpus: int, port: int | None = None, name: str = "ray-head") -> Iterator[tuple[str, int]]:
+    """``ray start --head --block`` on 127.0.0.1 in its own session; yields (address, session id).
+    Leaving the block stops every process of that session (head, raylet, workers) by PID."""
+    port = port or free_port()
     temp_dir = Path(f"/tmp/elmray-{os.getpid()}-{port}")  # short: Ray's socket paths have a length limit
     cmd = [
         console_script("ray"),
@@ -208,7 +209,7 @@ def ray_head(tmp: Path, num_cpus: int) -> Iterator[tuple[str, int]]:
         "--disable-usage-stats",
         f"--temp-dir={temp_dir}",
     ]
-    log = (tmp / "ray-head.log").open("wb")
+    log = (tmp / f"{name}.log").open("wb")
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     try:
         yield f"127.0.0.1:{port}", proc.pid
@@ -319,3 +320,81 @@ def test_ray_cluster_two_answerers_worker_killed(tmp_path: Path) -> None:
     retried = [j for j in jobs.values() if j["job"]["attempts"] > 1]
     assert retried, serve_text[-4000:]  # the killed actor's job ran again
     assert "died" in serve_text
+
+
+def _learning_pid(sid: int, timeout: float) -> int | None:
+    """The PID of an actor of Ray session ``sid`` running a job, once one is seen."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        for pid in _session_pids(sid):
+            if "ray::LearnerWorker.learn" in _cmdline(pid):
+                return pid
+        time.sleep(0.1)
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+@pytest.mark.model
+def test_ray_cluster_unreachable_then_lost_mid_run(tmp_path: Path) -> None:
+    """No cluster at start-up: submits return at once (the answering process never imports Ray) and the
+    jobs wait in the ledger. A cluster comes up: learning starts; the whole cluster is killed mid-job,
+    then started again on the same port: every job ends done, once, with exactly one memory each.
+    ``dispatcher: auto`` (the learner's own supervised dispatcher process). Took about TIME."""
+    from elm_memory.store.chroma import ChromaMemoryStore
+
+    port = free_port()
+    questions = ["What is 2 + 40?", "What is 50 - 8?"]
+    t_start = time.monotonic()
+    with chroma_server(tmp_path / "chroma") as url:
+        cfg = ELMConfig.load(
+            preset="cpu-tiny",
+            overrides={
+                "store": {"url": url, "path": str(tmp_path / "blobs")},
+                "training": {"steps": 1},
+                "learner": {
+                    "mode": "ray",
+                    "batch_size": 1,
+                    "poll_interval": 0.5,
+                    "ray": {
+                        "address": f"127.0.0.1:{port}",
+                        "namespace": f"elm-test-{os.getpid()}",
+                        "num_workers": 1,
+                        "num_cpus": 1,
+                        "backoff": 1,
+                        "reconnect_interval": 1,
+                        "dispatcher": "auto",
+                    },
+                },
+            },
+        )
+        ledger = tmp_path / "ledger.sqlite3"
+        before = set(sys.modules)
+        learner = build_learner("ray", None, ledger, scope="t", config=cfg, max_attempts=3, poll_interval=0.5)
+        try:
+            t0 = time.monotonic()
+            tickets = [learner.submit(q, namespace="rel") for q in questions]
+            assert time.monotonic() - t0 < 2.0  # answering goes on: a submit is a ledger insert
+            assert "ray" not in set(sys.modules) - before
+            time.sleep(4)
+            assert learner.status()["pending"] == 2  # no cluster: nothing ran, nothing failed
+            with ray_head(tmp_path, 1, port=port, name="ray-head-1") as (_, sid):
+                assert _learning_pid(sid, 300) is not None, "no job started on the first cluster"
+                time.sleep(1)  # inside the job
+            # the whole cluster is gone (every process of its session killed) mid-job
+            time.sleep(3)
+            with ray_head(tmp_path, 1, port=port, name="ray-head-2"):
+                assert learner.wait(timeout=500), learner.status()
+        finally:
+            learner.close()
+        store = ChromaMemoryStore.from_config(cfg.store)
+        records = store.list("rel")
+    total = time.monotonic() - t_start
+    print(json.dumps({"total_s": total}))
+    dispatch_log = Path(str(ledger) + ".ray-dispatch.log").read_text(errors="replace")
+    with JobQueue(ledger) as q:
+        recs = [q.get(t.job_id) for t in tickets]
+    assert all(r is not None and r.state == "done" and r.memory_id == r.job_id for r in recs)
+    assert sorted(r.id for r in records) == sorted(t.job_id for t in tickets)  # exactly one memory each
+    for t in tickets:  # learned to completion once per job
+        assert dispatch_log.count(f"job {t.job_id[:12]} done (learned)") == 1, dispatch_log[-4000:]

@@ -79,6 +79,21 @@ def actor_name(config: ELMConfig, index: int) -> str:
     return f"{ACTOR_PREFIX}-{pool_key(config)}-{index}"
 
 
+def gcs_reachable(address: str, timeout: float = 2.0) -> bool:
+    """Does ``HOST:PORT`` (or ``ray://HOST:PORT``) accept a TCP connection? True for ``auto`` (Ray
+    itself fails fast there). ``ray.init`` on an address nobody listens at retries for minutes."""
+    import socket
+
+    if address == "auto" or ":" not in address:
+        return True
+    host, _, port = address.split("://", 1)[-1].rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return True
+    except (OSError, ValueError):
+        return False
+
+
 def retry_delay(attempt: int, backoff: float, backoff_max: float) -> float:
     """Seconds before retrying after failed attempt number ``attempt`` (1 for the first)."""
     if backoff <= 0:
@@ -166,6 +181,10 @@ class Dispatcher:
 
         address = self.rc.address or os.environ.get("RAY_ADDRESS") or "auto"
         while not self.stop.is_set():
+            if not gcs_reachable(address):
+                log.warning("Ray cluster %s unreachable; retrying in %.0fs", address, self.rc.reconnect_interval)
+                self.stop.wait(self.rc.reconnect_interval)
+                continue
             try:
                 ray.init(
                     address=address,
