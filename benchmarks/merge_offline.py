@@ -83,14 +83,23 @@ class Log:
             fh.write(json.dumps(row) + "\n")
 
 
-def evaluate_memory(elm: ELM, log: Log, problems: list[Any], memory: LatentMemory) -> dict[str, bool]:
-    """Every question of the set with ``memory`` (logged; a re-run reuses the log)."""
-    done = {r["question_id"]: r["correct"] for r in log.rows if r["memory_id"] == memory.id}
+def grade(problem: Any, answer: str | None) -> bool:
+    """Against the gold answer (text: synth-arith keeps it as an int)."""
+    return bool(equivalent(answer, str(problem.answer)))
+
+
+def evaluate_memory(elm: ELM, log: Log, problems: list[Any], memory_id: str, memory: Any) -> dict[str, bool]:
+    """Every question of the set with ``memory`` (None: zero-shot), logged; a re-run reuses the log and
+    grades the logged answers again."""
+    by_id = {p.id: p for p in problems}
+    done = {
+        r["question_id"]: grade(by_id[r["question_id"]], r["answer"]) for r in log.rows if r["memory_id"] == memory_id
+    }
     todo = [p for p in problems if p.id not in done]
     if todo:
         for p, a in zip(todo, answers(elm, todo, [memory] * len(todo)), strict=True):
-            done[p.id] = bool(equivalent(a, p.answer))
-            log.add(memory_id=memory.id, question_id=p.id, answer=a, correct=done[p.id])
+            done[p.id] = grade(p, a)
+            log.add(memory_id=memory_id, question_id=p.id, answer=a, correct=done[p.id])
     return done
 
 
@@ -99,7 +108,7 @@ def pool_summary(
 ) -> dict[str, Any]:
     records = store.list(NAMESPACE)
     memories = [store.load(r) for r in records]
-    matrix = {m.id: evaluate_memory(elm, log, problems, m) for m in memories}
+    matrix = {m.id: evaluate_memory(elm, log, problems, m.id, m) for m in memories}
     retriever = elm.retriever
     assert retriever is not None
     top1: dict[str, bool] = {}
@@ -142,18 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     problems = pick_questions(elm, args.pairs, args.singles, args.threshold)
     print(f"{len(problems)} questions: {[p.id for p in problems]}", flush=True)
     log = Log(out / "answers.jsonl")
-    zs_rows = {r["question_id"]: r["correct"] for r in log.rows if r["memory_id"] == "zero_shot"}
-    if len(zs_rows) < len(problems):
-        for p, a in zip(problems, answers(elm, problems, [None] * len(problems)), strict=True):
-            zs_rows[p.id] = bool(equivalent(a, p.answer))
-            log.add(memory_id="zero_shot", question_id=p.id, answer=a, correct=zs_rows[p.id])
+    zs_rows = evaluate_memory(elm, log, problems, "zero_shot", None)
     base = out / "pools" / "unmerged"
-    timings: dict[str, float] = {}
+    timings_file = out / "timings.json"
+    timings: dict[str, float] = json.loads(timings_file.read_text()) if timings_file.is_file() else {}
     unmerged = ChromaMemoryStore(base, model=elm.loaded.info)
     if unmerged.count(NAMESPACE) < len(problems):
         t0 = time.perf_counter()
         elm.learn_many([p.question for p in problems], namespace=NAMESPACE, progress=False)
         timings["learn_seconds"] = round(time.perf_counter() - t0, 1)
+        timings_file.write_text(json.dumps(timings))
     pools: dict[str, ChromaMemoryStore] = {"unmerged": unmerged}
     for strategy in ("average", "train"):
         root = out / "pools" / strategy
@@ -178,6 +185,7 @@ def main(argv: list[str] | None = None) -> int:
 
                 merge_clusters(store, clusters, build)
             timings[f"merge_{strategy}_seconds"] = round(time.perf_counter() - t0, 1)
+            timings_file.write_text(json.dumps(timings))
         pools[strategy] = ChromaMemoryStore(root, model=elm.loaded.info)
     summary: dict[str, Any] = {
         "preset": args.preset,
