@@ -1,7 +1,7 @@
 """Learn jobs: memories learned on or off the request path, from a durable job queue.
 
 After ELM answers a question it *submits* the question here; learning a memory from it
-(minutes of GRPO on a CPU) is the learner's job, not the request's. Three modes, chosen
+(minutes of GRPO on a CPU) is the learner's job, not the request's. Four modes, chosen
 by ``LearnerConfig.mode`` and built by :func:`build_learner` through the ``learners``
 registry:
 
@@ -13,6 +13,10 @@ registry:
 ``background`` (:mod:`~elm_memory.jobs.background`)
     :meth:`BackgroundLearner.submit` only records the job (one SQLite transaction, a few
     milliseconds) and wakes a daemon worker thread; it never waits for learning.
+``ray`` (:mod:`~elm_memory.jobs.ray_learner`, :mod:`~elm_memory.jobs.ray_dispatch`; extra ``.[ray]``)
+    :meth:`RayLearner.submit` records the job like ``background``; a dispatcher process sends
+    batches of jobs to Ray actors on other machines (placed by ``num_gpus`` / ``num_cpus``), which
+    write the memories to the shared store.
 ``off`` (:mod:`~elm_memory.jobs.off`)
     :class:`NoLearner`: nothing is learned or recorded.
 
@@ -36,9 +40,10 @@ Idempotency contract ("every memory stored once")
   not make the new model's memories look already learned.
 * **Queue guarantee.** At most one worker holds a job at a time, and a ``done`` job is
   never claimed again: at most one *recorded* successful run per ``job_id``. A
-  ``running`` job is only reclaimed once its owner is dead (same host: by pid; another
-  host: heartbeat older than ``lease``, default 10 min, so a worker on another host that
-  is alive but cannot heartbeat for that long may see its job rerun).
+  ``running`` job is only reclaimed once its owner is dead (by pid). The queue file is
+  opened by processes of one host only (SQLite WAL does not work across hosts); learning on
+  other machines is ``learner.mode: ray``, whose dispatcher on this host owns the file
+  (:mod:`~elm_memory.jobs.ray_dispatch`).
 * **The boundary.** ``learn_fn``'s store write and the queue's ``done`` commit are two
   systems: a crash after the store write but before the commit reruns the job on
   restart. ``learn_fn`` must therefore make its write idempotent on ``job.job_id``.

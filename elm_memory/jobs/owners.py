@@ -55,8 +55,9 @@ def owner_is_alive(owner: str | None) -> bool | None:
     """Is the worker that holds a running job still there?
 
     False when provably gone: its process died (or its pid now belongs to another
-    process), or it was a worker of *this* process that has exited. None for owners on
-    another host (pids mean nothing here): the queue then judges by heartbeat age."""
+    process), or it was a worker of *this* process that has exited. None for an owner named
+    with another host (a queue file copied from elsewhere: every process that opens a queue
+    runs on its host), whose pid means nothing here: the queue then judges by heartbeat age."""
     if not owner:
         return False
     try:
