@@ -8,6 +8,7 @@ The cluster test (``test_ray_cluster_two_answerers_worker_killed``) starts every
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import signal
@@ -121,11 +122,52 @@ def test_supervisor_releases_a_dead_dispatchers_jobs_uncounted(tmp_path: Path) -
         assert got is not None and got.state == "pending" and got.job.attempts == 0
 
 
+def test_worker_skips_stored_jobs_and_runs_batch_failures_alone() -> None:
+    """The actor body without Ray: a job whose memory is already stored is done without training;
+    a job the batch failed is run again alone; an error there is that job's result only."""
+    from types import SimpleNamespace
+
+    from elm_memory.jobs.ray_dispatch import LearnerWorker
+    from elm_memory.store.base import MemoryNotFoundError
+
+    stored = {"a"}
+    calls: list[tuple[str, list[str]]] = []
+
+    def record(memory_id: str, namespace: str) -> None:
+        if memory_id not in stored:
+            raise MemoryNotFoundError(memory_id)
+
+    def run_many(jobs: list[LearnJob]) -> list[object]:
+        calls.append(("many", [j.job_id for j in jobs]))
+        return [j.job_id if j.job_id != "c" else RuntimeError("batch") for j in jobs]
+
+    def run_one(job: LearnJob) -> str:
+        calls.append(("one", [job.job_id]))
+        if job.question == "bad":
+            raise ValueError("no good")
+        return job.job_id
+
+    worker = LearnerWorker.__new__(LearnerWorker)
+    worker.elm = SimpleNamespace(  # type: ignore[assignment]
+        retriever=SimpleNamespace(store=SimpleNamespace(record=record)),
+        _run_learn_jobs=run_many,
+        _run_learn_job=run_one,
+    )
+    jobs = [LearnJob(i, q, "ns", 0.0, 1) for i, q in (("a", "q1"), ("b", "q2"), ("c", "bad"))]
+    out = worker.learn([j.to_dict() for j in jobs])
+    assert out[0] == {"memory_id": "a", "trained": False}
+    assert out[1] == {"memory_id": "b", "trained": True}
+    assert out[2] == {"error": "ValueError: no good"}
+    assert calls == [("many", ["b", "c"]), ("one", ["c"])]
+
+
 # -- a real cluster ------------------------------------------------------------------------
 
-ray = pytest.importorskip("ray", reason="learner.mode ray needs the extra .[ray]")
-
 from _servers import chroma_server, console_script, free_port  # noqa: E402
+
+needs_ray = pytest.mark.skipif(
+    importlib.util.find_spec("ray") is None, reason="learner.mode ray needs the extra .[ray]"
+)
 
 QUESTIONS = [
     ["What is 12 + 30?", "What is 7 * 6?", "What is 100 - 58?"],
@@ -220,6 +262,7 @@ def ray_head(tmp: Path, num_cpus: int, port: int | None = None, name: str = "ray
         subprocess.run(["rm", "-rf", str(temp_dir)], check=False)
 
 
+@needs_ray
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.model
@@ -333,6 +376,7 @@ def _learning_pid(sid: int, timeout: float) -> int | None:
     return None
 
 
+@needs_ray
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.model
