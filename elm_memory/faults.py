@@ -39,6 +39,8 @@ import os
 import signal
 from dataclasses import dataclass, field
 
+from elm_memory.errors import ConfigError
+
 ENV = "ELM_FAULT"
 TRACE_ENV = "ELM_FAULT_TRACE"
 MODES = ("kill", "exit", "raise")
@@ -75,14 +77,15 @@ class Plan:
 
 
 def parse(spec: str | None, trace: str | None = None) -> Plan | None:
-    """``NAME@N:MODE`` (``@N`` defaults to 1, ``:MODE`` to kill) -> a plan; None when neither is set."""
+    """``NAME@N:MODE`` (``@N`` defaults to 1, ``:MODE`` to kill) -> a plan; None when neither is set.
+    A malformed spec is a :class:`~elm_memory.errors.ConfigError` (a ``ValueError``)."""
     if not spec:
         return Plan(trace=trace) if trace else None
     rest, _, mode = spec.partition(":")
     name, _, nth = rest.partition("@")
     mode = mode or "kill"
     if not name or mode not in MODES or (nth and not nth.isdigit()) or (nth and int(nth) < 1):
-        raise ValueError(f"{ENV}={spec!r}: expected NAME@N:MODE with N >= 1 and MODE one of {', '.join(MODES)}")
+        raise ConfigError(f"{ENV}={spec!r}: expected NAME@N:MODE with N >= 1 and MODE one of {', '.join(MODES)}")
     return Plan(name, int(nth or 1), mode, trace)
 
 

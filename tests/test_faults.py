@@ -31,7 +31,7 @@ from _faultload import MAX_MEMORIES, NAMESPACES, fake_kv_memory, job_memory_id, 
 from _reliability import report, row
 
 from elm_memory import faults
-from elm_memory.errors import ELMError
+from elm_memory.errors import ConfigError, ELMError
 from elm_memory.jobs import build_learner
 
 LOAD = Path(__file__).resolve().parent / "_faultload.py"
@@ -287,9 +287,9 @@ def test_jobs_survive_kill_at_any_step_many(tmp_path):
 
 def test_fault_spec_and_in_process_raise(tmp_path):
     assert faults.parse(None) is None
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="NAME@N:MODE"):
         faults.parse("blob.fsynced@0:kill")
-    with pytest.raises(ValueError):
+    with pytest.raises(ConfigError, match="NAME@N:MODE"):
         faults.parse("blob.fsynced@1:explode")
     plan = faults.parse("blob.fsynced@2:raise")
     assert (plan.name, plan.nth, plan.mode) == ("blob.fsynced", 2, "raise")
