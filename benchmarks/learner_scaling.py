@@ -2,10 +2,11 @@
 overhead of one Ray job against the in-process learner for the same memory (issue #14).
 
 Starts its own Ray head on 127.0.0.1 (``--num-cpus`` CPUs) and Chroma server, stops both by
-PID. For each pool size: one warm-up job (actors load the model), then ``--jobs`` jobs
+PID. For each pool size: the actors are started and load the model, then ``--jobs`` jobs are
 submitted at once, timed from the first submit to the last done. The overhead: the same
-question learned in this process (``ELM.learn``, model already loaded) against one job on a
-warm 1-actor pool (submit -> done in the ledger), both on 1 CPU thread.
+question learned in this process (``ELM.learn``, model already loaded) and as one job on a warm
+1-actor pool (submit -> done in the ledger), both on 1 CPU thread, alternating over
+``--overhead-repeats`` questions (medians).
 
     .venv/bin/python benchmarks/learner_scaling.py              # cpu-tiny, S=1, 4 jobs
     .venv/bin/python benchmarks/learner_scaling.py --jobs 6 --steps 2
@@ -23,6 +24,7 @@ import os
 import platform
 import signal
 import socket
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -159,25 +161,43 @@ def _run_pool(args: argparse.Namespace, cfg: Any, ledger: Path, namespace: str, 
     }
 
 
-def _one_ray_job(args: argparse.Namespace, cfg: Any, ledger: Path, question: str) -> float:
+def _overhead(args: argparse.Namespace, cfg: Any, ledger: Path, store_url: str, blobs: Path) -> dict[str, Any]:
+    """For each of ``--overhead-repeats`` questions: learned in this process, then as one Ray job on a
+    warm 1-actor pool (alternating, so both see similar machine load); medians and each pair."""
     from elm_memory.jobs import build_learner
 
+    elm = _in_process_elm(args, store_url, blobs)
     _warm_pool(cfg, ledger)
     learner = build_learner("ray", None, ledger, scope="bench", config=cfg, batch_size=1)
+    pairs = []
     try:
         learner.submit("Warm-up overhead: what is 2 + 2?", namespace="overhead")  # the dispatcher starts
         learner.wait(timeout=900)
-        t0 = time.monotonic()
-        ticket = learner.submit(question, namespace="overhead")
-        if not learner.wait(ticket.job_id, timeout=900):
-            raise RuntimeError("overhead job did not finish")
-        return time.monotonic() - t0
+        for question in QUESTIONS[-args.overhead_repeats :]:
+            t0 = time.monotonic()
+            elm.learn(question, namespace="inproc", progress=False)
+            local = time.monotonic() - t0
+            t0 = time.monotonic()
+            ticket = learner.submit(question, namespace="overhead")
+            if not learner.wait(ticket.job_id, timeout=900):
+                raise RuntimeError("overhead job did not finish")
+            remote = time.monotonic() - t0
+            pairs.append({"question": question, "in_process_s": round(local, 2), "ray_job_s": round(remote, 2)})
+            print(json.dumps(pairs[-1]), flush=True)
     finally:
         learner.close()
+    local_med = statistics.median(p["in_process_s"] for p in pairs)
+    remote_med = statistics.median(p["ray_job_s"] for p in pairs)
+    return {
+        "pairs": pairs,
+        "in_process_learn_s_median": round(local_med, 2),
+        "ray_job_submit_to_done_s_median": round(remote_med, 2),
+        "ray_overhead_s_median": round(statistics.median(p["ray_job_s"] - p["in_process_s"] for p in pairs), 2),
+    }
 
 
-def _in_process(args: argparse.Namespace, store_url: str, blobs: Path, question: str) -> float:
-    """The same memory learned by ELM.learn in this process, model loaded first, on 1 thread."""
+def _in_process_elm(args: argparse.Namespace, store_url: str, blobs: Path) -> Any:
+    """An in-process learner with the model loaded, on 1 thread (what a num_cpus=1 actor gets)."""
     import torch
 
     from elm_memory.config import ELMConfig
@@ -195,9 +215,7 @@ def _in_process(args: argparse.Namespace, store_url: str, blobs: Path, question:
     elm = ELM(cfg)
     elm.backend  # noqa: B018
     elm.retriever  # noqa: B018
-    t0 = time.monotonic()
-    elm.learn(question, namespace="inproc", progress=False)
-    return time.monotonic() - t0
+    return elm
 
 
 def main() -> None:
@@ -206,6 +224,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=1)
     parser.add_argument("--batch-size", type=int, default=1)
     parser.add_argument("--num-cpus", type=int, default=2, help="CPUs the Ray head offers")
+    parser.add_argument("--overhead-repeats", type=int, default=3, help="questions timed both ways")
+    parser.add_argument("--skip-pools", action="store_true", help="only the overhead")
     parser.add_argument("--out", type=Path, default=RESULTS)
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -251,19 +271,17 @@ def main() -> None:
         _wait_port(chroma_port)
         _wait_port(ray_port)
         blobs = tmp / "blobs"
-        question = "What is 9 * 9?"
-        out["in_process_learn_s"] = round(_in_process(args, store_url, blobs, question), 2)
         cfg1 = _learner_config(args, store_url, blobs, address, 1)
-        out["ray_job_submit_to_done_s"] = round(_one_ray_job(args, cfg1, tmp / "overhead.sqlite3", question), 2)
-        out["ray_overhead_s"] = round(out["ray_job_submit_to_done_s"] - out["in_process_learn_s"], 2)
+        out["overhead"] = _overhead(args, cfg1, tmp / "overhead.sqlite3", store_url, blobs)
         out["pools"] = []
-        for workers in (1, 2):
+        for workers in () if args.skip_pools else (1, 2):
             cfg = _learner_config(args, store_url, blobs, address, workers)
             res = _run_pool(args, cfg, tmp / f"ledger-{workers}.sqlite3", f"w{workers}", workers)
             print(json.dumps(res), flush=True)
             out["pools"].append(res)
-        one, two = out["pools"]
-        out["speedup_2_vs_1"] = round(two["memories_per_hour"] / one["memories_per_hour"], 2)
+        if out["pools"]:
+            one, two = out["pools"]
+            out["speedup_2_vs_1"] = round(two["memories_per_hour"] / one["memories_per_hour"], 2)
         out["load_avg_at_end"] = os.getloadavg()
     finally:
         _stop_session(head.pid)
