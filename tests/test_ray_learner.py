@@ -161,6 +161,33 @@ def test_worker_skips_stored_jobs_and_runs_batch_failures_alone() -> None:
     assert calls == [("many", ["b", "c"]), ("one", ["c"])]
 
 
+def test_cli_learner_status_reads_the_ledger(tmp_path: Path) -> None:
+    path = tmp_path / "ledger.sqlite3"
+    with JobQueue(path) as q:
+        for question in ("What is 1+1?", "What is 2+2?"):
+            q.add(LearnJob.create(question))
+        rec = q.claim("w")
+        assert rec is not None
+        q.complete(rec.job_id, "w", rec.job_id)
+    r = subprocess.run(
+        [sys.executable, "-m", "elm_memory.cli", "learner", "status", "--queue", str(path), "--json", "--jobs"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert (out["pending"], out["done"], len(out["jobs"])) == (1, 1, 2)
+    assert out["jobs"][0]["memory_id"] == out["jobs"][0]["job_id"]
+    r = subprocess.run(
+        [sys.executable, "-m", "elm_memory.cli", "learner", "status", "--queue", str(tmp_path / "none.sqlite3")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode != 0 and "no learner ledger" in r.stderr + r.stdout
+
+
 # -- a real cluster ------------------------------------------------------------------------
 
 from _servers import chroma_server, console_script, free_port  # noqa: E402
