@@ -296,7 +296,11 @@ class LearnerConfig(ConfigSection):
         default=1.0, gt=0, description="Seconds between queue checks for jobs added by others."
     )
     queue_path: str | None = Field(
-        default=None, description="SQLite job queue; default: `<store.path>/learner.sqlite3`."
+        default=None,
+        description=(
+            "SQLite job queue (the ledger), opened only by processes of its host (WAL); "
+            "default: `<store.path>/learner.sqlite3`."
+        ),
     )
     batch_size: int = Field(
         default=4,
