@@ -158,9 +158,13 @@ def test_every_method_runs_the_online_protocol(tiny_loaded, tiny_backend, tmp_pa
     assert result.table.startswith("| method |") and "| reasoning_bank | 2 |" in result.table
     for name in ("accuracy_over_stream.png", "routes.png", "pool_growth.png"):
         assert (tmp_path / name).read_bytes()[:8] == PNG
+    # the run names the machine its numbers come from
+    [machine] = json.loads((tmp_path / "run.json").read_text())["machines"]
+    assert machine["cpu"] and machine["dtype"] in ("float32", "bfloat16") and machine["num_threads"] >= 1
     # a finished run re-run does nothing and loads nothing; another config is refused
     again = run_stream(problems, methods, cfg, tmp_path, dataset="gsm8k", seed=17, progress=False, plots=False)
     assert again.summary == result.summary
+    assert json.loads((tmp_path / "run.json").read_text())["machines"] == [machine]  # same machine: listed once
     with pytest.raises(ConfigError, match="holds another run"):
         run_stream(problems, methods, tiny_config(training={"steps": 2}), tmp_path, dataset="gsm8k", seed=17)
 
@@ -288,3 +292,18 @@ def test_the_evaluation_example_runs(tiny_loaded, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     assert "| elm_input | 2 |" in done.stdout
     assert (tmp_path / "elm-runs" / "example-cpu-tiny-2" / "routes.png").read_bytes()[:8] == PNG
+
+
+def test_a_resume_on_another_machine_adds_it_to_the_manifest(tmp_path):
+    from elm_memory.eval.records import check_manifest
+
+    fields = ("dataset", "config")
+    base = {"dataset": "d", "config": {"x": 1}, "methods": ["zero_shot"]}
+    check_manifest(tmp_path, {**base, "machines": [{"cpu": "A"}]}, fields)
+    check_manifest(tmp_path, {**base, "machines": [{"cpu": "A"}]}, fields)
+    merged = check_manifest(tmp_path, {**base, "methods": ["elm_input"], "machines": [{"cpu": "B"}]}, fields)
+    assert merged["machines"] == [{"cpu": "A"}, {"cpu": "B"}]
+    assert merged["methods"] == ["zero_shot", "elm_input"]
+    assert json.loads((tmp_path / "run.json").read_text()) == merged
+    with pytest.raises(ConfigError, match="holds another run"):  # the machine never makes it another run
+        check_manifest(tmp_path, {**base, "config": {"x": 2}, "machines": [{"cpu": "A"}]}, fields)

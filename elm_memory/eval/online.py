@@ -3,7 +3,7 @@ every method answers it, is scored, then learns from it (sync), before the next 
 
 Output directory::
 
-    run.json        what was run (dataset, seed, question order, config, methods)
+    run.json        what was run (dataset, seed, question order, config, methods) and on which machines
     records.jsonl   one line per (method, question): answer, route, memory, scores, timings
     summary.json    per-method accuracy, routes, time split answer / learn, pool size on disk
     results.md      the summary as a Markdown table
@@ -25,7 +25,7 @@ from elm_memory.errors import ConfigError
 from elm_memory.eval.datasets import Problem
 from elm_memory.eval.methods.base import EvalMethod, EvalRuntime, build_method, open_runtime
 from elm_memory.eval.progress import ProgressBar
-from elm_memory.eval.records import RecordLog, check_manifest, run_dir, write_json_atomic
+from elm_memory.eval.records import RecordLog, check_manifest, machine_facts, run_dir, write_json_atomic
 
 #: Manifest fields that must match for a run to be resumed.
 RESUME_FIELDS = ("dataset", "seed", "question_ids", "config")
@@ -110,6 +110,7 @@ def _manifest(
         "question_ids": [p.id for p in problems],
         "config": config.model_dump(mode="json"),
         "methods": methods,
+        "machines": [machine_facts(config)],
     }
 
 

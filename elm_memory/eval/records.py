@@ -65,6 +65,8 @@ def check_manifest(out_dir: Path, manifest: dict[str, Any], fields: tuple[str, .
 
     Resuming with another dataset order or config would mix two experiments in one table,
     so it is refused; adding methods to a run is allowed (they run on the same order).
+    ``manifest["machines"]`` (see :func:`machine_facts`) is not part of a run's identity: a resume
+    on another machine adds its own, so every number in the run can be read with its CPU.
     """
     path = out_dir / "run.json"
     if path.exists():
@@ -75,7 +77,33 @@ def check_manifest(out_dir: Path, manifest: dict[str, Any], fields: tuple[str, .
                     f"{out_dir} holds another run (its {f} differs); resume with the same arguments or use a new --out"
                 )
         old_methods = list(old.get("methods", []))
-        manifest = {**old, "methods": old_methods + [m for m in manifest["methods"] if m not in old_methods]}
+        machines = list(old.get("machines", []))
+        machines += [m for m in manifest.get("machines", []) if m not in machines]
+        manifest = {
+            **old,
+            "methods": old_methods + [m for m in manifest["methods"] if m not in old_methods],
+            "machines": machines,
+        }
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, manifest)
     return manifest
+
+
+def machine_facts(config: Any) -> dict[str, Any]:
+    """What a run's timings and bf16 results depend on: CPU, its bf16 capability, GPUs and the resolved
+    device, dtype and threads (from ``elm env``). Nothing is loaded."""
+    from elm_memory.environment import collect_env
+
+    env = collect_env(config)
+    cpu = env["cpu"]
+    return {
+        "cpu": cpu.get("name"),
+        "cores": cpu.get("usable_cores"),
+        "cpu_flags": sorted(k for k, v in (cpu.get("flags") or {}).items() if v),
+        "torch_cpu_path": cpu.get("torch_capability"),
+        "gpus": [g.get("name") for g in env["gpus"]],
+        "device": env["resolved"]["device"],
+        "dtype": env["resolved"]["dtype"],
+        "num_threads": env["resolved"]["num_threads"],
+        "torch": env["packages"].get("torch"),
+    }
