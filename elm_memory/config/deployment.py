@@ -66,6 +66,13 @@ class StoreConfig(ConfigSection):
     url: str | None = Field(
         default=None, description="Chroma server URL (http://host:port); overrides `path` for rows."
     )
+    blob_url: str | None = Field(
+        default=None,
+        description=(
+            "Where memory files (blobs) live, as an fsspec URL shared by every machine (`s3://bucket/elm`, "
+            "`gs://...`; needs that filesystem's package) or a folder. Default None: `<path>/blobs`."
+        ),
+    )
     hnsw: dict[str, Any] | None = Field(
         default=None,
         description=(

@@ -146,6 +146,10 @@ class BlobStore:
             raise MemoryFormatError(f"blob {sha[:12]} has a malformed safetensors header")
         return header
 
+    def mtime(self, sha: str) -> float:
+        """When the blob was written (seconds since the epoch)."""
+        return self.path(sha).stat().st_mtime
+
     # -- delete / enumerate ------------------------------------------------------------
     def delete(self, sha: str) -> bool:
         path = self.path(sha)

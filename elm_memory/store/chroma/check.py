@@ -94,7 +94,7 @@ class ConsistencyCheck(DeleteJournal):
                 meta, kinds = blob_meta(self.blobs.read_header(sha))
                 if deep:
                     self.blobs.get(sha)
-                mtime = self.blobs.path(sha).stat().st_mtime
+                mtime = self.blobs.mtime(sha)
             except (MemoryFormatError, MissingBlobError, OSError, ValueError, KeyError):
                 report.corrupt_blobs.append(sha)
                 if repair:

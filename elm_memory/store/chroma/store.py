@@ -34,6 +34,7 @@ from elm_memory.faults import point
 from elm_memory.memory import LatentMemory
 from elm_memory.store.base import MemoryNotFoundError, MemoryRecord, StoreHit
 from elm_memory.store.blobs import BlobStore
+from elm_memory.store.blobs_fsspec import open_blobs
 from elm_memory.store.chroma.capacity import CapacityLimits, check_policy
 from elm_memory.store.chroma.check import ConsistencyCheck
 from elm_memory.store.chroma.connection import DEFAULT_DATABASE, DEFAULT_TENANT, chroma_errors, connect
@@ -90,6 +91,7 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport, IndexReb
         eviction: str = "lru",
         ttl_days: float | None = None,
         merge_threshold: float | None = None,
+        blob_url: str | None = None,
     ):
         self.root = Path(path).expanduser()
         check_policy(eviction)
@@ -112,7 +114,8 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport, IndexReb
         self.hnsw = dict(hnsw or {})
         if self.hnsw.get("space", "cosine") != "cosine":
             raise StoreError("memory keys are compared by cosine similarity: hnsw.space must be 'cosine'")
-        self.blobs = BlobStore(self.root / "blobs")
+        self.blob_url = blob_url
+        self.blobs = open_blobs(blob_url) if blob_url else BlobStore(self.root / "blobs")
         if client is None:
             client = connect(
                 self.root,
@@ -142,6 +145,7 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport, IndexReb
         for name in ("max_memories", "eviction", "ttl_days", "merge_threshold"):
             if hasattr(cfg, name):
                 kwargs.setdefault(name, getattr(cfg, name))
+        kwargs.setdefault("blob_url", getattr(cfg, "blob_url", None))
         return cls(resolve_store_path(cfg.path), url=cfg.url, model=model, **{**server, **kwargs})
 
     # ---- writes -----------------------------------------------------------------------------
