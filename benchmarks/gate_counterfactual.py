@@ -30,7 +30,7 @@ def candidate_correct(record: dict, kind: str) -> bool | None:
 
 
 def replay(records: list[dict], min_share: float, min_sim: float | None) -> dict:
-    correct = gains = losses = gated = 0
+    outcomes = []
     for r in records:
         zs = bool(candidate_correct(r, "zero_shot"))
         gate = (r.get("extra") or {}).get("gate") or {}
@@ -40,21 +40,21 @@ def replay(records: list[dict], min_share: float, min_sim: float | None) -> dict
         blocked = used and (
             (share is not None and share < min_share) or (min_sim is not None and sim is not None and sim < min_sim)
         )
-        final = zs if blocked else bool(r["correct"])
-        gated += blocked
-        correct += final
-        gains += final and not zs
-        losses += zs and not final
-    n = len(records)
+        outcomes.append((zs, blocked, zs if blocked else bool(r["correct"])))
+    return {"min_majority_share": min_share, "min_similarity": min_sim, **tally(outcomes)}
+
+
+def tally(outcomes: list[tuple[bool, bool, bool]]) -> dict:
+    """(zero-shot right, gated, final right) per question -> accuracy, gains and losses against zero-shot."""
+    n = len(outcomes)
+    correct = sum(final for _, _, final in outcomes)
     return {
-        "min_majority_share": min_share,
-        "min_similarity": min_sim,
         "accuracy": round(100 * correct / n, 1) if n else None,
         "correct": correct,
         "n": n,
-        "gains": gains,
-        "losses": losses,
-        "gated": gated,
+        "gains": sum(final and not zs for zs, _, final in outcomes),
+        "losses": sum(zs and not final for zs, _, final in outcomes),
+        "gated": sum(blocked for _, blocked, _ in outcomes),
     }
 
 
@@ -74,7 +74,7 @@ def replay_utility(records: list[dict], min_utility: float, observations: int) -
     after ``observations`` judgements is not used (the answer becomes the zero-shot candidate; a gated
     memory records nothing more, as online)."""
     counts: dict[str, list[int]] = {}  # memory id -> [won + agreed, judged]
-    correct = gains = losses = gated = 0
+    outcomes = []
     for r in records:
         zs = bool(candidate_correct(r, "zero_shot"))
         mid = r.get("memory_id") if r.get("route") != "zero_shot" else None
@@ -87,21 +87,8 @@ def replay_utility(records: list[dict], min_utility: float, observations: int) -
                 c = counts.setdefault(mid, [0, 0])
                 c[0] += o in ("agree", "won")
                 c[1] += 1
-        gated += blocked
-        correct += final
-        gains += final and not zs
-        losses += zs and not final
-    n = len(records)
-    return {
-        "min_utility": min_utility,
-        "min_utility_observations": observations,
-        "accuracy": round(100 * correct / n, 1) if n else None,
-        "correct": correct,
-        "n": n,
-        "gains": gains,
-        "losses": losses,
-        "gated": gated,
-    }
+        outcomes.append((zs, blocked, final))
+    return {"min_utility": min_utility, "min_utility_observations": observations, **tally(outcomes)}
 
 
 def main() -> None:

@@ -130,21 +130,12 @@ class BlobStore:
         path = self.path(sha)
         try:
             with path.open("rb") as fh:
-                n = int.from_bytes(fh.read(8), "little")
-                if not 0 < n <= _MAX_HEADER:
-                    raise MemoryFormatError(f"blob {sha[:12]} has no valid safetensors header")
-                raw = fh.read(n)
+                raw = fh.read(header_length(sha, fh.read(8)))
         except FileNotFoundError:
             raise MissingBlobError(f"blob {sha[:12]} is missing from {self.root}") from None
         except OSError as exc:
             raise StoreError(f"cannot read blob {sha[:12]}: {exc.strerror or exc}") from None
-        try:
-            header = json.loads(raw)
-        except ValueError:
-            raise MemoryFormatError(f"blob {sha[:12]} has a malformed safetensors header") from None
-        if not isinstance(header, dict):
-            raise MemoryFormatError(f"blob {sha[:12]} has a malformed safetensors header")
-        return header
+        return decode_header(sha, raw)
 
     def mtime(self, sha: str) -> float:
         """When the blob was written (seconds since the epoch)."""
@@ -185,3 +176,22 @@ class BlobStore:
             except FileNotFoundError:
                 continue
         return out
+
+
+def header_length(sha: str, first8: bytes) -> int:
+    """The JSON header's length from a safetensors file's first 8 bytes, refused when absurd."""
+    n = int.from_bytes(first8, "little")
+    if not 0 < n <= _MAX_HEADER:
+        raise MemoryFormatError(f"blob {sha[:12]} has no valid safetensors header")
+    return n
+
+
+def decode_header(sha: str, raw: bytes) -> dict[str, Any]:
+    """A safetensors JSON header, or a :class:`MemoryFormatError` naming the blob."""
+    try:
+        header = json.loads(raw)
+    except ValueError:
+        raise MemoryFormatError(f"blob {sha[:12]} has a malformed safetensors header") from None
+    if not isinstance(header, dict):
+        raise MemoryFormatError(f"blob {sha[:12]} has a malformed safetensors header")
+    return header

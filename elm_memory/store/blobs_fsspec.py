@@ -10,14 +10,21 @@ folder store (its fsync + rename write order).
 
 from __future__ import annotations
 
-import json
 import time
 from collections.abc import Iterator
 from typing import Any
 
 from elm_memory.errors import MemoryFormatError, StoreError
 from elm_memory.faults import point
-from elm_memory.store.blobs import _MAX_HEADER, _SHA_RE, SUFFIX, BlobStore, MissingBlobError, sha256_hex
+from elm_memory.store.blobs import (
+    _SHA_RE,
+    SUFFIX,
+    BlobStore,
+    MissingBlobError,
+    decode_header,
+    header_length,
+    sha256_hex,
+)
 
 
 def open_blobs(url: str) -> BlobStore:
@@ -82,21 +89,13 @@ class FsspecBlobStore(BlobStore):
     def read_header(self, sha: str) -> dict[str, Any]:
         key = self.key(sha)
         try:
-            n = int.from_bytes(self.fs.cat_file(key, start=0, end=8), "little")
-            if not 0 < n <= _MAX_HEADER:
-                raise MemoryFormatError(f"blob {sha[:12]} has no valid safetensors header")
+            n = header_length(sha, self.fs.cat_file(key, start=0, end=8))
             raw = self.fs.cat_file(key, start=8, end=8 + n)
         except FileNotFoundError:
             raise MissingBlobError(f"blob {sha[:12]} is missing from {self.url}") from None
         except OSError as exc:
             raise StoreError(f"cannot read blob {sha[:12]}: {exc}") from None
-        try:
-            header = json.loads(raw)
-        except ValueError:
-            raise MemoryFormatError(f"blob {sha[:12]} has a malformed safetensors header") from None
-        if not isinstance(header, dict):
-            raise MemoryFormatError(f"blob {sha[:12]} has a malformed safetensors header")
-        return header
+        return decode_header(sha, raw)
 
     def mtime(self, sha: str) -> float:
         try:
