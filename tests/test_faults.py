@@ -22,7 +22,7 @@ import random
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -188,29 +188,41 @@ def check_store_run(root: Path) -> tuple[int, int, bool, int]:
     return lost, duplicated, repaired, ops
 
 
-def store_runs(tmp_path: Path, runs: int, variant: str = "") -> None:
-    tally = row(f"faults: store writes{variant}")
-    for seed, fault in plans(tmp_path, "store", runs):
+def fault_runs(
+    tmp_path: Path,
+    name: str,
+    workload: str,
+    runs: int,
+    check: Callable[[Path, int], tuple[int, int, bool, int, dict[str, int]]],
+) -> None:
+    """``runs`` children of ``workload``, each killed at its planned point, then ``check``ed:
+    (lost, duplicated, repaired, inputs, extra notes). Counted in the row ``name``; nothing lost or
+    duplicated, and no error while checking."""
+    tally = row(name)
+    for seed, fault in plans(tmp_path, workload, runs):
         root = tmp_path / f"run-{seed}"
-        rc = run_child(root, "store", seed, fault)
+        rc = run_child(root, workload, seed, fault)
         try:
-            lost, duplicated, repaired, ops = check_store_run(root)
-        except ELMError:
+            lost, duplicated, repaired, inputs, notes = check(root, seed)
+        except Exception as exc:
             tally.errors += 1
-            tally.typed_errors += 1
-            raise
-        except Exception:
-            tally.errors += 1
+            tally.typed_errors += isinstance(exc, ELMError)
             raise
         tally.runs += 1
         tally.faults += rc == -signal.SIGKILL
-        tally.inputs += ops
+        tally.inputs += inputs
         tally.lost += lost
         tally.duplicated += duplicated
         tally.note("repaired", repaired)
+        for key, n in notes.items():
+            tally.note(key, n)
         if rc == -signal.SIGKILL:
             tally.note(f"at {fault.split('@')[0]}")
         assert (lost, duplicated) == (0, 0), f"seed {seed}, {fault}: {lost} lost, {duplicated} duplicated"
+
+
+def store_runs(tmp_path: Path, runs: int, variant: str = "") -> None:
+    fault_runs(tmp_path, f"faults: store writes{variant}", "store", runs, lambda root, _: (*check_store_run(root), {}))
 
 
 def test_store_writes_survive_kill_at_any_step(tmp_path):
@@ -259,26 +271,11 @@ def check_jobs_run(root: Path, seed: int) -> tuple[int, int, bool, int]:
 
 
 def jobs_runs(tmp_path: Path, runs: int, variant: str = "") -> None:
-    tally = row(f"faults: learner jobs{variant}")
-    for seed, fault in plans(tmp_path, "jobs", runs):
-        root = tmp_path / f"run-{seed}"
-        rc = run_child(root, "jobs", seed, fault)
-        try:
-            lost, duplicated, repaired, reruns = check_jobs_run(root, seed)
-        except Exception as exc:
-            tally.errors += 1
-            tally.typed_errors += isinstance(exc, ELMError)
-            raise
-        tally.runs += 1
-        tally.faults += rc == -signal.SIGKILL
-        tally.inputs += len(questions(seed)[0])
-        tally.lost += lost
-        tally.duplicated += duplicated
-        tally.note("repaired", repaired)
-        tally.note("rerun_jobs", reruns)
-        if rc == -signal.SIGKILL:
-            tally.note(f"at {fault.split('@')[0]}")
-        assert (lost, duplicated) == (0, 0), f"seed {seed}, {fault}: {lost} lost, {duplicated} duplicated"
+    def check(root: Path, seed: int) -> tuple[int, int, bool, int, dict[str, int]]:
+        lost, duplicated, repaired, reruns = check_jobs_run(root, seed)
+        return lost, duplicated, repaired, len(questions(seed)[0]), {"rerun_jobs": reruns}
+
+    fault_runs(tmp_path, f"faults: learner jobs{variant}", "jobs", runs, check)
 
 
 def test_jobs_survive_kill_at_any_step(tmp_path):
