@@ -48,13 +48,18 @@ def running_server(
             time.sleep(0.2)
         yield proc
     finally:
-        os.killpg(proc.pid, signal.SIGTERM)  # the server and its workers, by the PID we started
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(10)
+        stop_group(proc)
         log.close()
+
+
+def stop_group(proc: subprocess.Popen) -> None:
+    """SIGTERM the process group we started (the server and its workers, by our PID), SIGKILL after 30 s."""
+    os.killpg(proc.pid, signal.SIGTERM)
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(10)
 
 
 @contextmanager

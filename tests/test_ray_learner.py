@@ -190,7 +190,7 @@ def test_cli_learner_status_reads_the_ledger(tmp_path: Path) -> None:
 
 # -- a real cluster ------------------------------------------------------------------------
 
-from _servers import chroma_server, console_script, free_port  # noqa: E402
+from _servers import chroma_server, console_script, free_port, stop_group  # noqa: E402
 
 needs_ray = pytest.mark.skipif(
     importlib.util.find_spec("ray") is None, reason="learner.mode ray needs the extra .[ray]"
@@ -369,12 +369,7 @@ def test_ray_cluster_two_answerers_worker_killed(tmp_path: Path) -> None:
                 if proc.poll() is None:
                     proc.kill()
             if serve.poll() is None:
-                os.killpg(serve.pid, signal.SIGTERM)
-                try:
-                    serve.wait(30)
-                except subprocess.TimeoutExpired:
-                    os.killpg(serve.pid, signal.SIGKILL)
-                    serve.wait(10)
+                stop_group(serve)
             serve_log.close()
     timings["total_s"] = time.monotonic() - t_start
     print(json.dumps(timings))
