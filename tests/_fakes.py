@@ -3,8 +3,10 @@ one-thread guard for tests on real (small) matrices."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import torch
 
@@ -67,3 +69,23 @@ def one_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
+
+
+def prepare_fake_model(home: Path, fingerprint: str, hidden: int = 8) -> Path:
+    """A model 'prepared' under ``home`` (an $ELM_HOME): its marker (fingerprint) and a tiny llama
+    config.json, no weights; what `memories import` checks memories against. Returns its folder."""
+    folder = home / "models" / "fake"
+    folder.mkdir(parents=True)
+    (folder / "elm_model.json").write_text(json.dumps({"format": 1, "embedding_fingerprint": fingerprint}))
+    config = {
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 2,
+        "num_key_value_heads": 1,
+        "head_dim": 4,
+        "vocab_size": 10,
+        "max_position_embeddings": 128,
+    }
+    (folder / "config.json").write_text(json.dumps(config))
+    return folder

@@ -41,7 +41,7 @@ from unittest import mock
 import pytest
 import torch
 import yaml
-from _fakes import fake_memory, fake_model_info
+from _fakes import fake_memory, fake_model_info, prepare_fake_model
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from pydantic import BaseModel
@@ -882,20 +882,7 @@ def test_memories_of_another_model_are_refused(examples: Budget, tmp_path: Path)
 def prepared_home(tmp_path: Path, monkeypatch) -> Path:
     """$ELM_HOME with one 'prepared' model (marker and config.json, no weights): what import checks
     memories against."""
-    folder = tmp_path / "home" / "models" / "fake"
-    folder.mkdir(parents=True)
-    (folder / "elm_model.json").write_text(json.dumps({"format": 1, "embedding_fingerprint": FP}))
-    config = {
-        "model_type": "llama",
-        "hidden_size": HIDDEN,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 4,
-        "vocab_size": 10,
-        "max_position_embeddings": 128,
-    }
-    (folder / "config.json").write_text(json.dumps(config))
+    prepare_fake_model(tmp_path / "home", FP, HIDDEN)
     monkeypatch.setenv("ELM_HOME", str(tmp_path / "home"))
     return tmp_path / "home"
 

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from _fakes import fake_memory, fake_model_info
+from _fakes import fake_memory, fake_model_info, prepare_fake_model
 from typer.testing import CliRunner
 
 from elm_memory.config import ELMConfig, parse_override
@@ -132,23 +132,7 @@ def test_repair_keeps_both_memories_of_a_store_that_already_holds_a_shared_id(tm
 def prepared_model(tmp_path: Path, monkeypatch) -> Path:
     """A model 'prepared' in $ELM_HOME: its marker (fingerprint) and config.json, no weights."""
     home = tmp_path / "elm-home"
-    folder = home / "models" / "fake"
-    folder.mkdir(parents=True)
-    (folder / "elm_model.json").write_text(json.dumps({"format": 1, "embedding_fingerprint": FP}))
-    (folder / "config.json").write_text(
-        json.dumps(
-            {
-                "model_type": "llama",
-                "hidden_size": HIDDEN,
-                "num_hidden_layers": 2,
-                "num_attention_heads": 2,
-                "num_key_value_heads": 1,
-                "head_dim": 4,
-                "vocab_size": 10,
-                "max_position_embeddings": 128,
-            }
-        )
-    )
+    folder = prepare_fake_model(home, FP, HIDDEN)
     monkeypatch.setenv("ELM_HOME", str(home))
     return folder
 
