@@ -247,13 +247,7 @@ class UtilityTable:
         )
 
     def begin_deletes(self, entries: Sequence[PendingDelete]) -> None:
-        self._run(
-            (
-                "INSERT OR REPLACE INTO pending_deletes VALUES (?, ?, ?, ?, ?)",
-                [e.namespace, e.memory_id, e.fingerprint, " ".join(e.blobs), e.started_at],
-            )
-            for e in entries
-        )
+        self._run(_journal(entries))
 
     def absorb(self, namespace: str, into: str, entries: Sequence[PendingDelete]) -> None:
         """Add the counters of ``entries``' memories to ``into``'s and journal their deletes, in one
@@ -273,14 +267,7 @@ class UtilityTable:
             f"WHERE namespace = ? AND memory_id IN ({', '.join('?' for _ in ids)}) GROUP BY namespace "
             f"ON CONFLICT (namespace, memory_id) DO UPDATE SET {updates}"
         )
-        journal = (
-            (
-                "INSERT OR REPLACE INTO pending_deletes VALUES (?, ?, ?, ?, ?)",
-                [e.namespace, e.memory_id, e.fingerprint, " ".join(e.blobs), e.started_at],
-            )
-            for e in entries
-        )
-        self._run([(sql, [namespace, into, namespace, *ids]), *journal])
+        self._run([(sql, [namespace, into, namespace, *ids]), *_journal(entries)])
 
     def pending(self, namespace: str | None = None, memory_ids: Sequence[str] | None = None) -> list[PendingDelete]:
         if not self.path.exists():
@@ -303,3 +290,14 @@ class UtilityTable:
             if self._conn is not None:
                 self._conn.close()
                 self._conn = None
+
+
+def _journal(entries: Sequence[PendingDelete]) -> list[tuple[str, list[Any]]]:
+    """The statements that journal ``entries``' deletes (run inside a caller's transaction)."""
+    return [
+        (
+            "INSERT OR REPLACE INTO pending_deletes VALUES (?, ?, ?, ?, ?)",
+            [e.namespace, e.memory_id, e.fingerprint, " ".join(e.blobs), e.started_at],
+        )
+        for e in entries
+    ]
