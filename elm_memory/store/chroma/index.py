@@ -199,13 +199,34 @@ class ChromaIndex(MemoryStoreBase):
                     res = c.get(ids=ids[part], include=["metadatas"])
                     out.extend(IndexRow(info, i, m or {}) for i, m in zip(res["ids"], res["metadatas"], strict=True))
                 return out
-            offset = 0
-            while True:
-                res = c.get(include=["metadatas"], limit=_PAGE, offset=offset)
+            for res in self._pages(c, ["metadatas"]):
                 out.extend(IndexRow(info, i, m or {}) for i, m in zip(res["ids"], res["metadatas"], strict=True))
-                if len(res["ids"]) < _PAGE:
-                    return out
-                offset += _PAGE
+            return out
+
+    @staticmethod
+    def _pages(c: Any, include: list[str]) -> Iterator[dict[str, Any]]:
+        """Every row of collection ``c``, ``_PAGE`` rows a request (``include``: what each page carries)."""
+        offset = 0
+        while True:
+            res = c.get(include=include, limit=_PAGE, offset=offset)
+            yield res
+            if len(res["ids"]) < _PAGE:
+                return
+            offset += _PAGE
+
+    def _all_keys(self, col: Collection) -> tuple[list[str], list[dict[str, Any]], np.ndarray]:
+        """Ids, metadata and key vectors (rows of a float32 matrix) of every row of one collection."""
+        info, c = col
+        ids: list[str] = []
+        metas: list[dict[str, Any]] = []
+        vecs: list[np.ndarray] = []
+        with chroma_errors(f"reading {info.name}"):
+            for res in self._pages(c, ["embeddings", "metadatas"]):
+                ids.extend(res["ids"])
+                metas.extend(dict(m or {}) for m in res["metadatas"])
+                if len(res["ids"]):
+                    vecs.append(np.asarray(res["embeddings"], dtype=np.float32))
+        return ids, metas, np.concatenate(vecs) if vecs else np.zeros((0, info.dim), dtype=np.float32)
 
     def _find(self, memory_id: str, namespace: str | None) -> list[IndexRow]:
         """Every row of one memory id (all kinds; one namespace, or all)."""

@@ -32,7 +32,6 @@ from elm_memory.store.chroma.rows import IndexRow, MemoryKey, group_by_memory
 from elm_memory.store.utility import PendingDelete
 
 log = logging.getLogger(__name__)
-_PAGE = 5000
 #: Nearest memories a landing memory is compared with under ``store.merge_threshold``.
 MERGE_CANDIDATES = 16
 
@@ -49,22 +48,8 @@ class MergeSupport(DeleteJournal):
 
     def key_matrix(self, col: Collection) -> tuple[list[str], list[float], np.ndarray]:
         """Ids, creation times and key vectors (rows of a float32 matrix) of one collection, oldest first."""
-        info, c = col
-        ids: list[str] = []
-        created: list[float] = []
-        vecs: list[np.ndarray] = []
-        offset = 0
-        with chroma_errors(f"reading {info.name}"):
-            while True:
-                res = c.get(include=["embeddings", "metadatas"], limit=_PAGE, offset=offset)
-                ids.extend(res["ids"])
-                created.extend(float((m or {}).get("created_at", 0.0)) for m in res["metadatas"])
-                if len(res["ids"]):
-                    vecs.append(np.asarray(res["embeddings"], dtype=np.float32))
-                if len(res["ids"]) < _PAGE:
-                    break
-                offset += _PAGE
-        matrix = np.concatenate(vecs) if vecs else np.zeros((0, info.dim), dtype=np.float32)
+        ids, metas, matrix = self._all_keys(col)
+        created = [float(m.get("created_at", 0.0)) for m in metas]
         order = sorted(range(len(ids)), key=lambda i: (created[i], ids[i]))
         return [ids[i] for i in order], [created[i] for i in order], matrix[order]
 

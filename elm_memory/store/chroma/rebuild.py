@@ -14,12 +14,8 @@ blobs without rows, which ``check --repair`` reindexes (usage and utility live i
 
 from __future__ import annotations
 
-import numpy as np
-
 from elm_memory.store.chroma.connection import chroma_errors
 from elm_memory.store.chroma.index import ChromaIndex
-
-_PAGE = 5000
 
 
 class IndexRebuild(ChromaIndex):
@@ -27,27 +23,15 @@ class IndexRebuild(ChromaIndex):
         """Rewrite every collection of ``namespace`` (all when None) with only its live rows; returns rows
         written. Empty collections are left to ``check --repair``."""
         written = 0
-        for info, c in self._collections(namespace=namespace, all_models=True):
-            ids: list[str] = []
-            vectors: list[np.ndarray] = []
-            metas: list[dict] = []
-            offset = 0
-            with chroma_errors(f"reading {info.name}"):
-                while True:
-                    res = c.get(include=["embeddings", "metadatas"], limit=_PAGE, offset=offset)
-                    ids.extend(res["ids"])
-                    if len(res["ids"]):
-                        vectors.append(np.asarray(res["embeddings"], dtype=np.float32))
-                    metas.extend(dict(m or {}) for m in res["metadatas"])
-                    if len(res["ids"]) < _PAGE:
-                        break
-                    offset += _PAGE
+        for col in self._collections(namespace=namespace, all_models=True):
+            info = col[0]
+            ids, metas, vectors = self._all_keys(col)
             if not ids:
                 continue
             with chroma_errors(f"dropping collection {info.name}"):
                 self.client.delete_collection(info.name)
             self._forget(info.name)
-            col = self._create(info.fingerprint, info.kind, info.namespace, info.hidden_size, info.dim)
-            self._upsert_rows(col, ids, np.concatenate(vectors), metas)
+            fresh = self._create(info.fingerprint, info.kind, info.namespace, info.hidden_size, info.dim)
+            self._upsert_rows(fresh, ids, vectors, metas)
             written += len(ids)
         return written
