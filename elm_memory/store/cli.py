@@ -299,7 +299,7 @@ def merge(
 ) -> None:
     """Join near-duplicate memories (keys of one model and namespace at or above --threshold) into one
     each, with provenance (merged_from); members' counters are summed into it, then they are deleted."""
-    from elm_memory.store.merge import DEFAULT_THRESHOLD, STRATEGIES, find_clusters, merge_clusters
+    from elm_memory.store.merge import DEFAULT_THRESHOLD, STRATEGIES, average_memory, find_clusters, merge_clusters
 
     if strategy not in STRATEGIES:
         raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
@@ -314,10 +314,8 @@ def merge(
     questions = {r.id: r.question for r in s.list(namespace)} if clusters and not json_out else {}
     merged: dict[tuple[str, ...], str] = {}
     if clusters and not dry_run:
-        build = None
-        if strategy == "train":
-            build = _train_builder(cfg, steps)
-        outcomes = merge_clusters(s, clusters, build) if build is not None else merge_clusters(s, clusters)
+        build = _train_builder(cfg, steps) if strategy == "train" else average_memory
+        outcomes = merge_clusters(s, clusters, build)
         merged = {o.cluster.ids: o.merged_id for o in outcomes}
     if json_out:
         out = [{**c.to_dict(), "ids": list(c.ids), "merged_id": merged.get(c.ids)} for c in clusters]
