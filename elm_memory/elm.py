@@ -167,13 +167,13 @@ class ELM:
                 )
                 self._learner = build_learner(
                     lc.mode,
-                    self._run_learn_job,
+                    self.learn_from_job,
                     queue,
                     scope=self.loaded.info.fingerprint,
                     max_attempts=lc.max_attempts,
                     poll_interval=lc.poll_interval,
                     batch_size=lc.batch_size,
-                    learn_many_fn=self._run_learn_jobs,
+                    learn_many_fn=self.learn_from_jobs,
                     config=self.config,
                 )
         return self._learner
@@ -322,7 +322,7 @@ class ELM:
             return self.config
         return ELMConfig.from_dict(deep_merge(self.config.model_dump(mode="json"), job.config_overrides))
 
-    def _run_learn_jobs(self, jobs: list[Any]) -> list[str | Exception]:
+    def learn_from_jobs(self, jobs: list[Any]) -> list[str | Exception]:
         """The learner's batch: jobs with the same config overrides train together. A group that
         fails gives its exception to each of its jobs; the learner then reruns those alone."""
         groups: dict[str, list[int]] = {}
@@ -347,7 +347,7 @@ class ELM:
                     results[i] = memory.id
         return results
 
-    def _run_learn_job(self, job: Any) -> str:
+    def learn_from_job(self, job: Any) -> str:
         """The learner's job: the memory id is the job id, so a re-run overwrites, never duplicates."""
         config = self._job_config(job)
         memory = self.learn(job.question, namespace=job.namespace, memory_id=job.job_id, config=config, progress=False)

@@ -150,8 +150,8 @@ def test_worker_skips_stored_jobs_and_runs_batch_failures_alone() -> None:
     worker = LearnerWorker.__new__(LearnerWorker)
     worker.elm = SimpleNamespace(  # type: ignore[assignment]
         retriever=SimpleNamespace(store=SimpleNamespace(record=record)),
-        _run_learn_jobs=run_many,
-        _run_learn_job=run_one,
+        learn_from_jobs=run_many,
+        learn_from_job=run_one,
     )
     jobs = [LearnJob(i, q, "ns", 0.0, 1) for i, q in (("a", "q1"), ("b", "q2"), ("c", "bad"))]
     out = worker.learn([j.to_dict() for j in jobs])

@@ -363,7 +363,7 @@ def test_elm_learner_batch_trains_jobs_with_equal_overrides_together(rand_loaded
         LearnJob.create("What is 7 * 6?", "ns", config_overrides=one_step),
         LearnJob.create(QUESTIONS[1], "other"),
     ]
-    results = elm._run_learn_jobs(jobs)
+    results = elm.learn_from_jobs(jobs)
     assert results == [j.job_id for j in jobs]  # the memory id is the job id
     assert calls == [([QUESTIONS[0], QUESTIONS[1]], 2), (["What is 7 * 6?"], 1)]
 

@@ -28,7 +28,7 @@ from elm_memory.errors import ConfigError
 from elm_memory.faults import point
 from elm_memory.jobs.learner import LearnerOptions, LearnFn, LearnManyFn, QueueLike
 from elm_memory.jobs.queue import JobQueue
-from elm_memory.jobs.records import TERMINAL, JobRecord, LearnerError, LearnJob, LearnTicket
+from elm_memory.jobs.records import TERMINAL, JobRecord, LearnerError, LearnJob, LearnTicket, error_text
 
 log = logging.getLogger("elm_memory.jobs")
 
@@ -223,8 +223,7 @@ class QueueLearner:
         try:
             memory_id = self.learn_fn(job)
         except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-            error = error if len(error) <= 2000 else error[:2000] + " [...]"
+            error = error_text(exc)
             after = self.queue.fail(job.job_id, owner, error)
             if after is None:
                 log.warning("job %s failed (%s) but was no longer held by this worker", short, error)

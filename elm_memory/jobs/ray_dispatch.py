@@ -55,7 +55,7 @@ from typing import TYPE_CHECKING, Any
 
 from elm_memory.jobs.owners import HOST, LIVE_OWNERS, new_owner
 from elm_memory.jobs.queue import JobQueue
-from elm_memory.jobs.records import JobRecord, LearnerError, LearnJob
+from elm_memory.jobs.records import JobRecord, LearnerError, LearnJob, error_text
 
 if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
@@ -144,15 +144,14 @@ class LearnerWorker:
                 out[i] = {"memory_id": job.job_id, "trained": False}
             else:
                 todo.append(i)
-        results: list[Any] = self.elm._run_learn_jobs([parsed[i] for i in todo]) if len(todo) > 1 else []
+        results: list[Any] = self.elm.learn_from_jobs([parsed[i] for i in todo]) if len(todo) > 1 else []
         for n, i in enumerate(todo):
             result = results[n] if results else None
             if not isinstance(result, str):
                 try:
-                    result = self.elm._run_learn_job(parsed[i])
+                    result = self.elm.learn_from_job(parsed[i])
                 except Exception as exc:
-                    error = f"{type(exc).__name__}: {exc}"
-                    out[i] = {"error": error if len(error) <= 2000 else error[:2000] + " [...]"}
+                    out[i] = {"error": error_text(exc)}
                     continue
             out[i] = {"memory_id": result, "trained": True}
         return out

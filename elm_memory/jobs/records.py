@@ -32,6 +32,12 @@ class LearnerError(ELMError):
     """The learner is closed, its queue file is unusable, or a job id is unknown."""
 
 
+def error_text(exc: BaseException, limit: int = 2000) -> str:
+    """A failed attempt's error as the ledger keeps it: ``Type: message``, cut at ``limit`` characters."""
+    error = f"{type(exc).__name__}: {exc}"
+    return error if len(error) <= limit else error[:limit] + " [...]"
+
+
 def make_job_id(question: str, namespace: str, scope: str = "") -> str:
     """Deterministic job id: same (scope, namespace, stripped question) -> same id."""
     payload = "\x00".join((_ID_PREFIX, scope, namespace, question_hash(question)))
