@@ -10,8 +10,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from elm_memory.models.loading import LoadedModel
 
 
 def tile_to_length(ids: Sequence[int], k: int) -> list[int]:
@@ -40,3 +44,10 @@ def init_soft_prompt(
     else:
         raise ValueError(f"unknown memory init {mode!r}")
     return out.detach().to("cpu", torch.float32).clone()
+
+
+def question_init(loaded: LoadedModel, question: str, k: int, mode: str, seed: int | None) -> torch.Tensor:
+    """The initial soft prompt of a memory of ``question``: what training starts from, and what a
+    ``train`` merge rebuilds from a memory's recorded recipe (one function, so the two agree)."""
+    ids = loaded.tokenizer(question, add_special_tokens=False)["input_ids"]
+    return init_soft_prompt(loaded.model.get_input_embeddings(), ids, k, mode, seed)

@@ -15,7 +15,7 @@ from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import LoadedModel
 from elm_memory.models.prompting import PromptBuilder, validate_question
 from elm_memory.training.engines import Trainer, build_trainer
-from elm_memory.training.initialization import init_soft_prompt
+from elm_memory.training.initialization import question_init
 
 
 def learn_memory(
@@ -73,10 +73,7 @@ def learn_memories(
     items = []
     for question in questions:
         prompt = prompts.answer_prompt(question, memory_tokens=k)  # training sees the prompt answering sees
-        question_ids = loaded.tokenizer(question, add_special_tokens=False)["input_ids"]
-        init = init_soft_prompt(
-            loaded.model.get_input_embeddings(), question_ids, k, config.memory.init, config.training.seed
-        )
+        init = question_init(loaded, question, k, config.memory.init, config.training.seed)
         items.append((prompt.token_ids, init, prompt.memory_at))
     trainer = trainer or build_trainer(config, loaded, backend)
     results = trainer.train_many(items, progress=progress)

@@ -26,7 +26,7 @@ from elm_memory.models.loading import LoadedModel
 from elm_memory.models.prompting import PromptBuilder
 from elm_memory.store.merge import build_merged, combine_keys, common_kinds, merged_stats
 from elm_memory.training.engines import Trainer, build_trainer
-from elm_memory.training.initialization import init_soft_prompt
+from elm_memory.training.initialization import question_init
 
 
 def initial_prompt(member: LatentMemory, loaded: LoadedModel, config: ELMConfig) -> torch.Tensor:
@@ -37,10 +37,8 @@ def initial_prompt(member: LatentMemory, loaded: LoadedModel, config: ELMConfig)
     training_cfg = recipe.get("training") if isinstance(recipe.get("training"), dict) else {}
     mode = str((memory_cfg or {}).get("init", config.memory.init))
     seed = (training_cfg or {}).get("seed", config.training.seed)
-    ids = loaded.tokenizer(member.meta.question, add_special_tokens=False)["input_ids"]
-    return init_soft_prompt(
-        loaded.model.get_input_embeddings(), ids, member.meta.num_tokens, mode, seed if isinstance(seed, int) else None
-    )
+    seed = seed if isinstance(seed, int) else None
+    return question_init(loaded, member.meta.question, member.meta.num_tokens, mode, seed)
 
 
 def train_merged(
