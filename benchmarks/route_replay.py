@@ -114,8 +114,9 @@ def main() -> None:
         k = cfg.memory.num_tokens
         base_prompts = [elm.prompts.answer_prompt(r["question"], memory_tokens=k) for r in records]
         lengths = [len(p.token_ids) for p in base_prompts]
+        zero_shot_prompt = {r["index"]: p.zero_shot() for r, p in zip(records, base_prompts, strict=True)}
         print(f"zero-shot candidates: {len(records)} questions", flush=True)
-        zs_gens = _generate(elm, [p.zero_shot() for p in base_prompts], lengths, args.batch_size)
+        zs_gens = _generate(elm, [zero_shot_prompt[r["index"]] for r in records], lengths, args.batch_size)
         zs = {
             r["index"]: {"answer": extract_answer(g.text), "text": g.text, "ids": tuple(g.token_ids)}
             for r, g in zip(records, zs_gens, strict=True)
@@ -183,7 +184,6 @@ def main() -> None:
                     for r in used[:2]
                 ],
             }
-            plain = {r["index"]: base_prompts[records.index(r)].zero_shot() for r in disagree}
             for vname, verifier in verifiers.items():
                 t0 = time.perf_counter()
                 correct = gains = losses = picked_right = one_right = 0
@@ -198,7 +198,7 @@ def main() -> None:
                         cfg.verifier.prefer_answered and (zs[i]["answer"] is None) != (mem[i]["answer"] is None)
                     ):
                         cands = [
-                            Candidate(text=c["text"], token_ids=c["ids"], prompt=plain[i], kind=kind)
+                            Candidate(text=c["text"], token_ids=c["ids"], prompt=zero_shot_prompt[i], kind=kind)
                             for kind, c in (("zero_shot", zs[i]), ("memory", mem[i]))
                         ]
                         scores = verifier.score(r["question"], cands)
