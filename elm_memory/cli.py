@@ -293,6 +293,35 @@ def _print_run(result, json_out: bool, files: str = "records.jsonl, summary.json
 
 @app.command()
 @handle_errors
+def compare(
+    runs: Annotated[list[Path], typer.Argument(help="Online run directories (`elm stream --out`), one per seed.")],
+    out: Annotated[Path | None, typer.Option(help="Also write the comparison here (.json or .md).")] = None,
+    partial: Annotated[
+        bool, typer.Option("--partial", help="Accept runs that have not answered every question yet.")
+    ] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Mean and spread over online runs that differ only in their seed (reads files, loads no model)."""
+    from elm_memory.eval.records import write_json_atomic
+    from elm_memory.eval.seeds import compare_seeds, markdown_seeds
+
+    comparison = compare_seeds(runs, partial=partial)
+    table = markdown_seeds(comparison)
+    if out is not None:
+        if out.suffix == ".json":
+            write_json_atomic(out, comparison.to_json())
+        else:
+            out.write_text(table, encoding="utf-8")
+    if json_out:
+        typer.echo(json.dumps(comparison.to_json()))
+        return
+    typer.echo(table)
+    if comparison.unrecorded:
+        typer.echo(f"settings not recorded by every run (added later): {', '.join(comparison.unrecorded)}")
+
+
+@app.command()
+@handle_errors
 def offline(
     dataset: DatasetOpt,
     out: Annotated[Path, typer.Option(help="Run directory (records, summary, plots, memories). Re-run to resume.")],

@@ -1,0 +1,171 @@
+"""One table across online runs that differ only in their stream seed (the paper's 17, 42, 78).
+
+Each run directory is read from disk (``run.json`` and ``records.jsonl``; nothing is recomputed
+and no model is loaded). Runs are comparable when they used the same dataset, the same number of
+questions and the same configuration; a setting recorded by every run with different values is
+refused by name, because a mean over different settings answers no question. Settings that only
+some runs recorded (added to the library after an older run) are listed, not refused.
+
+Per method it reports each seed's accuracy, the mean and the spread (sample standard deviation,
+min and max), the difference to the ``zero_shot`` method of the same run, and the gains and
+losses against the method's own zero-shot candidate (ELM's), summed over seeds.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from elm_memory.errors import ConfigError
+from elm_memory.eval.metrics import summarize_online
+from elm_memory.eval.records import RecordLog
+
+
+@dataclass
+class SeedRun:
+    path: Path
+    seed: int | None
+    dataset: str
+    questions: int
+    config: dict[str, Any]
+    summary: dict[str, dict[str, Any]]
+
+
+@dataclass
+class SeedComparison:
+    runs: list[SeedRun]
+    methods: dict[str, dict[str, Any]]  # method -> per-seed values and aggregates
+    unrecorded: list[str] = field(default_factory=list)  # config keys only some runs recorded
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "runs": [{"path": str(r.path), "seed": r.seed, "questions": r.questions} for r in self.runs],
+            "dataset": self.runs[0].dataset,
+            "methods": self.methods,
+            "config_keys_not_recorded_by_every_run": self.unrecorded,
+        }
+
+
+def load_run(path: str | Path) -> SeedRun:
+    """A finished or partial online run; its summary is recomputed from the records on disk."""
+    directory = Path(path)
+    manifest_path = directory / "run.json"
+    if not manifest_path.is_file():
+        raise ConfigError(f"{directory} is not an online run directory (no run.json)")
+    try:
+        manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise ConfigError(f"{manifest_path} is not valid JSON: {exc}") from None
+    records = RecordLog(directory / "records.jsonl").read()
+    if not records:
+        raise ConfigError(f"{directory} has no records yet")
+    return SeedRun(
+        path=directory,
+        seed=manifest.get("seed"),
+        dataset=str(manifest.get("dataset")),
+        questions=len(manifest.get("question_ids", [])),
+        config=manifest.get("config", {}),
+        summary=summarize_online(records),
+    )
+
+
+def compare_seeds(paths: Sequence[str | Path], *, partial: bool = False) -> SeedComparison:
+    """``partial``: accept runs that have not answered every question with every method (the
+    mean is then over different question sets; each method's ``n`` per seed says how many)."""
+    runs = [load_run(p) for p in paths]
+    if len(runs) < 2:
+        raise ConfigError("compare needs at least two run directories")
+    first = runs[0]
+    for run in runs[1:]:
+        for name in ("dataset", "questions"):
+            if getattr(run, name) != getattr(first, name):
+                raise ConfigError(
+                    f"runs differ in {name}: {first.path} has {getattr(first, name)!r}, "
+                    f"{run.path} has {getattr(run, name)!r}"
+                )
+    seeds = [r.seed for r in runs]
+    if len(set(seeds)) != len(seeds):
+        raise ConfigError(f"two runs have the same seed ({seeds}): a seed mean needs distinct seeds")
+    unrecorded = _check_configs(runs)
+    methods = [m for m in first.summary if all(m in r.summary for r in runs)]
+    if not methods:
+        raise ConfigError("the runs have no method in common")
+    for run in runs:
+        for m in methods:
+            done = run.summary[m]["n"]
+            if done < run.questions and not partial:
+                raise ConfigError(
+                    f"{run.path} has {m} answers for {done} of its {run.questions} questions (still running, "
+                    "or stopped): finish it by re-running its command, or compare partial runs on purpose"
+                )
+    return SeedComparison(runs=runs, methods={m: _method_row(m, runs) for m in methods}, unrecorded=unrecorded)
+
+
+def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in config.items():
+        name = f"{prefix}{key}"
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, name + "."))
+        else:
+            flat[name] = value
+    return flat
+
+
+def _check_configs(runs: Sequence[SeedRun]) -> list[str]:
+    flats = [_flatten(r.config) for r in runs]
+    common = set.intersection(*(set(f) for f in flats))
+    for key in sorted(common):
+        values = [f[key] for f in flats]
+        if any(v != values[0] for v in values[1:]):
+            shown = ", ".join(f"{r.path.name}: {v!r}" for r, v in zip(runs, values, strict=True))
+            raise ConfigError(f"runs differ in config {key} ({shown}): compare runs made with one configuration")
+    return sorted(set.union(*(set(f) for f in flats)) - common)
+
+
+def _method_row(method: str, runs: Sequence[SeedRun]) -> dict[str, Any]:
+    acc = [r.summary[method]["accuracy"] for r in runs]
+    n = [r.summary[method]["n"] for r in runs]
+    row: dict[str, Any] = {
+        "seeds": [r.seed for r in runs],
+        "n": n,
+        "accuracy": acc,
+        "mean": statistics.fmean(acc),
+        "std": statistics.stdev(acc),
+        "min": min(acc),
+        "max": max(acc),
+    }
+    if all("zero_shot" in r.summary for r in runs):
+        deltas = [a - r.summary["zero_shot"]["accuracy"] for a, r in zip(acc, runs, strict=True)]
+        row["delta_vs_zero_shot"] = deltas
+        row["mean_delta_vs_zero_shot"] = statistics.fmean(deltas)
+    gains = [r.summary[method].get("gains") for r in runs]
+    losses = [r.summary[method].get("losses") for r in runs]
+    if all(g is not None for g in gains) and all(x is not None for x in losses):
+        row["gains"], row["losses"] = gains, losses
+        row["total_gains"], row["total_losses"] = sum(gains), sum(losses)  # type: ignore[arg-type]
+    return row
+
+
+def markdown_seeds(comparison: SeedComparison) -> str:
+    """One row per method: accuracy per seed, mean ± std, range, difference to zero_shot, gains/losses."""
+    seeds = [str(r.seed) for r in comparison.runs]
+    header = ["method", *(f"seed {s} (%)" for s in seeds), "mean (%)", "std", "min-max", "vs zero_shot", "+/−"]
+    lines = ["| " + " | ".join(header) + " |", "|---" + "|---:" * (len(header) - 1) + "|"]
+    for method, row in comparison.methods.items():
+        delta = row.get("mean_delta_vs_zero_shot")
+        cells = [
+            method,
+            *(f"{100 * a:.1f}" for a in row["accuracy"]),
+            f"{100 * row['mean']:.1f}",
+            f"{100 * row['std']:.1f}",
+            f"{100 * row['min']:.1f}-{100 * row['max']:.1f}",
+            "" if delta is None or method == "zero_shot" else f"{100 * delta:+.1f}",
+            f"+{row['total_gains']}/−{row['total_losses']}" if "total_gains" in row and method != "zero_shot" else "",
+        ]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"

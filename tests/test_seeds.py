@@ -1,0 +1,103 @@
+"""`elm compare`: mean and spread over online runs that differ only in their seed."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from elm_memory.cli import app
+from elm_memory.errors import ConfigError
+from elm_memory.eval.seeds import compare_seeds, markdown_seeds
+
+CONFIG = {"training": {"steps": 1, "num_generations": 4}, "retrieval": {"key": "input"}}
+
+
+def make_run(root: Path, seed: int, zero_shot: list[bool], elm: list[tuple[bool, bool]], **manifest) -> Path:
+    """A run directory as `elm stream` writes it; ``elm`` holds (final correct, its zero-shot candidate correct)."""
+    out = root / f"s{seed}"
+    out.mkdir()
+    ids = [f"q{i}" for i in range(len(zero_shot))]
+    (out / "run.json").write_text(
+        json.dumps({"dataset": "synth-arith", "seed": seed, "question_ids": ids, "config": CONFIG, **manifest})
+    )
+    lines = []
+    for i, ok in enumerate(zero_shot):
+        lines.append({"method": "zero_shot", "index": i, "question_id": ids[i], "correct": ok, "route": "zero_shot"})
+    for i, (ok, zs_ok) in enumerate(elm):
+        cands = [{"kind": "zero_shot", "correct": zs_ok}, {"kind": "memory", "correct": ok}]
+        lines.append(
+            {
+                "method": "elm_input",
+                "index": i,
+                "question_id": ids[i],
+                "correct": ok,
+                "route": "verifier",
+                "candidates": cands,
+            }
+        )
+    for r in lines:
+        r.update(timings={"answer": 1.0, "learn": 0.0}, pool_size=0, pool_bytes=0, warnings=[])
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return out
+
+
+def test_mean_spread_and_gains_over_seeds(tmp_path):
+    a = make_run(tmp_path, 17, [True, False, True, False], [(True, True), (True, False), (True, True), (False, False)])
+    b = make_run(
+        tmp_path, 42, [True, True, False, False], [(False, True), (True, True), (False, False), (False, False)]
+    )
+    c = compare_seeds([a, b])
+    elm = c.methods["elm_input"]
+    assert elm["seeds"] == [17, 42]
+    assert elm["accuracy"] == [0.75, 0.25]
+    assert elm["mean"] == pytest.approx(0.5)
+    assert elm["std"] == pytest.approx(statistics.stdev([0.75, 0.25]))
+    assert elm["delta_vs_zero_shot"] == pytest.approx([0.25, -0.25])
+    assert (elm["total_gains"], elm["total_losses"]) == (1, 1)  # seed 17 q1 gained, seed 42 q0 lost
+    table = markdown_seeds(c)
+    assert "| elm_input | 75.0 | 25.0 | 50.0 |" in table
+    assert "+1/−1" in table
+
+
+def test_refuses_runs_that_are_not_comparable(tmp_path):
+    a = make_run(tmp_path, 17, [True, False], [(True, True), (False, False)])
+    other_config = dict(CONFIG, training={"steps": 10, "num_generations": 4})
+    b = make_run(tmp_path, 42, [True, False], [(True, True), (False, False)], config=other_config)
+    with pytest.raises(ConfigError, match="training.steps"):
+        compare_seeds([a, b])
+    same_seed = tmp_path / "again"
+    same_seed.mkdir()
+    (same_seed / "run.json").write_text((a / "run.json").read_text())
+    (same_seed / "records.jsonl").write_text((a / "records.jsonl").read_text())
+    with pytest.raises(ConfigError, match="same seed"):
+        compare_seeds([a, same_seed])
+    with pytest.raises(ConfigError, match="at least two"):
+        compare_seeds([a])
+    with pytest.raises(ConfigError, match="no run.json"):
+        compare_seeds([a, tmp_path / "missing"])
+
+
+def test_partial_run_is_refused_unless_asked(tmp_path):
+    a = make_run(tmp_path, 17, [True, False, True], [(True, True), (False, False), (True, True)])
+    b = make_run(tmp_path, 42, [True, False, True], [(True, True)])  # elm_input stopped after one question
+    with pytest.raises(ConfigError, match="elm_input answers for 1 of its 3"):
+        compare_seeds([a, b])
+    c = compare_seeds([a, b], partial=True)
+    assert c.methods["elm_input"]["n"] == [3, 1]
+
+
+def test_cli_prints_and_writes(tmp_path):
+    a = make_run(tmp_path, 17, [True, False], [(True, False), (False, False)])
+    b = make_run(tmp_path, 78, [False, False], [(True, True), (False, False)])
+    result = CliRunner().invoke(app, ["compare", str(a), str(b), "--out", str(tmp_path / "seeds.json")])
+    assert result.exit_code == 0, result.output
+    assert "seed 78 (%)" in result.output
+    saved = json.loads((tmp_path / "seeds.json").read_text())
+    assert saved["methods"]["zero_shot"]["accuracy"] == [0.5, 0.0]
+    bad = CliRunner().invoke(app, ["compare", str(a)])
+    assert bad.exit_code != 0
+    assert "at least two" in bad.output
