@@ -147,7 +147,7 @@ def _method_row(method: str, runs: Sequence[SeedRun]) -> dict[str, Any]:
     losses = [r.summary[method].get("losses") for r in runs]
     if all(g is not None for g in gains) and all(x is not None for x in losses):
         row["gains"], row["losses"] = gains, losses
-        row["total_gains"], row["total_losses"] = sum(gains), sum(losses)  # type: ignore[arg-type]
+        row["total_gains"], row["total_losses"] = sum(gains), sum(losses)
     return row
 
 
