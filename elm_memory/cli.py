@@ -327,10 +327,44 @@ def offline(
     out: Annotated[Path, typer.Option(help="Run directory (records, summary, plots, memories). Re-run to resume.")],
     limit: Annotated[int | None, typer.Option(min=1, help="Questions in the set (after shuffling).")] = None,
     seed: Annotated[int | None, typer.Option(help="Order seed; the subset is the first --limit. Default 17.")] = 17,
-    train: Annotated[int | None, typer.Option(min=1, help="Learn memories from the first N questions only.")] = None,
+    train: Annotated[
+        int | None, typer.Option(min=1, help="Learn memories (or train the full model) on the first N questions only.")
+    ] = None,
     memories_from: Annotated[
         Path | None, typer.Option(help="Evaluate the memories of another offline run (transfer).")
     ] = None,
+    full_model: Annotated[
+        bool,
+        typer.Option(
+            "--full-model",
+            help="Instead of memories: train the whole model on the questions (paper's TTRL/GRPO rows, TRL's "
+            "GRPOTrainer), then answer them greedily next to zero-shot. On a CPU only small models are feasible: "
+            "above 300M parameters it is refused unless --force.",
+        ),
+    ] = False,
+    reward: Annotated[
+        str | None, typer.Option(help="--full-model: majority (TTRL, no ground truth; default) or gold (GRPO).")
+    ] = None,
+    epochs: Annotated[
+        int | None, typer.Option(min=1, help="--full-model: epochs over the questions (default 1; paper 10-80).")
+    ] = None,
+    full_model_lr: Annotated[
+        float | None, typer.Option(help="--full-model: learning rate (default 1e-6, the paper's for the full model).")
+    ] = None,
+    save_model: Annotated[
+        bool, typer.Option("--save-model", help="--full-model: keep the trained model (safetensors) in OUT/model.")
+    ] = False,
+    force: Annotated[
+        bool, typer.Option("--force", help="--full-model: train a model above the CPU size limit anyway.")
+    ] = False,
+    ablations: Annotated[
+        bool,
+        typer.Option(
+            "--ablations",
+            help="Run the paper's ablation variants (ELM, S=2 steps, SFT objective) on the same questions, each "
+            "in OUT/<variant>, and write OUT/ablations.md.",
+        ),
+    ] = False,
     batch_size: Annotated[int, typer.Option(min=1, help="Questions per batched greedy call.")] = 8,
     config: ConfigOpt = None,
     preset: PresetOpt = None,
@@ -340,25 +374,94 @@ def offline(
     backend: BackendOpt = None,
     server_url: ServerUrlOpt = None,
 ) -> None:
-    """The paper's offline protocol: one memory per question, each evaluated on the whole set."""
-    from elm_memory.eval.datasets import load_problems
-    from elm_memory.eval.offline import run_offline
+    """The paper's offline protocol: one memory per question, each evaluated on the whole set.
 
+    ``--full-model`` runs the full-dataset baselines instead (TTRL, or GRPO with ``--reward gold``);
+    ``--ablations`` runs the ablation variants side by side."""
+    from elm_memory.eval.datasets import load_problems
+
+    full_model_options = {
+        "--reward": reward is not None,
+        "--epochs": epochs is not None,
+        "--full-model-lr": full_model_lr is not None,
+        "--save-model": save_model,
+        "--force": force,
+    }
+    _check_offline_flags(full_model, ablations, memories_from is not None, full_model_options)
     cfg = load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=seed)
-    result = run_offline(
-        problems,
-        cfg,
-        out,
-        dataset=dataset,
-        seed=seed,
-        train=train,
-        memories_from=memories_from,
-        batch_size=batch_size,
-        progress=None if not json_out else False,
-        plots=not no_plots,
-    )
-    _print_run(result, json_out, "zero_shot.jsonl, memories.jsonl, evals.jsonl, summary.json, results.md")
+    progress = None if not json_out else False
+    files = "zero_shot.jsonl, memories.jsonl, evals.jsonl, summary.json, results.md"
+    if full_model:
+        from elm_memory.eval.full_model import run_full_model
+        from elm_memory.training.full_model import FullModelSettings
+
+        settings = FullModelSettings(
+            epochs=epochs or 1,
+            reward=reward or "majority",  # type: ignore[arg-type]  # checked by FullModelSettings
+            learning_rate=full_model_lr if full_model_lr is not None else 1e-6,
+        )
+        result: Any = run_full_model(
+            problems,
+            cfg,
+            out,
+            settings=settings,
+            dataset=dataset,
+            seed=seed,
+            train=train,
+            save_model=save_model,
+            force=force,
+            batch_size=batch_size,
+            progress=progress,
+        )
+        files = "zero_shot.jsonl, training.json, full_model.jsonl, summary.json, results.md"
+    elif ablations:
+        from elm_memory.eval.ablations import run_ablations
+
+        result = run_ablations(
+            problems,
+            cfg,
+            out,
+            dataset=dataset,
+            seed=seed,
+            train=train,
+            batch_size=batch_size,
+            progress=progress,
+            plots=not no_plots,
+        )
+        files = "ablations.md, ablations.json, one offline run per variant"
+    else:
+        from elm_memory.eval.offline import run_offline
+
+        result = run_offline(
+            problems,
+            cfg,
+            out,
+            dataset=dataset,
+            seed=seed,
+            train=train,
+            memories_from=memories_from,
+            batch_size=batch_size,
+            progress=progress,
+            plots=not no_plots,
+        )
+    _print_run(result, json_out, files)
+
+
+def _check_offline_flags(
+    full_model: bool, ablations: bool, memories_from: bool, full_model_options: dict[str, bool]
+) -> None:
+    """``elm offline``'s modes exclude each other; full-model options need ``--full-model``."""
+    from elm_memory.errors import ConfigError
+
+    if full_model and ablations:
+        raise ConfigError("--full-model and --ablations are two different runs; give one of them")
+    if memories_from and (full_model or ablations):
+        mode = "--full-model trains the model itself" if full_model else "--ablations learns each variant's memories"
+        raise ConfigError(f"--memories-from evaluates another run's memories, but {mode}; drop one of them")
+    given = [name for name, set_ in full_model_options.items() if set_]
+    if given and not full_model:
+        raise ConfigError(f"{', '.join(given)}: only used with --full-model")
 
 
 @model_app.command("list")

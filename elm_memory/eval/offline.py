@@ -214,18 +214,24 @@ def _chunks(items: Sequence[Problem], n: int) -> list[list[Problem]]:
 
 
 def _answers(runtime: EvalRuntime, problems: Sequence[Problem], memory: Any) -> list[tuple[str | None, str]]:
-    """Greedy answers to ``problems`` in one batched call, with ``memory``'s soft prompt or none."""
-    cfg = runtime.config
+    return greedy_answers(runtime.config, runtime.prompts, runtime.backend, problems, memory)
+
+
+def greedy_answers(
+    cfg: ELMConfig, prompts: Any, backend: Any, problems: Sequence[Problem], memory: Any = None
+) -> list[tuple[str | None, str]]:
+    """Greedy (answer, response) to ``problems`` in one batched call of ``backend``, with ``memory``'s soft
+    prompt or none; also what the full-model protocol answers with (its own backend on the trained copy)."""
     k = cfg.memory.num_tokens
     inputs, longest = [], 0
     for p in problems:
-        prompt = runtime.prompts.answer_prompt(p.question, memory_tokens=k)
+        prompt = prompts.answer_prompt(p.question, memory_tokens=k)
         longest = max(longest, len(prompt.token_ids))
         inputs.append(prompt.zero_shot() if memory is None else prompt.with_memory(memory.soft_prompt))
     g = cfg.generation
-    budget = answer_budget(g.max_new_tokens, runtime.backend.info.max_context, longest, k if memory is not None else 0)
+    budget = answer_budget(g.max_new_tokens, backend.info.max_context, longest, k if memory is not None else 0)
     params = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_at_answer=g.stop_at_answer)
-    return [(extract_answer(gen.text), gen.text) for [gen] in runtime.backend.generate(inputs, params)]
+    return [(extract_answer(gen.text), gen.text) for [gen] in backend.generate(inputs, params)]
 
 
 def _learning_elm(runtime: EvalRuntime, out: Path) -> Any:

@@ -17,6 +17,8 @@ from typing import Any
 from elm_memory.eval.metrics import Record, ordered_records, route_counts, running_accuracy
 
 __all__ = [
+    "markdown_ablations",
+    "markdown_full_model",
     "markdown_offline",
     "markdown_online",
     "plot_offline",
@@ -117,6 +119,76 @@ def markdown_offline(summary: Mapping[str, Any]) -> str:
     ]
     title = f"{summary.get('n_questions', '?')} questions, {summary.get('n_memories', '?')} memories"
     return _table([f"metric ({title})", "value"], rows)
+
+
+def markdown_full_model(summary: Mapping[str, Any]) -> str:
+    """The full-model baseline (``elm offline --full-model``) next to zero-shot, as a two-column table."""
+    method = summary["method"]
+    settings = summary.get("settings") or {}
+    gains = summary.get("gains")
+    first, last = summary.get("mean_reward_first_step"), summary.get("mean_reward_last_step")
+    rows = [
+        ["zero-shot accuracy (%)", _pct(summary["zero_shot_accuracy"])],
+        [f"{method} full-model accuracy (%)", _pct(summary["full_model_accuracy"])],
+        [f"oracle ZS vs {method} accuracy (%)", _pct(summary["oracle_accuracy"])],
+        ["gains/losses vs zero-shot", "n/a" if gains is None else f"+{gains}/-{summary['losses']}"],
+        ["negative flip rate (%)", _pct(summary["negative_flip_rate"])],
+        ["optimizer steps (questions each)", f"{summary.get('optimizer_steps')} ({summary.get('questions_per_step')})"],
+        ["mean reward, first -> last step", f"{_num(first, 3)} -> {_num(last, 3)}"],
+        ["training seconds", _num(summary.get("training_seconds"), 1)],
+    ]
+    title = (
+        f"{summary.get('n_questions', '?')} questions, {method} on {summary.get('n_trained', '?')}, "
+        f"{settings.get('epochs', '?')} epoch(s), lr {settings.get('learning_rate', '?')}"
+    )
+    return _table([f"metric ({title})", "value"], rows)
+
+
+def markdown_ablations(rows: Sequence[Mapping[str, Any]], not_expressible: Sequence[tuple[str, str]] = ()) -> str:
+    """The ablation table (``elm offline --ablations``): one row per variant, the offline metrics as
+    columns; then the paper's rows the run could not express, and why."""
+    if not rows:
+        raise ValueError("markdown_ablations needs at least one variant")
+    top = rows[0].get("top_flip", 5)
+    header = [
+        "variant",
+        "paper row",
+        "overrides",
+        "objective",
+        "S",
+        "zero-shot (%)",
+        "best memory (%)",
+        "mean memory (%)",
+        "oracle ZS vs Mem (%)",
+        "memories improving (%)",
+        f"neg. flip top-{top} (%)",
+        "IoU top-2",
+        "learn s/memory",
+    ]
+    body = [
+        [
+            _cell(r["variant"]),
+            _cell(r["paper_row"]),
+            _cell(", ".join(f"{k}={v}" for k, v in r["overrides"].items()) or "-"),
+            _cell(r["objective"]),
+            str(r["steps"]),
+            _pct(r["zero_shot_accuracy"]),
+            _pct(r["best_memory_accuracy"]),
+            _pct(r["mean_memory_accuracy"]),
+            _pct(r["oracle_accuracy"]),
+            _pct(r["fraction_improving"]),
+            _pct(r["mean_negative_flip_rate"]),
+            _num(r["iou_top2"], 3),
+            _num(r["learn_seconds_mean"], 1),
+        ]
+        for r in rows
+    ]
+    n = rows[0].get("n_questions", "?")
+    text = f"Ablations: {n} questions, one memory per question, each evaluated on all of them.\n\n"
+    text += _table(header, body, right_from=3)
+    if not_expressible:
+        text += "\nNot expressible as a variant:\n\n" + "".join(f"- {row}: {why}\n" for row, why in not_expressible)
+    return text
 
 
 # --- figures ------------------------------------------------------------------------------------

@@ -93,12 +93,7 @@ class TRLTrainer:
 
     # -- the steps of train ----------------------------------------------------------
     def _prompt_text(self, prompt_ids: Sequence[int]) -> str:
-        """The prompt as text (TRL takes text), refused unless it tokenises back to the same ids."""
-        tokenizer = self.loaded.tokenizer
-        prompt_text = tokenizer.decode(list(prompt_ids))
-        if tokenizer(prompt_text)["input_ids"] != list(prompt_ids):
-            raise TrainingError("TRL would tokenise the prompt differently from the native engine; refusing")
-        return prompt_text
+        return trl_prompt_text(self.loaded.tokenizer, prompt_ids)
 
     def _prompt_tuned(self, init: torch.Tensor) -> Any:
         """The shared model wrapped in PEFT prompt tuning, its virtual tokens set to ``init``."""
@@ -177,6 +172,15 @@ class TRLTrainer:
             shuffle_dataset=False,
             dataloader_num_workers=0,
         )
+
+
+def trl_prompt_text(tokenizer: Any, prompt_ids: Sequence[int]) -> str:
+    """A prompt as text (TRL takes text), refused unless it tokenises back to the same ids: TRL must train
+    on exactly the prompt the library answers from."""
+    prompt_text: str = tokenizer.decode(list(prompt_ids))
+    if tokenizer(prompt_text)["input_ids"] != list(prompt_ids):
+        raise TrainingError("TRL would tokenise the prompt differently from the native engine; refusing")
+    return prompt_text
 
 
 def _require_trl() -> None:
