@@ -124,6 +124,8 @@ eval_methods.register("zero_shot", "elm_memory.eval.methods.baselines:ZeroShot")
 eval_methods.register("verifier_at_2", "elm_memory.eval.methods.baselines:verifier_at_2")
 eval_methods.register("icl", "elm_memory.eval.methods.text_memory:ICL")
 eval_methods.register("reasoning_bank", "elm_memory.eval.methods.text_memory:ReasoningBank")
+eval_methods.register("lag", "elm_memory.eval.methods.lag:lag")
+eval_methods.register("lag_tts", "elm_memory.eval.methods.lag:lag_tts")
 eval_methods.register("elm_input", "elm_memory.eval.methods.elm_method:elm_input")
 eval_methods.register("elm_kv", "elm_memory.eval.methods.elm_method:elm_kv")
 
