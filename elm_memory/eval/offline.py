@@ -168,11 +168,13 @@ class _OfflineRun:
         bar: ProgressBar,
     ) -> None:
         """Every memory on every question it has not been evaluated on, greedy, batched."""
-        store = _store(self.runtime, self.source or self.out)
+        store = None  # opened on first need: a finished run loads no model
         for i, (mid, row) in enumerate(memories.items(), 1):
             todo = [p for p in problems if (mid, p.id) not in evaluated]
             if not todo:
                 continue
+            if store is None:
+                store = _store(self.runtime, self.source or self.out)
             bar.describe(f"evaluating memory {i}/{len(memories)}")
             memory = store.get(mid, NAMESPACE)
             memory.check_compatible(self.runtime.backend.info)
