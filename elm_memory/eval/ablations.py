@@ -50,8 +50,8 @@ ABLATIONS: tuple[Variant, ...] = (
 NOT_EXPRESSIBLE: tuple[tuple[str, str], ...] = (
     (
         "ELM-LoRA, ELM-PrefixTuning (Table 1, memory design table)",
-        "the memory's parameterisation is not a config setting of the offline protocol in this version "
-        "(memories are soft prompts)",
+        "the offline protocol evaluates soft-prompt memories only in this version; once it evaluates "
+        "`memory.kind` lora and prefix memories, each is one Variant (`{'memory.kind': 'lora'}`)",
     ),
     (
         "ELM-Full Model (Table 1, per-question full-model training)",

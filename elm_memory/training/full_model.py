@@ -24,6 +24,7 @@ from __future__ import annotations
 import copy
 import tempfile
 import time
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -259,7 +260,10 @@ def train_full_model(
         trainer.remove_callback(PrinterCallback)  # it prints every log dict to stdout
         if not progress:
             trainer.remove_callback(ProgressCallback)
-        trainer.train()
+        with warnings.catch_warnings():
+            # transformers warns about a deprecated name that TRL itself calls; nothing a user can change
+            warnings.filterwarnings("ignore", message=".*is_gradient_checkpointing", category=FutureWarning)
+            trainer.train()
     model.eval()
     model.requires_grad_(False)
     if not all(torch.isfinite(p).all() for p in model.parameters()):
