@@ -76,3 +76,8 @@ class BackendError(ELMError):
 class DatasetError(ConfigError):
     """A question stream cannot be used: a vendored file fails its checksum, or a JSONL line has no usable
     question, gold answer or id (the message names the file and line; raised before any model loads)."""
+
+
+class MemoryKindError(IncompatibleMemoryError):
+    """A memory of one kind (``soft_prompt``, ``lora``, ``prefix``) used where another is needed: a lora
+    memory as a soft prompt, a prefix memory on a backend that cannot apply one, a merge of adapters."""

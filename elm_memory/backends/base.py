@@ -2,7 +2,8 @@
 from an inference engine, and nothing more.
 
 A backend generates from token ids with an optional soft prompt (k x d) inserted at a
-token position. Implementations: ``hf`` (transformers, here), ``vllm`` and
+token position, or with an optional ``lora``/``prefix`` memory applied to the model
+(``PromptInput.memory``, :mod:`elm_memory.memories`). Implementations: ``hf`` (transformers, here), ``vllm`` and
 ``vllm-server`` (prompt embeddings). Selected by ``backend.name`` through the registry.
 """
 
@@ -15,6 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
+    from elm_memory.memories.base import MemoryAdapter
     from elm_memory.models.loading import ModelInfo
 
 FinishReason = Literal["stop", "length", "answer"]
@@ -52,16 +54,22 @@ class PromptInput:
     it alone, not on the other prompts of the call or their order (what training several
     memories in one call needs to equal training each alone). The ``hf`` backend honours it;
     backends that do not fall back to the call's ``SamplingParams.seed``.
+
+    ``memory``: a ``lora`` or ``prefix`` memory to apply to the model for this prompt (never
+    together with a soft prompt). It adds no token to the prompt: a prefix lives in the KV cache.
     """
 
     token_ids: tuple[int, ...]
     soft_prompt: torch.Tensor | None = None  # (k, hidden)
     soft_prompt_at: int = 0
     seed: int | None = None
+    memory: MemoryAdapter | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.soft_prompt_at <= len(self.token_ids):
             raise ValueError(f"soft_prompt_at={self.soft_prompt_at} outside 0..{len(self.token_ids)}")
+        if self.memory is not None and self.soft_prompt is not None:
+            raise ValueError("a prompt carries a soft prompt or a lora/prefix memory, not both")
         if self.soft_prompt is not None and self.soft_prompt.dim() != 2:
             raise ValueError(f"soft prompt must be (k, hidden), got shape {tuple(self.soft_prompt.shape)}")
 

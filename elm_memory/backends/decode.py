@@ -19,9 +19,16 @@ measures them against ``model.generate``.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+from elm_memory.memories.base import AppliedMemory
+
+if TYPE_CHECKING:
+    from elm_memory.memories.base import MemoryAdapter
 
 
 @dataclass(frozen=True)
@@ -45,6 +52,7 @@ def sample(
     eos_ids: Sequence[int] = (),
     generators: Sequence[torch.Generator | None] | None = None,
     should_stop: Callable[[int, list[int], int], bool] | None = None,
+    memory: MemoryAdapter | None = None,
 ) -> list[tuple[list[int], str]]:
     """Generate ``options.n`` continuations of each left-padded prompt in the batch.
 
@@ -52,9 +60,32 @@ def sample(
     ``(new token ids, finish reason)``; the reason is ``"stop"`` (an EOS token, included in
     the ids), ``"answer"`` (``should_stop(row, tokens, token)`` said so after ``token``) or
     ``"length"``. ``generators[i]`` draws prompt i's samples (None: the global RNG).
+    ``memory``: a lora/prefix memory applied to every row (a prefix starts the KV cache).
     """
     inputs = input_ids if input_ids is not None else inputs_embeds
     assert inputs is not None, "pass input_ids or inputs_embeds"
+    B, n = inputs.shape[0], options.n
+    prefill_rows = B * n if n > 1 and not options.share_prompt_kv else B
+    with memory.apply(model, prefill_rows) if memory is not None else nullcontext(AppliedMemory()) as applied:
+        return _sample(
+            model, attention_mask, options, applied, input_ids, inputs_embeds, eos_ids, generators, should_stop
+        )
+
+
+def _sample(
+    model: torch.nn.Module,
+    attention_mask: torch.Tensor,
+    options: DecodeOptions,
+    applied: AppliedMemory,
+    input_ids: torch.Tensor | None,
+    inputs_embeds: torch.Tensor | None,
+    eos_ids: Sequence[int],
+    generators: Sequence[torch.Generator | None] | None,
+    should_stop: Callable[[int, list[int], int], bool] | None,
+) -> list[tuple[list[int], str]]:
+    """:func:`sample` under an applied memory (whose cache, if any, already holds a prefix)."""
+    inputs = input_ids if input_ids is not None else inputs_embeds
+    assert inputs is not None
     B, n = inputs.shape[0], options.n
     device = inputs.device
     mask = attention_mask.to(device=device, dtype=torch.long)
@@ -63,11 +94,12 @@ def sample(
 
     from transformers import DynamicCache
 
-    cache = DynamicCache()
+    cache = applied.cache if applied.cache is not None else DynamicCache()
     if n > 1 and not options.share_prompt_kv:  # the reference behaviour: n copies of each prompt prefilled
         input_ids = None if input_ids is None else input_ids.repeat_interleave(n, dim=0)
         inputs_embeds = None if inputs_embeds is None else inputs_embeds.repeat_interleave(n, dim=0)
         mask, positions = mask.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0)
+    mask = applied.mask(mask)  # a prefix's positions in front; position ids count the prompt's own tokens
     out = model(
         input_ids=input_ids,
         inputs_embeds=inputs_embeds,

@@ -8,6 +8,11 @@ Decoding runs in the library's loop (:mod:`elm_memory.backends.decode`; ``backen
 elm``), which prefills each prompt once for its n samples and drops finished rows, or in
 transformers' ``generate`` (``decode_loop: generate``, the reference).
 
+A ``lora`` or ``prefix`` memory (``PromptInput.memory``) is applied around the model calls of the
+prompts that carry it (forward hooks, or a KV cache starting with its prefix): prompts are grouped
+by memory and each group is decoded as its own batch, so the zero-shot and memory candidates of
+one question are two decode batches for those kinds (one for a soft prompt).
+
 Seeds: each prompt is sampled from its own generator, seeded by ``PromptInput.seed`` or else
 by ``SamplingParams.seed + i * n`` (as the vLLM backend), so a prompt's samples are the same
 alone or in any batch, up to float rounding of the batched forward. Without any seed the
@@ -33,6 +38,7 @@ from elm_memory.backends.base import (
 )
 from elm_memory.backends.decode import DecodeOptions
 from elm_memory.backends.postprocess import answer_closed_after, eos_ids_of, finish_generation
+from elm_memory.errors import ConfigError
 from elm_memory.models.loading import LoadedModel
 from elm_memory.models.teacher_forcing import completion_logprobs
 
@@ -105,11 +111,18 @@ class HFBackend:
     @torch.no_grad()
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
         inputs = [to_prompt_input(p, self.tokenizer) for p in prompts]
-        out: list[list[Generation]] = []
+        out: list[list[Generation] | None] = [None] * len(inputs)
         per_call = max(1, self.batch_size // max(1, params.n))
-        for start in range(0, len(inputs), per_call):
-            out.extend(self._generate_batch(inputs[start : start + per_call], params, offset=start))
-        return out
+        groups: dict[int, list[int]] = {}  # one batch per lora/prefix memory (a hook or cache serves a whole call)
+        for i, p in enumerate(inputs):
+            groups.setdefault(id(p.memory), []).append(i)
+        for indices in groups.values():
+            for start in range(0, len(indices), per_call):
+                chunk = indices[start : start + per_call]
+                gens = self._generate_batch([inputs[i] for i in chunk], params, chunk)
+                for i, g in zip(chunk, gens, strict=True):
+                    out[i] = g
+        return [g for g in out if g is not None]
 
     @torch.no_grad()
     def token_logprobs(self, prompt: PromptInput, completions: Sequence[Sequence[int]]) -> list[list[float]]:
@@ -119,12 +132,25 @@ class HFBackend:
 
     # -- internals -----------------------------------------------------------------
     def _generate_batch(
-        self, batch: list[PromptInput], params: SamplingParams, offset: int = 0
+        self, batch: list[PromptInput], params: SamplingParams, indices: Sequence[int]
     ) -> list[list[Generation]]:
+        """One decode batch; ``indices``: each prompt's place in the call (its default seed)."""
         inputs, mask = self._left_padded(batch)
-        seeds = [self._prompt_seed(p, params, offset + i) for i, p in enumerate(batch)] if not params.greedy else None
+        seeds = (
+            [self._prompt_seed(p, params, i) for i, p in zip(indices, batch, strict=True)]
+            if not params.greedy
+            else None
+        )
+        memory = batch[0].memory  # generate() groups prompts by memory
         if self.decode_loop == "elm":
             rows = self._decode_loop(batch, inputs, mask, params, seeds)
+        elif memory is not None:
+            if memory.kind != "lora":
+                raise ConfigError(
+                    f"backend.decode_loop=generate cannot apply a {memory.kind} memory; use decode_loop=elm"
+                )
+            with memory.apply(self.model, len(batch)):
+                rows = self._decode_generate(inputs, mask, params, seeds)
         else:
             rows = self._decode_generate(inputs, mask, params, seeds)
 
@@ -176,7 +202,14 @@ class HFBackend:
         generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] if seeds else None
         stop = self._answer_closed if params.stop_at_answer else None
         return decode.sample(
-            self.model, mask, options, eos_ids=self.eos_ids, generators=generators, should_stop=stop, **inputs
+            self.model,
+            mask,
+            options,
+            eos_ids=self.eos_ids,
+            generators=generators,
+            should_stop=stop,
+            memory=batch[0].memory,
+            **inputs,
         )
 
     def _answer_closed(self, row: int, tokens: list[int], token: int) -> bool:

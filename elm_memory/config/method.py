@@ -74,16 +74,52 @@ class GenerationConfig(ConfigSection):
 
 
 class MemoryConfig(ConfigSection):
-    """Shape and initialisation of a latent memory (a soft prompt)."""
+    """Parameterisation, shape and initialisation of a latent memory (paper: a soft prompt)."""
 
-    num_tokens: int = Field(default=20, ge=1, description="k: number of soft-prompt vectors per memory (paper: 20).")
+    kind: Literal["soft_prompt", "lora", "prefix"] = Field(
+        default="soft_prompt",
+        description=(
+            "What a memory is (paper, ablation 'Memory Design'): `soft_prompt` (the paper's choice: k input "
+            "vectors, ~0.001% of the model), `lora` (the paper's LoRA ablation: rank 16 on q,k,v,o,gate,up,down, "
+            "lr 1e-4; 40-42M parameters on the 7-8B models, 8.8M on the default 0.5B) or `prefix` (prefix tuning, "
+            "paper appendix: per-layer key/value prefix of k positions initialised from the question's key/value "
+            "activations, lr 1e-3). The paper found soft prompts better and lighter than both. `lora` and `prefix` "
+            "train with the native engine and serve from the `hf` backend (`lora` also from vLLM)."
+        ),
+    )
+    num_tokens: int = Field(
+        default=20,
+        ge=1,
+        description="k: soft-prompt vectors per memory, or prefix positions per layer for `prefix` (paper: 20).",
+    )
     init: Literal["question", "random"] = Field(
         default="question",
         description=(
             "`question`: the question's own token embeddings (paper). Shorter questions are tiled "
-            "(repeated from the start), longer ones truncated to the first k tokens."
+            "(repeated from the start), longer ones truncated to the first k tokens. (`prefix` always starts from "
+            "the question's key/values, `lora` from B = 0.)"
         ),
     )
+    lora_rank: int = Field(default=16, ge=1, description="`lora`: rank r (paper: 16).")
+    lora_alpha: float = Field(
+        default=32.0,
+        gt=0.0,
+        description="`lora`: scale alpha (delta = alpha/r * B A x); the paper names none, 2r is the common choice.",
+    )
+    learning_rate: float | None = Field(
+        default=None,
+        gt=0.0,
+        description=(
+            "AdamW learning rate for this kind; None: the paper's, i.e. `training.learning_rate` (1e-4) for "
+            "`soft_prompt` and `lora`, 1e-3 for `prefix`."
+        ),
+    )
+
+    def effective_learning_rate(self, training_rate: float) -> float:
+        """The learning rate a memory of this kind trains with (None resolved to the paper's value)."""
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return 1e-3 if self.kind == "prefix" else training_rate
 
 
 class TrainingConfig(ConfigSection):

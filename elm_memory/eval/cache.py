@@ -38,9 +38,11 @@ class GreedyCache:
         if prompt.soft_prompt is not None:
             t = prompt.soft_prompt.detach().float().cpu().contiguous()
             soft = hashlib.sha256(t.numpy().tobytes()).hexdigest() + str(tuple(t.shape))
+        adapter = None if prompt.memory is None else f"{prompt.memory.kind}:{prompt.memory.digest()}"
         return (
             prompt.token_ids,
             soft,
+            adapter,
             prompt.soft_prompt_at,
             params.max_new_tokens,
             params.stop_at_answer,

@@ -112,7 +112,7 @@ class ELMNodes:
             try:
                 memory = svc.memory(memory_id)
                 memory.check_compatible(svc.backend.info)
-                inputs.append(prompt.with_memory(memory.soft_prompt))
+                inputs.append(prompt.for_memory(memory))
                 kinds.append("memory")
             except Exception as exc:
                 warnings += _warning(f"memory {memory_id[:8]} unusable, answering zero-shot: {exc}")

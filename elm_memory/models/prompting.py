@@ -14,6 +14,8 @@ from elm_memory.errors import InvalidQuestionError
 if TYPE_CHECKING:
     import torch
 
+    from elm_memory.memory import LatentMemory
+
 
 @dataclass(frozen=True)
 class BuiltPrompt:
@@ -48,6 +50,13 @@ class AnswerPrompt:
 
     def with_memory(self, soft_prompt: torch.Tensor) -> PromptInput:
         return PromptInput(self.built.token_ids, soft_prompt=soft_prompt, soft_prompt_at=self.memory_at)
+
+    def for_memory(self, memory: LatentMemory) -> PromptInput:
+        """The prompt conditioned on a stored memory of any kind: its soft prompt at ``memory_at``, or its
+        lora/prefix adapter applied to the model (the prompt's tokens unchanged)."""
+        if memory.kind == "soft_prompt":
+            return self.with_memory(memory.soft_prompt)
+        return PromptInput(self.built.token_ids, memory=memory.adapter())
 
 
 def validate_question(question: Any) -> str:

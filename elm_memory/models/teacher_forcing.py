@@ -11,19 +11,22 @@ right-padded, so every completion starts at the same column and one ``logits_to_
 serves all rows. With ``share_prompt_kv`` each distinct prompt is run once and its KV
 cache repeated for its rows instead.
 
-Gradients flow into any soft prompt that requires grad; callers that only read wrap the
-call in ``torch.no_grad()``.
+Gradients flow into any soft prompt that requires grad, and into a ``lora``/``prefix`` memory's
+tensors (``PromptInput.memory``, applied around the forwards; all prompts of one call share it);
+callers that only read wrap the call in ``torch.no_grad()``.
 """
 
 from __future__ import annotations
 
 import inspect
 from collections.abc import Sequence
+from contextlib import nullcontext
 from typing import Any
 
 import torch
 
 from elm_memory.backends.base import PromptInput, compose_embeddings
+from elm_memory.memories.base import AppliedMemory, shared_memory
 
 
 def completion_logits(
@@ -56,10 +59,13 @@ def completion_logits(
     for i, c in enumerate(completions):
         comp[i, : len(c)] = torch.tensor(list(c), dtype=torch.long)
         mask[i, : len(c)] = 1
-    if share_prompt_kv:
-        logits = _logits_shared_prompt(model, composed, rows, comp, mask)
-    else:
-        logits = _logits_full_rows(model, composed, rows, comp, mask)
+    memory = shared_memory([prompts[p].memory for p in composed])
+    forward_rows = len(composed) if share_prompt_kv else B  # the batch of the first forward
+    with memory.apply(model, forward_rows) if memory is not None else nullcontext(AppliedMemory()) as applied:
+        if share_prompt_kv:
+            logits = _logits_shared_prompt(model, composed, rows, comp, mask, applied)
+        else:
+            logits = _logits_full_rows(model, composed, rows, comp, mask, applied)
     return logits, comp, mask
 
 
@@ -89,7 +95,12 @@ def completion_logprobs(
 
 
 def _logits_full_rows(
-    model: Any, composed: dict[int, torch.Tensor], rows: Sequence[int], comp: torch.Tensor, mask: torch.Tensor
+    model: Any,
+    composed: dict[int, torch.Tensor],
+    rows: Sequence[int],
+    comp: torch.Tensor,
+    mask: torch.Tensor,
+    applied: AppliedMemory,
 ) -> torch.Tensor:
     """(B, T, vocab) logits for the completion tokens, each row carrying its own copy of its prompt."""
     T = comp.shape[1]
@@ -102,16 +113,22 @@ def _logits_full_rows(
     full = torch.cat([prompt_emb, model.get_input_embeddings()(comp)], dim=1)
     attn = torch.cat([prompt_mask, mask], dim=1)
     kwargs: dict[str, Any] = {"use_cache": False}
+    if applied.cache is not None:  # a prefix memory: its keys/values come first in every layer
+        kwargs = {"use_cache": True, "past_key_values": applied.cache}
     if _keeps_logits(model):
         kwargs["logits_to_keep"] = T + 1
-    logits = model(
-        inputs_embeds=full, attention_mask=attn, position_ids=(attn.cumsum(-1) - 1).clamp(min=0), **kwargs
-    ).logits
+    positions = (attn.cumsum(-1) - 1).clamp(min=0)
+    logits = model(inputs_embeds=full, attention_mask=applied.mask(attn), position_ids=positions, **kwargs).logits
     return logits[:, -(T + 1) : -1, :]  # position t predicts token t + 1
 
 
 def _logits_shared_prompt(
-    model: Any, composed: dict[int, torch.Tensor], rows: Sequence[int], comp: torch.Tensor, mask: torch.Tensor
+    model: Any,
+    composed: dict[int, torch.Tensor],
+    rows: Sequence[int],
+    comp: torch.Tensor,
+    mask: torch.Tensor,
+    applied: AppliedMemory,
 ) -> torch.Tensor:
     """As :func:`_logits_full_rows`, but each prompt goes through the model once and its KV cache is
     repeated for its rows: G rollouts of a memory cost one prompt forward/backward instead of G.
@@ -124,10 +141,10 @@ def _logits_shared_prompt(
     width = max(e.shape[0] for e in composed.values())
     lengths = torch.tensor([composed[p].shape[0] for p in order], device=device)
     prompt_emb, prompt_mask = _left_padded(composed, order, width)
-    cache = DynamicCache()
+    cache = applied.cache if applied.cache is not None else DynamicCache()
     out = model(
         inputs_embeds=prompt_emb,
-        attention_mask=prompt_mask,
+        attention_mask=applied.mask(prompt_mask),
         position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
         past_key_values=cache,
         use_cache=True,
@@ -137,7 +154,7 @@ def _logits_shared_prompt(
     which = torch.tensor([index[p] for p in rows], device=device)
     cache.batch_select_indices(which)  # row i now holds its prompt's keys/values (differentiable)
     first = out.logits[:, -1, :][which]  # predicts each completion's first token
-    attn = torch.cat([prompt_mask[which], mask], dim=1)
+    attn = applied.mask(torch.cat([prompt_mask[which], mask], dim=1))
     positions = lengths[which].unsqueeze(1) + torch.arange(T, device=device).unsqueeze(0)
     rest = model(
         inputs_embeds=model.get_input_embeddings()(comp),

@@ -23,6 +23,13 @@ Three builders, all from the paper (Sec. "Memory Key Construction / Memory Retri
     per-layer L2-normalised vectors, whose cosine is exactly that mean (each side has
     norm sqrt(L)), so an ordinary cosine index ranks by the paper's score.
 
+``lora`` and ``prefix`` memories have no soft prompt: their memory side is built from the memory's
+question instead (paper, LoRA ablation: "keys are obtained by passing the input question through
+the model and extracting activations", computed once at memory creation). ``input`` is the same
+as for a soft prompt; ``kv`` pools the key projections of the question's own tokens run through the
+model (:func:`memory_inputs` hands the builders the question's embeddings in place of a soft
+prompt); ``soft_prompt_mean`` has nothing to pool and refuses them.
+
 Questions are keyed *without* the prompt template or chat markup: those tokens are the
 same for every question and would pull all keys towards one direction.
 
@@ -41,6 +48,7 @@ import torch.nn.functional as F
 from elm_memory.errors import ConfigError, MemoryFormatError
 
 if TYPE_CHECKING:
+    from elm_memory.memory import LatentMemory
     from elm_memory.models.loading import LoadedModel, ModelInfo
 
 QuestionIds = Sequence[int] | torch.Tensor
@@ -95,6 +103,27 @@ def _check_soft_prompt(loaded: LoadedModel, soft_prompt: torch.Tensor) -> None:
         raise MemoryFormatError(
             f"soft prompt of shape {tuple(soft_prompt.shape)} does not fit hidden size {loaded.info.hidden_size}"
         )
+
+
+def memory_inputs(
+    loaded: LoadedModel, memories: Sequence[LatentMemory], question_ids: Sequence[QuestionIds], builder_kind: str
+) -> list[torch.Tensor]:
+    """What a builder's ``memory_keys`` receives for each memory as its "soft prompt": the soft prompt of a
+    soft-prompt memory, the question's input embeddings for a lora/prefix memory (see the module doc)."""
+    out = []
+    for m, ids in zip(memories, question_ids, strict=True):
+        if m.kind == "soft_prompt":
+            out.append(m.soft_prompt)
+            continue
+        if builder_kind == "soft_prompt_mean":
+            raise ConfigError(
+                f"retrieval.key=soft_prompt_mean pools a soft prompt; memory {m.id[:8]} is a {m.kind} memory "
+                "(use retrieval.key=input or kv)"
+            )
+        emb = _embedding(loaded)
+        with torch.no_grad():
+            out.append(emb(_ids_tensor(ids, emb.weight.device)).to("cpu", torch.float32))
+    return out
 
 
 class _MeanEmbeddingQuery:

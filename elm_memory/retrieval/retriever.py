@@ -22,10 +22,10 @@ from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
-from elm_memory.errors import ConfigError, MemoryFormatError, StoreError
+from elm_memory.errors import ConfigError, MemoryFormatError, MemoryKindError, StoreError
 from elm_memory.memory import LatentMemory
 from elm_memory.models.prompting import validate_question
-from elm_memory.retrieval.keys import KeyBuilder, QuestionIds
+from elm_memory.retrieval.keys import KeyBuilder, QuestionIds, memory_inputs
 
 if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
@@ -45,10 +45,24 @@ class Hit:
 
 #: Why the top-1 memory was or wasn't used (see :class:`RetrievalDecision`).
 DecisionKind = Literal[
-    "used", "empty_pool", "below_min_similarity", "weak_majority", "no_consensus", "low_utility", "unreadable"
+    "used",
+    "empty_pool",
+    "below_min_similarity",
+    "other_kind",
+    "weak_majority",
+    "no_consensus",
+    "low_utility",
+    "unreadable",
 ]
 #: Gates, in the order a candidate meets them.
-GATES: tuple[DecisionKind, ...] = ("below_min_similarity", "no_consensus", "weak_majority", "low_utility", "unreadable")
+GATES: tuple[DecisionKind, ...] = (
+    "below_min_similarity",
+    "other_kind",
+    "no_consensus",
+    "weak_majority",
+    "low_utility",
+    "unreadable",
+)
 
 
 @dataclass(frozen=True)
@@ -152,8 +166,12 @@ class Retriever:
         min_majority_share: float = 0.0,
         min_utility: float | None = None,
         min_utility_observations: int = 5,
+        memory_kind: str | None = None,
     ):
         self.store = store
+        # the pool is read as memories of this kind (``memory.kind``); others are passed over (``other_kind``),
+        # so e.g. a lora memory is never handed to a soft-prompt caller. None: every kind.
+        self.memory_kind = memory_kind
         self.key_builder = key_builder
         self.loaded = loaded
         self.record_usage = record_usage
@@ -184,6 +202,7 @@ class Retriever:
             min_majority_share=r.min_majority_share,
             min_utility=getattr(r, "min_utility", None),
             min_utility_observations=getattr(r, "min_utility_observations", 5),
+            memory_kind=cfg.memory.kind,
         )
 
     @property
@@ -288,6 +307,10 @@ class Retriever:
         share = _record_share(h.record)
         if min_similarity is not None and h.score < min_similarity:
             return "below_min_similarity", share, float(min_similarity)
+        if self.memory_kind is not None and str((h.record.stats or {}).get("memory_kind", "soft_prompt")) != (
+            self.memory_kind
+        ):
+            return "other_kind", share, None
         if skip_no_consensus and h.record.no_consensus:
             return "no_consensus", share, None
         if share is not None and share < min_majority_share:
@@ -299,6 +322,8 @@ class Retriever:
         memory = loaded[h.record.id]
         if memory is None:
             return "unreadable", share, None
+        if self.memory_kind is not None and memory.kind != self.memory_kind:  # a store whose rows lack the kind
+            return "other_kind", share, None
         if share is None:  # a store whose rows lack the share: the blob's own stats decide
             share = float(memory.meta.stats.majority_share)
             if share < min_majority_share:
@@ -343,7 +368,13 @@ class Retriever:
             if question_ids is not None
             else [tokenize_question(self.loaded.tokenizer, m.meta.question) for m in memories]
         )
-        keys = self.key_builder.memory_keys(self.loaded, [m.soft_prompt for m in memories], ids)
+        for m in memories:
+            if self.memory_kind is not None and m.kind != self.memory_kind:
+                raise MemoryKindError(
+                    f"memory {m.id[:8]} is a {m.kind} memory; this retriever files {self.memory_kind} memories"
+                )
+        sources = memory_inputs(self.loaded, memories, ids, self.kind)
+        keys = self.key_builder.memory_keys(self.loaded, sources, ids)
         for m, key in zip(memories, keys, strict=True):
             m.keys[self.kind] = key.detach().to("cpu", torch.float32).contiguous()
             m.validate()

@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import torch
 
-from elm_memory.errors import IncompatibleMemoryError, StoreError
+from elm_memory.errors import IncompatibleMemoryError, MemoryKindError, StoreError
 from elm_memory.memory import LatentMemory, MemoryMeta, TrainingStats
 from elm_memory.store.names import question_hash
 
@@ -231,8 +231,17 @@ def build_merged(
     return LatentMemory(soft_prompt=soft_prompt, meta=meta, keys=keys)
 
 
+def require_soft_prompts(members: Sequence[LatentMemory]) -> None:
+    """Merging averages soft prompts; a lora or prefix memory is refused (:class:`MemoryKindError`)
+    rather than averaged (a mean of LoRA factors is not the mean of their deltas)."""
+    for m in members:
+        if m.kind != "soft_prompt":
+            raise MemoryKindError(f"memory {m.id[:8]} is a {m.kind} memory: only soft-prompt memories can be merged")
+
+
 def average_memory(members: Sequence[LatentMemory]) -> LatentMemory:
     """``average``: the mean of the members' soft prompts (all of one length k)."""
+    require_soft_prompts(members)
     shapes = {tuple(m.soft_prompt.shape) for m in members}
     if len(shapes) != 1:
         raise StoreError(f"cannot average soft prompts of different shapes: {sorted(shapes)}")

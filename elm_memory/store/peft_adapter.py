@@ -11,6 +11,12 @@ itself is not needed):
 - ``elm_memory.json``: what ELM needs to take it back (memory id, namespace, question, model
   name, hidden size and embedding fingerprint, training statistics); PEFT ignores it.
 
+A ``lora`` memory is exported as a PEFT ``LORA`` adapter (:func:`export_lora_adapter`: ``r``,
+``lora_alpha``, ``target_modules``; weights ``base_model.model.<module>.lora_A.weight`` / ``lora_B.weight``),
+which ``PeftModel.from_pretrained`` and vLLM's ``LoRARequest`` both load; it is not imported back (the
+importer reads prompt-tuning folders only). A ``prefix`` memory is refused: its keys are per-layer cache
+entries after RoPE, not something PEFT's prefix tuning reproduces exactly.
+
 A ``user_turn`` memory sits after the chat template's user header, which prompt tuning cannot
 express: :class:`~elm_memory.errors.AdapterError`. :func:`read_adapter` validates a folder
 (sizes, fields, shapes, finiteness) before anything is stored; :func:`check_adapter` compares it
@@ -34,6 +40,7 @@ from elm_memory.memory import MAX_FILE_BYTES, MAX_HEADER_BYTES, LatentMemory, Me
 
 if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
+    from elm_memory.memories.lora import LoraAdapter
     from elm_memory.models.loading import ModelInfo
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -67,7 +74,14 @@ def export_adapter(memory: LatentMemory, out: str | os.PathLike[str], *, positio
     """Write ``memory`` as a PEFT prompt-tuning adapter folder ``out`` (created; our three files replaced).
 
     ``position``: where the memory is used (``prefix`` or ``user_turn``); ``base_model``: written as
-    ``base_model_name_or_path`` (what ``AutoPeftModelForCausalLM`` would load)."""
+    ``base_model_name_or_path`` (what ``AutoPeftModelForCausalLM`` would load). A lora memory is written
+    as a LoRA adapter (the position does not apply to it); a prefix memory is refused."""
+    if memory.kind == "lora":
+        return export_lora_adapter(memory, out, base_model=base_model)
+    if memory.kind != "soft_prompt":
+        raise AdapterError(
+            f"memory {memory.id[:8]} is a {memory.kind} memory; only soft prompts and lora export to PEFT"
+        )
     require_prefix(memory, position)
     k, hidden = (int(n) for n in memory.soft_prompt.shape)
     config = {
@@ -92,7 +106,56 @@ def export_adapter(memory: LatentMemory, out: str | os.PathLike[str], *, positio
     from safetensors.torch import save
 
     weights = save({WEIGHT_KEY: memory.soft_prompt.to(torch.float32).contiguous()}, metadata={"format": "pt"})
-    out = Path(out)
+    return _write_adapter(Path(out), config, weights, elm)
+
+
+def export_lora_adapter(memory: LatentMemory, out: str | os.PathLike[str], *, base_model: str) -> Path:
+    """Write a ``lora`` memory as a PEFT LoRA adapter folder (module doc): what
+    ``PeftModel.from_pretrained(base, out)`` and vLLM's ``LoRARequest(name, id, out)`` load."""
+    from elm_memory.memories.lora import LoraAdapter
+
+    adapter = memory.adapter()
+    assert isinstance(adapter, LoraAdapter)
+    return write_lora_adapter(adapter, out, base_model=base_model, elm={"memory": asdict(memory.meta)})
+
+
+def write_lora_adapter(
+    adapter: LoraAdapter, out: str | os.PathLike[str], *, base_model: str, elm: dict[str, Any] | None = None
+) -> Path:
+    """The PEFT LoRA folder of ``adapter`` (also what the vLLM backend serves a lora prompt from)."""
+    from safetensors.torch import save
+
+    config: dict[str, Any] = {
+        "peft_type": "LORA",
+        "task_type": "CAUSAL_LM",
+        "auto_mapping": None,
+        "base_model_name_or_path": base_model,
+        "revision": None,
+        "inference_mode": True,
+        "r": adapter.rank,
+        "lora_alpha": adapter.alpha,
+        "lora_dropout": 0.0,
+        "target_modules": adapter.target_modules,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "use_rslora": False,
+        "use_dora": False,
+        "init_lora_weights": True,
+        "modules_to_save": None,
+        "layers_to_transform": None,
+        "layers_pattern": None,
+        "rank_pattern": {},
+        "alpha_pattern": {},
+    }
+    tensors = {}
+    for name, (a, b) in adapter.weights.items():  # PEFT's saved names: the adapter name ("default") left out
+        tensors[f"base_model.model.{name}.lora_A.weight"] = a.detach().to(torch.float32).contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = b.detach().to(torch.float32).contiguous()
+    meta = {"format": ELM_ADAPTER_FORMAT, **(elm or {})}
+    return _write_adapter(Path(out), config, save(tensors, metadata={"format": "pt"}), meta)
+
+
+def _write_adapter(out: Path, config: dict[str, Any], weights: bytes, elm: dict[str, Any]) -> Path:
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(out / ADAPTER_WEIGHTS, weights)

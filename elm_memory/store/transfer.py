@@ -119,6 +119,7 @@ def rebuild_keys(adapters: list[tuple[Path, LatentMemory]], cfg: ELMConfig) -> M
 
     from elm_memory.models.loading import load_model
     from elm_memory.registry import key_builders
+    from elm_memory.retrieval.keys import memory_inputs
     from elm_memory.retrieval.retriever import tokenize_question
     from elm_memory.store.peft_adapter import check_adapter
 
@@ -128,7 +129,7 @@ def rebuild_keys(adapters: list[tuple[Path, LatentMemory]], cfg: ELMConfig) -> M
         check_adapter(memory, folder, cfg, loaded.info)
     memories = [m for _, m in adapters]
     ids = [tokenize_question(loaded.tokenizer, m.meta.question) for m in memories]
-    keys = builder.memory_keys(loaded, [m.soft_prompt for m in memories], ids)
+    keys = builder.memory_keys(loaded, memory_inputs(loaded, memories, ids, builder.kind), ids)
     for m, key in zip(memories, keys, strict=True):
         m.keys = {builder.kind: key.detach().to("cpu", torch.float32).contiguous()}
         m.validate()

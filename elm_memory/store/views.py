@@ -61,16 +61,20 @@ def list_line(r: MemoryRecord) -> str:
 
 
 def memory_view(record: MemoryRecord, memory: LatentMemory) -> dict[str, Any]:
-    """``elm memories show --json``: record, metadata, soft-prompt and key shapes."""
-    sp = memory.soft_prompt
-    return {
-        "record": record.to_dict(),
-        "meta": asdict(memory.meta),
-        "soft_prompt": {
+    """``elm memories show --json``: record, metadata, soft-prompt (or lora/prefix weights) and key shapes."""
+    if memory.kind == "soft_prompt":
+        sp = memory.soft_prompt
+        weights: dict[str, Any] = {
             "shape": list(sp.shape),
             "dtype": str(sp.dtype).removeprefix("torch."),
             "norm_mean": float(sp.norm(dim=1).mean()),
-        },
+        }
+    else:
+        weights = {"kind": memory.kind, "tensors": len(memory.params), "parameters": memory.num_parameters}
+    return {
+        "record": record.to_dict(),
+        "meta": asdict(memory.meta),
+        "soft_prompt": weights,
         "keys": {k: {"dim": int(v.numel()), "norm": float(v.norm())} for k, v in memory.keys.items()},
     }
 

@@ -16,13 +16,15 @@ import torch
 
 from elm_memory.backends.base import GenerationBackend
 from elm_memory.config import ELMConfig
+from elm_memory.errors import ConfigError
 from elm_memory.models.loading import LoadedModel
 from elm_memory.registry import training_engines
 from elm_memory.training.native import NativeTrainer, TrainResult
 
 
 class Trainer(Protocol):
-    """Trains soft prompts: ``train`` one, ``train_many`` several ``(prompt_ids, init, at)`` together."""
+    """Trains memories: ``train`` one, ``train_many`` several ``(prompt_ids, init, at)`` together. ``init`` is a
+    soft prompt, or a lora/prefix adapter (:mod:`elm_memory.memories`) for engines that train those."""
 
     engine: str
 
@@ -49,11 +51,17 @@ class TrainerFactory(Protocol):
 
 def native_trainer(config: ELMConfig, loaded: LoadedModel, backend: GenerationBackend) -> Trainer:
     """``native``: rollouts from the backend, forward/backward in transformers."""
-    return NativeTrainer(loaded, backend, config.training)
+    return NativeTrainer(loaded, backend, config.training, config.memory)
 
 
 def trl_trainer(config: ELMConfig, loaded: LoadedModel, backend: GenerationBackend) -> Trainer:
     """``trl``: TRL's GRPOTrainer with PEFT prompt tuning (its own rollouts; the backend is unused)."""
+    if config.memory.kind != "soft_prompt":
+        # TRL would need its own PEFT LoRA/prefix wrapping of the shared model; the native engine trains them
+        raise ConfigError(
+            f"training.engine=trl trains soft-prompt memories only; memory.kind={config.memory.kind} needs "
+            "training.engine=native"
+        )
     from elm_memory.training.trl_engine import TRLTrainer  # trl is heavy and optional
 
     return TRLTrainer(loaded, config.training)

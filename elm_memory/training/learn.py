@@ -1,16 +1,23 @@
 """Learn memories: initialise from the question, train with the configured engine, package.
 
 The engine comes from the ``training_engines`` registry (:mod:`elm_memory.training.engines`);
-every engine returns a soft prompt and :class:`~elm_memory.memory.TrainingStats`, so the
-memories packaged here have the same format whichever trained them.
+every engine returns a soft prompt (or, for ``memory.kind`` lora/prefix, an adapter) and
+:class:`~elm_memory.memory.TrainingStats`, so the memories packaged here have the same format
+whichever trained them.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
+
+import torch
 
 from elm_memory.backends.base import GenerationBackend
 from elm_memory.config import ELMConfig
+from elm_memory.memories.base import LORA, PREFIX, SOFT_PROMPT, MemoryAdapter
+from elm_memory.memories.lora import LoraAdapter
+from elm_memory.memories.prefix import question_prefix
 from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import LoadedModel
 from elm_memory.models.prompting import PromptBuilder, validate_question
@@ -73,13 +80,12 @@ def learn_memories(
     items = []
     for question in questions:
         prompt = prompts.answer_prompt(question, memory_tokens=k)  # training sees the prompt answering sees
-        init = question_init(loaded, question, k, config.memory.init, config.training.seed)
-        items.append((prompt.token_ids, init, prompt.memory_at))
+        items.append((prompt.token_ids, initial_memory(config, loaded, question), prompt.memory_at))
     trainer = trainer or build_trainer(config, loaded, backend)
     results = trainer.train_many(items, progress=progress)
     recipe = {
         "training": config.training.model_dump(mode="json"),
-        "memory": config.memory.model_dump(mode="json"),
+        "memory": memory_recipe(config),
         "soft_prompt_position": config.prompt.soft_prompt_position,
         "prompt_template": config.prompt.template,
     }
@@ -92,6 +98,26 @@ def learn_memories(
             config=recipe,
             stats=result.stats,
             memory_id=mid,
+            adapter=result.adapter,
         )
         for question, ns, mid, result in zip(questions, namespaces, ids, results, strict=True)
     ]
+
+
+def initial_memory(config: ELMConfig, loaded: LoadedModel, question: str) -> torch.Tensor | MemoryAdapter:
+    """What training of ``question``'s memory starts from, by ``memory.kind``: the question-initialised
+    soft prompt, a zero-B LoRA (the base model), or the question's own last-k keys/values as a prefix."""
+    m = config.memory
+    if m.kind == LORA:
+        return LoraAdapter.initial(loaded.model, rank=m.lora_rank, alpha=m.lora_alpha, seed=config.training.seed)
+    if m.kind == PREFIX:
+        return question_prefix(loaded, loaded.tokenizer(question, add_special_tokens=False)["input_ids"], m.num_tokens)
+    return question_init(loaded, question, m.num_tokens, m.init, config.training.seed)
+
+
+def memory_recipe(config: ELMConfig) -> dict[str, Any]:
+    """``memory`` settings recorded in a memory's file. A soft prompt records what it always did (num_tokens,
+    init), so its file is unchanged by the kind settings it does not use."""
+    if config.memory.kind == SOFT_PROMPT:
+        return config.memory.model_dump(mode="json", include={"num_tokens", "init"})
+    return config.memory.model_dump(mode="json")

@@ -24,7 +24,7 @@ from elm_memory.config import ELMConfig
 from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import LoadedModel
 from elm_memory.models.prompting import PromptBuilder
-from elm_memory.store.merge import build_merged, combine_keys, common_kinds, merged_stats
+from elm_memory.store.merge import build_merged, combine_keys, common_kinds, merged_stats, require_soft_prompts
 from elm_memory.training.engines import Trainer, build_trainer
 from elm_memory.training.initialization import question_init
 
@@ -56,6 +56,7 @@ def train_merged(
     from elm_memory.registry import key_builders
     from elm_memory.retrieval.retriever import tokenize_question
 
+    require_soft_prompts(members)
     for m in members:
         m.check_compatible(loaded.info)
     init = torch.stack([initial_prompt(m, loaded, config) for m in members]).mean(dim=0)
@@ -68,7 +69,7 @@ def train_merged(
         cfg = config.model_copy(update={"training": config.training.model_copy(update={"steps": steps})})
         trainer = build_trainer(cfg, loaded, backend)
     results = trainer.train_many(items, progress=progress)
-    soft = torch.stack([r.soft_prompt for r in results]).mean(dim=0)
+    soft = torch.stack([r.soft_prompt for r in results if r.soft_prompt is not None]).mean(dim=0)
     keys: dict[str, torch.Tensor] = {}
     known = set(key_builders.names())
     question_ids = tokenize_question(loaded.tokenizer, members[0].meta.question)

@@ -14,6 +14,14 @@ One step:
 Several memories train together (:meth:`NativeTrainer.train_many`): one backend call for
 all M x G rollouts, one forward/backward whose rows carry their own memory's soft prompt,
 and per memory everything else (optimizer, clipping, loss normaliser, skip, stats).
+
+``lora`` and ``prefix`` memories (:mod:`elm_memory.memories`; an adapter as the ``init`` of a
+``train_many`` item) go through the same loop: rollouts under a snapshot of the adapter, the same
+rewards, skip and Dr.GRPO loss, AdamW on the adapter's tensors only. Their forwards cannot mix
+memories (a hook or prefix cache serves a whole forward), so their micro-batches never cross
+memories and the backend decodes each memory's rollouts as its own batch. KL reference: the
+initial memory, as for soft prompts; for ``lora`` that is the base model (B = 0), so its
+reference forward runs without the adapter.
 """
 
 from __future__ import annotations
@@ -27,8 +35,9 @@ import torch
 from tqdm.auto import tqdm
 
 from elm_memory.backends.base import Generation, GenerationBackend, PromptInput, SamplingParams
-from elm_memory.config import TrainingConfig
+from elm_memory.config import MemoryConfig, TrainingConfig
 from elm_memory.errors import NonFiniteError
+from elm_memory.memories.base import LORA, MemoryAdapter
 from elm_memory.memory import TrainingStats
 from elm_memory.models.loading import LoadedModel
 from elm_memory.models.teacher_forcing import completion_logprobs
@@ -38,8 +47,9 @@ from elm_memory.training.rewards import GroupReward, majority_vote_rewards
 
 @dataclass
 class TrainResult:
-    soft_prompt: torch.Tensor  # (k, hidden) float32, CPU
+    soft_prompt: torch.Tensor | None  # (k, hidden) float32, CPU; None for a lora/prefix memory
     stats: TrainingStats
+    adapter: MemoryAdapter | None = None  # the trained lora/prefix memory (detached, CPU)
 
 
 class NativeTrainer:
@@ -48,11 +58,14 @@ class NativeTrainer:
 
     engine = "native"
 
-    def __init__(self, loaded: LoadedModel, backend: GenerationBackend, cfg: TrainingConfig):
+    def __init__(
+        self, loaded: LoadedModel, backend: GenerationBackend, cfg: TrainingConfig, memory: MemoryConfig | None = None
+    ):
         self.loaded = loaded
         self.model = loaded.model
         self.backend = backend
         self.cfg = cfg
+        self.memory_cfg = memory
         self.temperature = cfg.effective_temperature(loaded.info.model_type)
         self.pad_id = loaded.tokenizer.pad_token_id if loaded.tokenizer.pad_token_id is not None else 0
 
@@ -120,7 +133,7 @@ class NativeTrainer:
     def train(
         self,
         prompt_ids: Sequence[int],
-        init: torch.Tensor,
+        init: torch.Tensor | MemoryAdapter,
         *,
         at: int = 0,
         objective: str | None = None,
@@ -132,12 +145,13 @@ class NativeTrainer:
 
     def train_many(
         self,
-        prompts: Sequence[tuple[Sequence[int], torch.Tensor, int]],
+        prompts: Sequence[tuple[Sequence[int], torch.Tensor | MemoryAdapter, int]],
         *,
         objective: str | None = None,
         progress: bool | None = None,
     ) -> list[TrainResult]:
         """Train M memories together, one per ``(prompt_ids, init, at)``; results in the same order.
+        ``init``: a soft prompt (k, hidden), or a lora/prefix adapter (``at`` unused).
 
         Each step makes one backend call for all M x G rollouts (every prompt with its own
         current soft prompt and the seed a lone run would use), then one forward/backward
@@ -154,9 +168,14 @@ class NativeTrainer:
         cfg = self.cfg
         objective = objective or cfg.objective
         t_start = time.perf_counter()
-        mems = [_Memory.start(ids, init, at, cfg, self.engine, objective) for ids, init, at in prompts]
+        lr = (
+            cfg.learning_rate if self.memory_cfg is None else self.memory_cfg.effective_learning_rate(cfg.learning_rate)
+        )
+        mems = [_Memory.start(ids, init, at, cfg, lr, self.engine, objective) for ids, init, at in prompts]
         if not mems:
             return []
+        if len({m.adapter is None for m in mems}) > 1:
+            raise ValueError("train_many trains soft prompts or lora/prefix memories in one call, not both")
         desc = "learning memory" if len(mems) == 1 else f"learning {len(mems)} memories"
         bar = tqdm(range(cfg.steps), desc=desc, unit="step", disable=_disable(progress), leave=False)
         for step in bar:
@@ -182,8 +201,8 @@ class NativeTrainer:
 
     def _rollout_groups(self, mems: list[_Memory], step: int) -> _StepBatch:
         """Step 1 (GRPO): G rollouts per memory, one backend call for all, and their TTRL rewards."""
-        # copies: the optimizers update the soft prompts in place, rollout inputs must not change under them
-        inputs = [(m.prompt_ids, m.soft.detach().clone(), m.at) for m in mems]
+        # copies: the optimizers update the memories in place, rollout inputs must not change under them
+        inputs = [(m.prompt_ids, m.snapshot(), m.at) for m in mems]
         completions: list[list[list[int]]] = []
         groups: list[GroupReward | None] = []
         for m, rollouts in zip(mems, self._rollouts_many(inputs, seed=_step_seed(self.cfg.seed, step)), strict=True):
@@ -215,11 +234,11 @@ class NativeTrainer:
         for i in active:
             m = mems[i]
             if self.cfg.max_grad_norm is not None:
-                torch.nn.utils.clip_grad_norm_([m.soft], self.cfg.max_grad_norm)  # per memory, never global
+                torch.nn.utils.clip_grad_norm_(m.params, self.cfg.max_grad_norm)  # per memory, never global
             m.optim.step()
-            if not torch.isfinite(m.soft).all():
+            if not all(torch.isfinite(t).all() for t in m.params):
                 which = _which(i, len(mems))
-                raise NonFiniteError(f"{which}soft prompt became non-finite at step {batch.step + 1}; memory aborted")
+                raise NonFiniteError(f"{which}{m.what} became non-finite at step {batch.step + 1}; memory aborted")
         seconds = time.perf_counter() - t1
         for i in active:
             mems[i].record_update(losses[i], kls[i], seconds)
@@ -236,6 +255,7 @@ class NativeTrainer:
         rows = [(i, j) for i in active for j in range(len(completions[i]))]
         # default: one group's worth of rows per forward, so M memories cost M x the activations of one only in time
         micro = cfg.micro_batch_size or cfg.num_generations
+        adapters = any(m.adapter is not None for m in mems)
         adv = {
             i: advantages_from_rewards(torch.tensor(group.rewards, dtype=torch.float32), cfg.scale_rewards)
             for i in active
@@ -246,17 +266,20 @@ class NativeTrainer:
         loss_sum = dict.fromkeys(active, 0.0)
         kl_sum = dict.fromkeys(active, 0.0)
         kl_tokens = dict.fromkeys(active, 0)
-        for start in range(0, len(rows), micro):
-            chunk = rows[start : start + micro]
+        for chunk in _chunks(rows, micro, per_memory=adapters):
             owner = [i for i, _ in chunk]
             comps = [completions[i][j] for i, j in chunk]
-            logps, mask = self.completion_logps(all_ids, [m.soft for m in mems], all_at, comps, rows=owner)
-            ref = None
-            if batch.objective != "sft" and cfg.beta != 0.0:
-                with torch.no_grad():
-                    ref = self.reference_logps(
-                        all_ids, [m.init for m in mems], all_at, comps, logps if step == 0 else None, rows=owner
-                    )
+            want_ref = batch.objective != "sft" and cfg.beta != 0.0
+            if adapters:  # one memory per forward (see the module doc)
+                logps, mask, ref = self._adapter_logps(mems[owner[0]], comps, step, want_ref)
+            else:
+                logps, mask = self.completion_logps(all_ids, [m.soft for m in mems], all_at, comps, rows=owner)
+                ref = None
+                if want_ref:
+                    with torch.no_grad():
+                        ref = self.reference_logps(
+                            all_ids, [m.init for m in mems], all_at, comps, logps if step == 0 else None, rows=owner
+                        )
             total: torch.Tensor | None = None
             for i in dict.fromkeys(owner):
                 sel = torch.tensor([r for r, o in enumerate(owner) if o == i], device=logps.device)
@@ -282,6 +305,35 @@ class NativeTrainer:
             assert total is not None
             total.backward()
         return loss_sum, {i: kl_sum[i] / max(1, kl_tokens[i]) for i in active}
+
+    def _adapter_logps(
+        self, m: _Memory, comps: list[list[int]], step: int, want_ref: bool
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+        """Policy log-probs (with gradients into the adapter), mask and reference log-probs of one
+        lora/prefix memory's rows. Reference: the initial memory; at step 0 that is the current one, and
+        for lora always the bare base model (B = 0), as with ``reference_policy: base_model``."""
+        assert m.adapter is not None
+
+        def logps_under(memory: MemoryAdapter | None) -> tuple[torch.Tensor, torch.Tensor]:
+            prompt = PromptInput(tuple(m.prompt_ids), memory=memory)
+            return completion_logprobs(
+                self.model,
+                [prompt],
+                comps,
+                temperature=self.temperature,
+                share_prompt_kv=self.cfg.share_prompt_kv,
+                pad_id=self.pad_id,
+            )
+
+        logps, mask = logps_under(m.adapter)
+        if not want_ref:
+            return logps, mask, None
+        base = m.adapter.kind == LORA or self.cfg.reference_policy == "base_model"
+        if step == 0 and (m.adapter.kind == LORA or not base):  # the current memory is still the reference
+            return logps, mask, logps.detach()
+        with torch.no_grad():
+            ref = logps_under(None if base else m.reference)[0]
+        return logps, mask, ref.detach()
 
     def _memory_loss(
         self,
@@ -314,11 +366,16 @@ class NativeTrainer:
 
     # -- generation ------------------------------------------------------------------
     def _rollouts_many(
-        self, prompts: Sequence[tuple[Sequence[int], torch.Tensor, int]], seed: int | None
+        self, prompts: Sequence[tuple[Sequence[int], torch.Tensor | MemoryAdapter, int]], seed: int | None
     ) -> list[list[Generation]]:
         """G rollouts per prompt in one backend call. Every prompt carries ``seed`` itself, so its
         rollouts are those it would get alone, whatever else is in the call."""
-        inputs = [PromptInput(tuple(ids), soft_prompt=soft, soft_prompt_at=at, seed=seed) for ids, soft, at in prompts]
+        inputs = [
+            PromptInput(tuple(ids), soft_prompt=soft, soft_prompt_at=at, seed=seed)
+            if isinstance(soft, torch.Tensor)
+            else PromptInput(tuple(ids), seed=seed, memory=soft)
+            for ids, soft, at in prompts
+        ]
         return self.backend.generate(inputs, self.rollout_params(seed))
 
     def rollout_params(self, seed: int | None) -> SamplingParams:
@@ -358,7 +415,10 @@ class _StepBatch:
 
 @dataclass
 class _Memory:
-    """One memory's training state inside :meth:`NativeTrainer.train_many`, and its stats bookkeeping."""
+    """One memory's training state inside :meth:`NativeTrainer.train_many`, and its stats bookkeeping.
+
+    A soft prompt (``init``, ``soft``) or a lora/prefix ``adapter`` whose tensors are the parameters
+    (``reference``: its initial copy, the KL reference)."""
 
     prompt_ids: list[int]
     at: int
@@ -368,17 +428,45 @@ class _Memory:
     stats: TrainingStats
     sft_target: list[int] | None = None
     saw_answer: bool = False
+    adapter: MemoryAdapter | None = None
+    reference: MemoryAdapter | None = None
 
     @classmethod
     def start(
-        cls, prompt_ids: Sequence[int], init: torch.Tensor, at: int, cfg: TrainingConfig, engine: str, objective: str
+        cls,
+        prompt_ids: Sequence[int],
+        init: torch.Tensor | MemoryAdapter,
+        at: int,
+        cfg: TrainingConfig,
+        lr: float,
+        engine: str,
+        objective: str,
     ) -> _Memory:
+        stats = TrainingStats(engine=engine, objective=objective)
+        if not isinstance(init, torch.Tensor):
+            adapter = init.trainable()  # type: ignore[attr-defined]  # both adapter classes have it
+            optim = torch.optim.AdamW(adapter.parameters(), lr=lr, weight_decay=cfg.weight_decay)
+            empty = torch.nn.Parameter(torch.empty(0))  # no soft prompt: the adapter is the memory
+            return cls(
+                list(prompt_ids), at, empty.detach(), empty, optim, stats, adapter=adapter, reference=init.detached()
+            )
         init = init.detach().to(torch.float32)
         soft = torch.nn.Parameter(init.clone())
         # One AdamW per memory: its step count and moments move only when this memory updates.
-        optim = torch.optim.AdamW([soft], lr=cfg.learning_rate, weight_decay=cfg.weight_decay)
-        stats = TrainingStats(engine=engine, objective=objective)
+        optim = torch.optim.AdamW([soft], lr=lr, weight_decay=cfg.weight_decay)
         return cls(list(prompt_ids), at, init, soft, optim, stats)
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return self.adapter.parameters() if self.adapter is not None else [self.soft]
+
+    @property
+    def what(self) -> str:
+        return "soft prompt" if self.adapter is None else f"{self.adapter.kind} memory"
+
+    def snapshot(self) -> torch.Tensor | MemoryAdapter:
+        """The memory as it is now, unaffected by later optimizer steps (what rollouts sample under)."""
+        return self.adapter.detached() if self.adapter is not None else self.soft.detach().clone()
 
     def record_group(self, group: GroupReward, completions: list[list[int]]) -> None:
         """A step's rollouts: their answers, mean reward, majority and length."""
@@ -408,7 +496,19 @@ class _Memory:
     def result(self, seconds: float, *, trained: bool) -> TrainResult:
         self.stats.no_consensus = not self.saw_answer if trained else False
         self.stats.seconds = seconds
+        if self.adapter is not None:
+            return TrainResult(soft_prompt=None, stats=self.stats, adapter=self.adapter.detached())
         return TrainResult(soft_prompt=self.soft.detach().to("cpu", torch.float32).clone(), stats=self.stats)
+
+
+def _chunks(rows: list[tuple[int, int]], micro: int, *, per_memory: bool) -> list[list[tuple[int, int]]]:
+    """Micro-batches of ``micro`` rows; with ``per_memory`` none holds rows of two memories."""
+    if not per_memory:
+        return [rows[s : s + micro] for s in range(0, len(rows), micro)]
+    by_memory: dict[int, list[tuple[int, int]]] = {}
+    for row in rows:
+        by_memory.setdefault(row[0], []).append(row)
+    return [group[s : s + micro] for group in by_memory.values() for s in range(0, len(group), micro)]
 
 
 def _which(i: int, m: int) -> str:

@@ -30,6 +30,10 @@ Semantics, kept equal to the transformers backend:
   :class:`~elm_memory.backends.vllm.common.VLLMVersionError`.
 * ``logprobs``: log-probability of each chosen token under the raw model distribution
   (temperature 1, vLLM ``logprobs_mode="raw_logprobs"``), one per returned token.
+* ``lora`` memories (``PromptInput.memory``) go through vLLM's LoRA support: the engine starts with
+  ``enable_lora`` when ``max_lora_rank`` is given (``memory.kind: lora``), and each such prompt carries
+  a ``LoRARequest`` for its memory exported as a PEFT folder (:mod:`~elm_memory.backends.vllm.lora`).
+  ``prefix`` memories are refused (ConfigError): vLLM has no per-layer key/value input.
 """
 
 from __future__ import annotations
@@ -55,9 +59,10 @@ from elm_memory.backends.vllm.common import (
     request_limits,
     require_vllm,
 )
+from elm_memory.backends.vllm.lora import LoraRequests, check_kind
 from elm_memory.backends.vllm.model_runner import STOP_XARG, select_stop_processor
 from elm_memory.backends.vllm.model_side import bounded_max_len, model_side, torch_dtype
-from elm_memory.errors import BackendError
+from elm_memory.errors import BackendError, ConfigError
 from elm_memory.hardware import resolve_placement
 
 
@@ -105,6 +110,7 @@ class VLLMBackend:
         enforce_eager: bool | None = None,
         seed: int = 0,
         engine_kwargs: dict[str, Any] | None = None,
+        max_lora_rank: int | None = None,
     ):
         vllm = require_vllm(self.name)
         check_prompt_embeds_version(str(getattr(vllm, "__version__", "unknown")))  # every engine takes embeds
@@ -133,6 +139,16 @@ class VLLMBackend:
             self.tokenizer.pad_token = self.tokenizer.eos_token
         self.eos_ids = eos_ids_from_folder(self.model_dir, self.tokenizer)
         self._embed_dtype = torch_dtype(dtype)
+        self._loras = None if max_lora_rank is None else LoraRequests(self.model_dir, max_lora_rank)
+        if max_lora_rank is not None:
+            # vLLM's documented LoRA switches; max_loras: adapters resident at once (GRPO rollouts of
+            # several memories trained together each carry their own)
+            engine_kwargs = {
+                "enable_lora": True,
+                "max_lora_rank": max_lora_rank,
+                "max_loras": 8,
+                **(engine_kwargs or {}),
+            }
         self.llm = self._start_engine(vllm, on_cpu, seed, enforce_eager, engine_kwargs)
         self._closed = False
 
@@ -158,6 +174,11 @@ class VLLMBackend:
         lends its tokenizer, ModelInfo and embedding table instead of reading them again."""
         from elm_memory.models.loading import resolve_model_path
 
+        memory: Any = getattr(cfg, "memory", None)
+        kind = getattr(memory, "kind", "soft_prompt")
+        check_kind(kind, cls.name, lora=True)  # before the engine starts: a prefix memory cannot be served
+        if kind == "lora":
+            kwargs.setdefault("max_lora_rank", _vllm_rank(memory.lora_rank))
         model_dir = loaded.info.path if loaded is not None else resolve_model_path(cfg.model.name_or_path)
         if not (Path(model_dir) / "config.json").is_file():
             raise BackendError(
@@ -197,8 +218,11 @@ class VLLMBackend:
             max_tokens, seed = request_limits(p, params, i, self.max_model_len, advice=" (raise model.max_context)")
             requests.append(self.prompt_request(p))
             sps.append(self._sampling_params(params, max_tokens, seed))
+        extra: dict[str, Any] = {}
+        if any(p.memory is not None for p in inputs):
+            extra["lora_request"] = [None if p.memory is None else self._lora_request(p.memory) for p in inputs]
         try:
-            outputs = self.llm.generate(requests, sps, use_tqdm=False)
+            outputs = self.llm.generate(requests, sps, use_tqdm=False, **extra)
         except Exception as exc:
             raise BackendError(f"vLLM generation failed: {exc}".splitlines()[0]) from exc
         return [[self._finish(c, params) for c in sorted(out.outputs, key=lambda c: c.index)] for out in outputs]
@@ -208,6 +232,8 @@ class VLLMBackend:
         if self._closed:
             return
         self._closed = True
+        if self._loras is not None:
+            self._loras.close()
         core = getattr(getattr(self.llm, "llm_engine", None), "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
@@ -222,6 +248,13 @@ class VLLMBackend:
         self.close()
 
     # -- internals -----------------------------------------------------------------------
+    def _lora_request(self, memory: Any) -> Any:
+        """The ``LoRARequest`` of a prompt's memory; a prefix memory, or a lora one on an engine started
+        without LoRA, is a ConfigError."""
+        check_kind(memory.kind, self.name, lora=self._loras is not None)
+        assert self._loras is not None
+        return self._loras.request(memory)
+
     def _finish(self, completion: Any, params: SamplingParams) -> Generation:
         """One vLLM ``CompletionOutput`` -> :class:`Generation`."""
         lps = None
@@ -255,3 +288,11 @@ class VLLMBackend:
             detokenize=False,  # we decode with our tokenizer, as the transformers backend does
             extra_args={STOP_XARG: self.eos_ids[0]} if params.stop_at_answer and self.stop_in_engine else None,
         )
+
+
+def _vllm_rank(rank: int) -> int:
+    """vLLM accepts max_lora_rank from a fixed set (8, 16, 32, 64, ...): the smallest that holds ``rank``."""
+    for allowed in (1, 8, 16, 32, 64, 128, 256, 320, 512):
+        if rank <= allowed:
+            return allowed
+    raise ConfigError(f"memory.lora_rank {rank} exceeds what vLLM serves (512)")

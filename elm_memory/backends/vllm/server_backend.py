@@ -37,6 +37,7 @@ from elm_memory.backends.base import (
 from elm_memory.backends.postprocess import eos_ids_from_folder, finish_generation
 from elm_memory.backends.vllm.client import ServerClient, ServerRequestError, resolve_api_key, server_version
 from elm_memory.backends.vllm.common import MIN_VLLM_FOR_PROMPT_EMBEDS, check_prompt_embeds_version, request_limits
+from elm_memory.backends.vllm.lora import check_kind
 from elm_memory.backends.vllm.model_runner import STOP_XARG
 from elm_memory.backends.vllm.model_side import bounded_max_len, model_side, torch_dtype
 from elm_memory.errors import BackendError
@@ -146,6 +147,7 @@ class VLLMServerBackend:
         which must be the model the server serves."""
         from elm_memory.models.loading import resolve_model_path
 
+        check_kind(getattr(getattr(cfg, "memory", None), "kind", "soft_prompt"), "vllm-server", lora=False)
         url = cfg.backend.server_url
         if not url:
             raise BackendError(
@@ -232,6 +234,8 @@ class VLLMServerBackend:
             body["logprobs"] = 1
         if params.stop_at_answer:
             body["vllm_xargs"] = {STOP_XARG: self.eos_ids[0]}
+        if prompt.memory is not None:  # no per-request adapter upload over the OpenAI API
+            check_kind(prompt.memory.kind, self.name, lora=False)
         if prompt.soft_prompt is None:
             body["prompt"] = list(prompt.token_ids)
         else:

@@ -118,6 +118,8 @@ class MergeSupport(DeleteJournal):
             members = sorted(
                 (self.get(ids[i], m.meta.namespace) for i in rows), key=lambda x: (x.meta.created_at, x.id)
             )
+            if any(x.kind != "soft_prompt" for x in members):
+                continue  # only soft prompts are averaged: a lora/prefix memory lands unmerged
             merged = average_memory(members)
             self._merging = True
             try:

@@ -95,13 +95,19 @@ def row_metadata(memory: LatentMemory, blob: str, usage: int = 0, last_used_at: 
     }
     if s.majority_answer is not None:
         meta["majority_answer"] = str(s.majority_answer)[:QUESTION_PREVIEW]
+    if memory.kind != "soft_prompt":  # soft-prompt rows stay as they were; the retriever reads a missing kind so
+        meta["memory_kind"] = memory.kind
     return meta
 
 
 def record_from_rows(rows: Sequence[IndexRow]) -> MemoryRecord:
     """Merge one memory's rows (one per key kind) into a record."""
     first = rows[0].meta
-    stats = {k: v for k, v in first.items() if k.startswith("train_") or k in ("majority_share", "majority_answer")}
+    stats = {
+        k: v
+        for k, v in first.items()
+        if k.startswith("train_") or k in ("majority_share", "majority_answer", "memory_kind")
+    }
     return MemoryRecord(
         id=rows[0].id,
         namespace=rows[0].coll.namespace,
