@@ -64,7 +64,12 @@ def _config(args: argparse.Namespace, kind: str) -> Any:
 
     return ELMConfig.load(
         overrides={
-            "model": {"name_or_path": args.model, "dtype": args.dtype, "device": args.device},
+            "model": {
+                "name_or_path": args.model,
+                "dtype": args.dtype,
+                "device": args.device,
+                "num_threads": args.threads,
+            },
             "memory": {"kind": kind, "num_tokens": args.num_tokens},
             "training": {
                 "steps": args.steps,
@@ -111,6 +116,7 @@ def main() -> None:
     p.add_argument("--model", default="packaged:qwen2.5-coder-0.5b")
     p.add_argument("--dtype", default="auto", help="auto: bf16 where the CPU has native bf16, else float32")
     p.add_argument("--device", default="cpu")
+    p.add_argument("--threads", type=int, default=None, help="torch threads; default one per physical core")
     p.add_argument("--generations", type=int, default=4, help="G rollouts per step")
     p.add_argument("--max-len", type=int, default=64, help="rollout length cap in tokens")
     p.add_argument("--steps", type=int, default=3)
@@ -126,7 +132,9 @@ def main() -> None:
     from elm_memory.models.prepare import prepare_model
 
     prepare_model(args.model, verbose=False)
-    loaded = load_model(ModelConfig(name_or_path=args.model, dtype=args.dtype, device=args.device))
+    loaded = load_model(
+        ModelConfig(name_or_path=args.model, dtype=args.dtype, device=args.device, num_threads=args.threads)
+    )
     backend = HFBackend(loaded)
     warm = argparse.Namespace(**{**vars(args), "steps": 1})
     _run_kind("soft_prompt", warm, loaded, backend)  # warm-up: first-call costs land on no kind
@@ -149,6 +157,7 @@ def main() -> None:
             "max_completion_length": args.max_len,
             "steps": args.steps,
             "num_tokens": args.num_tokens,
+            "threads": args.threads,
             "lora_rank": _config(args, "lora").memory.lora_rank,
             "engine": "native",
             "backend": "hf",

@@ -497,3 +497,28 @@ def test_learn_memories_batches_adapter_memories(smol):
     # float rounding decides, so two runs alone differ in a few hundredths of a percent of the entries; the
     # other question's memory differs in all of them
     assert gap(a, b) < 0.1 * gap(c, b)
+
+
+@pytest.mark.model
+def test_offline_greedy_answers_apply_adapter_memories(smol, tiny_backend):
+    """The offline protocol answers with any memory kind (a zero-B lora memory answers as zero-shot does)."""
+    from elm_memory.eval.datasets import Problem
+    from elm_memory.eval.offline import greedy_answers
+
+    cfg = _config("lora")
+    cfg.generation.max_new_tokens = 8
+    prompts = PromptBuilder(smol.tokenizer, cfg.prompt, smol.info.max_context)
+    untrained = LatentMemory.create(
+        question=QUESTION,
+        namespace="default",
+        model=smol.info,
+        adapter=LoraAdapter.initial(smol.model, rank=4, alpha=8),
+    )
+    problems = [Problem("p1", QUESTION, "7")]
+    assert greedy_answers(cfg, prompts, tiny_backend, problems, untrained) == greedy_answers(
+        cfg, prompts, tiny_backend, problems
+    )
+    prefix = LatentMemory.create(
+        question=OTHER, namespace="default", model=smol.info, adapter=question_prefix(smol, _ids(smol, OTHER), 6)
+    )
+    assert greedy_answers(cfg, prompts, tiny_backend, problems, prefix)[0][1]  # it runs and answers

@@ -222,14 +222,15 @@ def _answers(runtime: EvalRuntime, problems: Sequence[Problem], memory: Any) -> 
 def greedy_answers(
     cfg: ELMConfig, prompts: Any, backend: Any, problems: Sequence[Problem], memory: Any = None
 ) -> list[tuple[str | None, str]]:
-    """Greedy (answer, response) to ``problems`` in one batched call of ``backend``, with ``memory``'s soft
-    prompt or none; also what the full-model protocol answers with (its own backend on the trained copy)."""
+    """Greedy (answer, response) to ``problems`` in one batched call of ``backend``, with ``memory`` (a soft
+    prompt, or a lora/prefix memory's adapter) or none; also what the full-model protocol answers with (its
+    own backend on the trained copy)."""
     k = cfg.memory.num_tokens
     inputs, longest = [], 0
     for p in problems:
         prompt = prompts.answer_prompt(p.question, memory_tokens=k)
         longest = max(longest, len(prompt.token_ids))
-        inputs.append(prompt.zero_shot() if memory is None else prompt.with_memory(memory.soft_prompt))
+        inputs.append(prompt.zero_shot() if memory is None else prompt.for_memory(memory))  # any memory.kind
     g = cfg.generation
     budget = answer_budget(g.max_new_tokens, backend.info.max_context, longest, k if memory is not None else 0)
     params = SamplingParams(max_new_tokens=budget, temperature=0.0, stop_at_answer=g.stop_at_answer)
