@@ -477,6 +477,16 @@ def test_memory_kind_config():
     assert ELMConfig.load(preset="cpu-tiny").memory.kind == "soft_prompt"
     with pytest.raises(ConfigError):
         _config("dora")
+    # parts that cannot handle a lora/prefix memory are refused when the config loads, before any model work
+    for kind, section, value in [
+        ("lora", "retrieval", {"key": "soft_prompt_mean"}),
+        ("prefix", "training", {"engine": "trl"}),
+        ("prefix", "backend", {"name": "vllm"}),
+        ("lora", "backend", {"name": "vllm-server"}),
+    ]:
+        with pytest.raises(ConfigError, match=kind):
+            ELMConfig.load(preset="cpu-tiny", overrides={"memory": {"kind": kind}, section: value})
+    ELMConfig.load(preset="cpu-tiny", overrides={"memory": {"kind": "lora"}, "backend": {"name": "vllm"}})
 
 
 @pytest.mark.model

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import Field, ValidationError
+from pydantic import Field, ValidationError, model_validator
 
 from elm_memory.config.deployment import BackendConfig, LearnerConfig, ModelConfig, StoreConfig
 from elm_memory.config.loading import deep_merge, load_preset_dict, read_yaml, summarise_validation_error
@@ -48,6 +48,23 @@ class ELMConfig(ConfigSection):
     store: StoreConfig = Field(default_factory=StoreConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+
+    @model_validator(mode="after")
+    def _memory_kind_fits(self) -> ELMConfig:
+        """A lora/prefix ``memory.kind`` with a part that cannot handle it fails here, before any model work
+        (the parts refuse it too, for configs built otherwise)."""
+        kind = self.memory.kind
+        if kind == "soft_prompt":
+            return self
+        if self.retrieval.key == "soft_prompt_mean":
+            raise ValueError(
+                f"retrieval.key=soft_prompt_mean pools a soft prompt; memory.kind={kind} needs input or kv"
+            )
+        if self.training.engine == "trl":
+            raise ValueError(f"training.engine=trl trains soft prompts only; memory.kind={kind} needs native")
+        if self.backend.name == "vllm-server" or (self.backend.name == "vllm" and kind == "prefix"):
+            raise ValueError(f"backend.name={self.backend.name} cannot apply a {kind} memory; use hf")
+        return self
 
     @classmethod
     def load(
