@@ -30,8 +30,14 @@ def tiny_config() -> ELMConfig:
 
 def test_the_paper_rows_are_in_the_list():
     by_name = {v.name: dict(v.overrides) for v in ABLATIONS}
-    assert by_name == {"elm": {}, "elm-2-steps": {"training.steps": 2}, "elm-sft": {"training.objective": "sft"}}
-    assert any("LoRA" in row for row, _ in NOT_EXPRESSIBLE)
+    assert by_name == {
+        "elm": {},
+        "elm-2-steps": {"training.steps": 2},
+        "elm-sft": {"training.objective": "sft"},
+        "elm-lora": {"memory.kind": "lora"},
+        "elm-prefix": {"memory.kind": "prefix"},
+    }
+    assert not any("LoRA" in row for row, _ in NOT_EXPRESSIBLE)
 
 
 def test_variant_overrides_and_their_checks():
@@ -99,7 +105,9 @@ class _Counting:
 
     def generate(self, prompts: Any, params: Any) -> Any:
         if params.greedy:
-            self.zero_shot += sum(getattr(p, "soft_prompt", None) is None for p in prompts)
+            self.zero_shot += sum(
+                getattr(p, "soft_prompt", None) is None and getattr(p, "memory", None) is None for p in prompts
+            )
         return self._backend.generate(prompts, params)
 
 
