@@ -299,13 +299,16 @@ def compare(
     partial: Annotated[
         bool, typer.Option("--partial", help="Accept runs that have not answered every question yet.")
     ] = False,
+    first: Annotated[
+        int | None, typer.Option(min=1, help="Compare the first N questions of each run (an online run is causal).")
+    ] = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Mean and spread over online runs that differ only in their seed (reads files, loads no model)."""
     from elm_memory.eval.records import write_json_atomic
     from elm_memory.eval.seeds import compare_seeds, markdown_seeds
 
-    comparison = compare_seeds(runs, partial=partial)
+    comparison = compare_seeds(runs, partial=partial, first=first)
     table = markdown_seeds(comparison)
     if out is not None:
         if out.suffix == ".json":

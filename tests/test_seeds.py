@@ -88,6 +88,11 @@ def test_partial_run_is_refused_unless_asked(tmp_path):
         compare_seeds([a, b])
     c = compare_seeds([a, b], partial=True)
     assert c.methods["elm_input"]["n"] == [3, 1]
+    first = compare_seeds([a, b], first=1)  # both runs' first question only: comparable, no --partial needed
+    assert first.methods["elm_input"]["n"] == [1, 1]
+    assert first.methods["zero_shot"]["accuracy"] == [1.0, 1.0]
+    with pytest.raises(ConfigError, match="fewer than the first 4"):
+        compare_seeds([a, b], first=4)
 
 
 def test_cli_prints_and_writes(tmp_path):

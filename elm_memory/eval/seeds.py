@@ -50,8 +50,10 @@ class SeedComparison:
         }
 
 
-def load_run(path: str | Path) -> SeedRun:
-    """A finished or partial online run; its summary is recomputed from the records on disk."""
+def load_run(path: str | Path, first: int | None = None) -> SeedRun:
+    """A finished or partial online run; its summary is recomputed from the records on disk.
+    ``first``: only the run's first ``first`` questions (an online run is causal, so its first N
+    questions are exactly what a run of N questions would have answered)."""
     directory = Path(path)
     manifest_path = directory / "run.json"
     if not manifest_path.is_file():
@@ -61,37 +63,45 @@ def load_run(path: str | Path) -> SeedRun:
     except ValueError as exc:
         raise ConfigError(f"{manifest_path} is not valid JSON: {exc}") from None
     records = RecordLog(directory / "records.jsonl").read()
+    questions = len(manifest.get("question_ids", []))
+    if first is not None:
+        if first > questions:
+            raise ConfigError(f"{directory} has {questions} questions, fewer than the first {first} asked for")
+        records, questions = [r for r in records if r["index"] < first], first
     if not records:
         raise ConfigError(f"{directory} has no records yet")
     return SeedRun(
         path=directory,
         seed=manifest.get("seed"),
         dataset=str(manifest.get("dataset")),
-        questions=len(manifest.get("question_ids", [])),
+        questions=questions,
         config=manifest.get("config", {}),
         summary=summarize_online(records),
     )
 
 
-def compare_seeds(paths: Sequence[str | Path], *, partial: bool = False) -> SeedComparison:
+def compare_seeds(paths: Sequence[str | Path], *, partial: bool = False, first: int | None = None) -> SeedComparison:
     """``partial``: accept runs that have not answered every question with every method (the
-    mean is then over different question sets; each method's ``n`` per seed says how many)."""
-    runs = [load_run(p) for p in paths]
+    mean is then over different question sets; each method's ``n`` per seed says how many).
+    ``first``: compare the runs' first ``first`` questions only (e.g. a longer run with a stopped one)."""
+    if first is not None and first < 1:
+        raise ConfigError(f"first must be at least 1, got {first}")
+    runs = [load_run(p, first) for p in paths]
     if len(runs) < 2:
         raise ConfigError("compare needs at least two run directories")
-    first = runs[0]
+    base = runs[0]
     for run in runs[1:]:
         for name in ("dataset", "questions"):
-            if getattr(run, name) != getattr(first, name):
+            if getattr(run, name) != getattr(base, name):
                 raise ConfigError(
-                    f"runs differ in {name}: {first.path} has {getattr(first, name)!r}, "
+                    f"runs differ in {name}: {base.path} has {getattr(base, name)!r}, "
                     f"{run.path} has {getattr(run, name)!r}"
                 )
     seeds = [r.seed for r in runs]
     if len(set(seeds)) != len(seeds):
         raise ConfigError(f"two runs have the same seed ({seeds}): a seed mean needs distinct seeds")
     unrecorded = _check_configs(runs)
-    methods = [m for m in first.summary if all(m in r.summary for r in runs)]
+    methods = [m for m in base.summary if all(m in r.summary for r in runs)]
     if not methods:
         raise ConfigError("the runs have no method in common")
     for run in runs:
