@@ -383,3 +383,37 @@ def test_server_errors_are_typed(sb):
     bad = dict(sb._body(PromptInput((1, 2, 3)), GREEDY, 0), model="no-such-model")
     with pytest.raises(ServerRequestError, match="HTTP 404"):
         sb._post(bad)
+
+
+# -- lora memories through vLLM's LoRA support ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def lora_memory(tiny_loaded):
+    from elm_memory.memories.lora import LoraAdapter
+
+    lora = LoraAdapter.initial(tiny_loaded.model, rank=16, alpha=32, seed=1)
+    g = torch.Generator().manual_seed(2)
+    for _, b in lora.weights.values():  # B = 0 would be the base model: give it a visible delta
+        b.copy_(torch.randn(b.shape, generator=g) * 0.05)
+    return lora
+
+
+def test_lora_memory_greedy_equals_the_transformers_backend(tiny_loaded, tiny_backend, prompts, lora_memory):
+    """A lora memory served as a vLLM LoRARequest (exported PEFT folder) gives the hf backend's greedy
+    tokens (its forward hooks), mixed in one call with a plain prompt."""
+    from elm_memory.backends.vllm.engine import VLLMBackend
+
+    cfg = _cfg(name="vllm").model_copy(deep=True)
+    cfg.memory.kind = "lora"
+    backend = VLLMBackend.from_config(cfg, loaded=tiny_loaded)
+    try:
+        a, b = prompts
+        batch = [PromptInput(a.token_ids, memory=lora_memory), PromptInput(b.token_ids)]
+        got = backend.generate(batch, GREEDY)
+        want = tiny_backend.generate(batch, GREEDY)
+        assert [g[0].token_ids for g in got] == [w[0].token_ids for w in want]
+        [[plain]] = backend.generate([PromptInput(a.token_ids)], GREEDY)
+        assert plain.token_ids != got[0][0].token_ids  # the memory really conditions vLLM's output
+    finally:
+        backend.close()
