@@ -307,3 +307,27 @@ def test_a_resume_on_another_machine_adds_it_to_the_manifest(tmp_path):
     assert json.loads((tmp_path / "run.json").read_text()) == merged
     with pytest.raises(ConfigError, match="holds another run"):  # the machine never makes it another run
         check_manifest(tmp_path, {**base, "config": {"x": 2}, "machines": [{"cpu": "A"}]}, fields)
+
+
+def test_a_run_written_before_a_setting_existed_resumes_while_the_setting_keeps_its_default(tmp_path):
+    from elm_memory.eval.records import check_manifest
+
+    fields = ("dataset", "config")
+    defaults = {"config": {"memory": {"k": 20, "kind": "soft_prompt"}, "new_section": {"a": 1}}}
+    (tmp_path / "run.json").write_text(json.dumps({"dataset": "d", "config": {"memory": {"k": 20}}, "methods": []}))
+    now = {"dataset": "d", "config": {"memory": {"k": 20, "kind": "soft_prompt"}, "new_section": {"a": 1}}}
+    merged = check_manifest(tmp_path, {**now, "methods": ["elm_input"]}, fields, defaults)
+    assert merged["config"] == now["config"]  # written back filled, so the next resume compares as is
+    with pytest.raises(ConfigError, match="its config differs"):  # a new setting away from its default
+        changed = {"memory": {"k": 20, "kind": "lora"}, "new_section": {"a": 1}}
+        check_manifest(tmp_path, {**now, "config": changed, "methods": []}, fields, defaults)
+    (tmp_path / "run.json").write_text(json.dumps({"dataset": "d", "config": {"memory": {"k": 10}}, "methods": []}))
+    with pytest.raises(ConfigError, match="its config differs"):  # an old setting that differs still does
+        check_manifest(tmp_path, {**now, "methods": []}, fields, defaults)
+
+
+def test_the_resume_defaults_are_the_config_schema_defaults():
+    from elm_memory.config import ELMConfig
+    from elm_memory.eval.records import config_defaults
+
+    assert config_defaults()["config"]["memory"]["kind"] == ELMConfig().memory.kind == "soft_prompt"

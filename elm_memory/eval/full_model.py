@@ -34,7 +34,14 @@ from elm_memory.errors import ConfigError
 from elm_memory.eval.datasets import Problem
 from elm_memory.eval.offline import OfflineResult, greedy_answers
 from elm_memory.eval.progress import ProgressBar
-from elm_memory.eval.records import RecordLog, check_manifest, machine_facts, run_dir, write_json_atomic
+from elm_memory.eval.records import (
+    RecordLog,
+    check_manifest,
+    config_defaults,
+    machine_facts,
+    run_dir,
+    write_json_atomic,
+)
 from elm_memory.training.full_model import FullModelSettings, RewardFunction
 
 RESUME_FIELDS = ("dataset", "seed", "question_ids", "train_ids", "config", "full_model")
@@ -81,6 +88,7 @@ def run_full_model(
             "machines": [machine_facts(config)],
         },
         RESUME_FIELDS,
+        config_defaults(),
     )
     _FullModelRun(config, settings, out, loaded).run(
         problems, train_set, batch_size, save_model=save_model, force=force, progress=progress, reward=reward_function

@@ -33,7 +33,14 @@ from elm_memory.errors import ConfigError
 from elm_memory.eval.datasets import Problem
 from elm_memory.eval.methods.base import EvalRuntime, memory_store_config, open_runtime
 from elm_memory.eval.progress import ProgressBar
-from elm_memory.eval.records import RecordLog, check_manifest, machine_facts, run_dir, write_json_atomic
+from elm_memory.eval.records import (
+    RecordLog,
+    check_manifest,
+    config_defaults,
+    machine_facts,
+    run_dir,
+    write_json_atomic,
+)
 
 NAMESPACE = "offline"
 RESUME_FIELDS = ("dataset", "seed", "question_ids", "train_ids", "config", "memories_from")
@@ -86,6 +93,7 @@ def run_offline(
             "machines": [machine_facts(config)],
         },
         RESUME_FIELDS,
+        config_defaults(),
     )
     runtime, owns_runtime = open_runtime(config, out, runtime)
     try:

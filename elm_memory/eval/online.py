@@ -25,7 +25,14 @@ from elm_memory.errors import ConfigError
 from elm_memory.eval.datasets import Problem
 from elm_memory.eval.methods.base import EvalMethod, EvalRuntime, build_method, open_runtime
 from elm_memory.eval.progress import ProgressBar
-from elm_memory.eval.records import RecordLog, check_manifest, machine_facts, run_dir, write_json_atomic
+from elm_memory.eval.records import (
+    RecordLog,
+    check_manifest,
+    config_defaults,
+    machine_facts,
+    run_dir,
+    write_json_atomic,
+)
 
 #: Manifest fields that must match for a run to be resumed.
 RESUME_FIELDS = ("dataset", "seed", "question_ids", "config")
@@ -67,7 +74,9 @@ def run_stream(
     methods = _known_methods(methods)
     if not problems:
         raise ConfigError("no questions to run")
-    manifest = check_manifest(out, _manifest(problems, methods, config, dataset, seed), RESUME_FIELDS)
+    manifest = check_manifest(
+        out, _manifest(problems, methods, config, dataset, seed), RESUME_FIELDS, config_defaults()
+    )
     log = RecordLog(out / "records.jsonl")
     done = {(r["method"], r["question_id"]) for r in log.read()}
     todo = [(i, p, m) for i, p in enumerate(problems) for m in methods if (m, p.id) not in done]

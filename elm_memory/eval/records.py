@@ -60,17 +60,28 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"))
 
 
-def check_manifest(out_dir: Path, manifest: dict[str, Any], fields: tuple[str, ...]) -> dict[str, Any]:
+def check_manifest(
+    out_dir: Path,
+    manifest: dict[str, Any],
+    fields: tuple[str, ...],
+    defaults: dict[str, dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """Write the run's manifest, or check that an existing one describes the same run.
 
     Resuming with another dataset order or config would mix two experiments in one table,
     so it is refused; adding methods to a run is allowed (they run on the same order).
     ``manifest["machines"]`` (see :func:`machine_facts`) is not part of a run's identity: a resume
     on another machine adds its own, so every number in the run can be read with its CPU.
+    ``defaults`` maps a field to its default value (e.g. ``"config"`` to the default config's dump):
+    a key the old manifest lacks reads as its default, so a run written before a setting existed
+    resumes under a newer version as long as the setting keeps its default.
     """
     path = out_dir / "run.json"
     if path.exists():
         old = json.loads(path.read_text(encoding="utf-8"))
+        for f, default in (defaults or {}).items():
+            if isinstance(old.get(f), dict):
+                old[f] = _with_defaults(old[f], default)
         for f in fields:
             if old.get(f) != manifest.get(f):
                 raise ConfigError(
@@ -87,6 +98,23 @@ def check_manifest(out_dir: Path, manifest: dict[str, Any], fields: tuple[str, .
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, manifest)
     return manifest
+
+
+def config_defaults() -> dict[str, dict[str, Any]]:
+    """``check_manifest``'s ``defaults`` for a manifest whose ``"config"`` is an :class:`ELMConfig` dump."""
+    from elm_memory.config import ELMConfig
+
+    return {"config": ELMConfig().model_dump(mode="json")}
+
+
+def _with_defaults(old: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:
+    out = dict(old)
+    for key, value in default.items():
+        if key not in out:
+            out[key] = value
+        elif isinstance(out[key], dict) and isinstance(value, dict):
+            out[key] = _with_defaults(out[key], value)
+    return out
 
 
 def machine_facts(config: Any) -> dict[str, Any]:
