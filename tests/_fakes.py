@@ -3,6 +3,7 @@ one-thread guard for tests on real (small) matrices."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -10,6 +11,7 @@ from pathlib import Path
 
 import torch
 
+from elm_memory.backends.base import Generation, PromptInput, SamplingParams
 from elm_memory.memory import LatentMemory, TrainingStats
 from elm_memory.models.loading import ModelInfo
 
@@ -89,3 +91,33 @@ def prepare_fake_model(home: Path, fingerprint: str, hidden: int = 8) -> Path:
     }
     (folder / "config.json").write_text(json.dumps(config))
     return folder
+
+
+class ScriptedRollouts:
+    """A generation backend that answers every prompt with the given texts (cycled to ``params.n``), so a
+    training step's rewards are known in advance; logits still come from ``real``'s model."""
+
+    name = "scripted"
+
+    def __init__(self, real, texts):
+        self.real, self.texts = real, texts
+        self.tokenizer, self.info = real.tokenizer, real.info
+        self.calls: list[PromptInput] = []
+
+    def generate(self, prompts, params: SamplingParams):
+        self.calls.extend(prompts)
+        gens = []
+        for i in range(params.n):
+            text = self.texts[i % len(self.texts)]
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens]
+            gens.append(Generation(text=text, token_ids=ids, finish_reason="stop"))
+        return [gens for _ in prompts]
+
+
+def weights_checksum(model) -> str:
+    """sha256 over every parameter's name and values: equal before and after means bit-identical weights."""
+    h = hashlib.sha256()
+    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
+        h.update(name.encode())
+        h.update(p.detach().float().numpy().tobytes())
+    return h.hexdigest()

@@ -11,8 +11,9 @@ import json
 
 import pytest
 import torch
+from _fakes import ScriptedRollouts, weights_checksum
 
-from elm_memory.backends.base import Generation, PromptInput, SamplingParams
+from elm_memory.backends.base import PromptInput, SamplingParams
 from elm_memory.config import ELMConfig
 from elm_memory.errors import (
     AdapterError,
@@ -35,34 +36,6 @@ PROMPT = "Question: how many apples?\nAnswer:"
 ROLLOUTS = ["so \\boxed{7}", "\\boxed{7} apples", "maybe \\boxed{8}", "\\boxed{7}"]
 
 
-class ScriptedRollouts:
-    """A backend whose rollouts are fixed texts (non-uniform rewards every step), recording the prompts."""
-
-    name = "scripted"
-
-    def __init__(self, real, texts=ROLLOUTS):
-        self.real, self.texts = real, texts
-        self.tokenizer, self.info = real.tokenizer, real.info
-        self.calls: list[PromptInput] = []
-
-    def generate(self, prompts, params: SamplingParams):
-        self.calls.extend(prompts)
-        gens = []
-        for i in range(params.n):
-            text = self.texts[i % len(self.texts)]
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens]
-            gens.append(Generation(text=text, token_ids=ids, finish_reason="stop"))
-        return [gens for _ in prompts]
-
-
-def _checksum(model) -> str:
-    h = hashlib.sha256()
-    for name, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        h.update(name.encode())
-        h.update(p.detach().float().numpy().tobytes())
-    return h.hexdigest()
-
-
 def _config(kind: str, **memory) -> ELMConfig:
     return ELMConfig.load(
         preset="cpu-tiny",
@@ -73,7 +46,7 @@ def _config(kind: str, **memory) -> ELMConfig:
 def _learn(smol, kind: str, question: str = QUESTION, **memory) -> tuple[LatentMemory, ScriptedRollouts]:
     cfg = _config(kind, **memory)
     prompts = PromptBuilder(smol.tokenizer, cfg.prompt, smol.info.max_context)
-    scripted = ScriptedRollouts(_Real(smol))
+    scripted = ScriptedRollouts(_Real(smol), ROLLOUTS)
     memory_ = learn_memory(question, config=cfg, loaded=smol, backend=scripted, prompts=prompts)
     return memory_, scripted
 
@@ -179,9 +152,9 @@ def test_lora_hooks_condition_only_the_thread_that_applied_them(smol):
 
 @pytest.mark.model
 def test_grpo_trains_a_lora_memory_and_never_the_model(smol):
-    before = _checksum(smol.model)
+    before = weights_checksum(smol.model)
     memory, scripted = _learn(smol, "lora", learning_rate=1e-3)
-    assert _checksum(smol.model) == before  # bit-identical base weights
+    assert weights_checksum(smol.model) == before  # bit-identical base weights
     assert all(not p.requires_grad for p in smol.model.parameters())
     assert memory.kind == "lora" and memory.meta.num_tokens == 0 and memory.meta.adapter == {"alpha": 32.0}
     s = memory.meta.stats
@@ -267,9 +240,9 @@ def test_hf_backend_generates_under_a_prefix_and_a_lora_memory(smol, tiny_backen
 
 @pytest.mark.model
 def test_grpo_trains_a_prefix_memory(smol):
-    before = _checksum(smol.model)
+    before = weights_checksum(smol.model)
     memory, scripted = _learn(smol, "prefix")
-    assert _checksum(smol.model) == before
+    assert weights_checksum(smol.model) == before
     assert memory.kind == "prefix" and memory.meta.num_tokens == 6
     adapter = memory.adapter()
     init = question_prefix(smol, _ids(smol, QUESTION), 6)
@@ -499,9 +472,11 @@ def test_learn_memories_batches_adapter_memories(smol):
     cfg = _config("lora", learning_rate=1e-3)
     prompts = PromptBuilder(smol.tokenizer, cfg.prompt, smol.info.max_context)
     both = learn_memories(
-        [QUESTION, OTHER], config=cfg, loaded=smol, backend=ScriptedRollouts(_Real(smol)), prompts=prompts
+        [QUESTION, OTHER], config=cfg, loaded=smol, backend=ScriptedRollouts(_Real(smol), ROLLOUTS), prompts=prompts
     )
-    alone = learn_memory(OTHER, config=cfg, loaded=smol, backend=ScriptedRollouts(_Real(smol)), prompts=prompts)
+    alone = learn_memory(
+        OTHER, config=cfg, loaded=smol, backend=ScriptedRollouts(_Real(smol), ROLLOUTS), prompts=prompts
+    )
     a, b, c = both[1].adapter(), alone.adapter(), both[0].adapter()
 
     def gap(x, y) -> float:  # L2 distance over all the memory's tensors

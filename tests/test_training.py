@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import hashlib
-
 import pytest
 import torch
+from _fakes import ScriptedRollouts, weights_checksum
 
-from elm_memory.backends.base import Generation, PromptInput, SamplingParams
+from elm_memory.backends.base import PromptInput
 from elm_memory.config import ELMConfig, TrainingConfig
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, NonFiniteError
 from elm_memory.memory import LatentMemory
@@ -93,34 +92,6 @@ def test_init_tiles_or_truncates_the_question_tokens():
 # -- the native loop on real weights -------------------------------------------------------
 
 
-class ScriptedRollouts:
-    """A backend whose rollouts are fixed texts (tokenised by the real tokenizer), so the
-    rewards are known while the training forward/backward runs on the real model."""
-
-    name = "scripted"
-
-    def __init__(self, real, texts):
-        self.real, self.texts = real, texts
-        self.tokenizer, self.info = real.tokenizer, real.info
-        self.calls: list[PromptInput] = []
-
-    def generate(self, prompts, params: SamplingParams):
-        self.calls.extend(prompts)
-        gens = []
-        for i in range(params.n):
-            text = self.texts[i % len(self.texts)]
-            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"][: params.max_new_tokens]
-            gens.append(Generation(text=text, token_ids=ids, finish_reason="stop"))
-        return [gens for _ in prompts]
-
-
-def _checksum(model) -> str:
-    h = hashlib.sha256()
-    for _, p in sorted(model.named_parameters(), key=lambda kv: kv[0]):
-        h.update(p.detach().float().numpy().tobytes())
-    return h.hexdigest()
-
-
 @pytest.fixture(scope="module")
 def tiny_setup(tiny_loaded, tiny_backend):
     cfg = ELMConfig.load(preset="cpu-tiny", overrides={"training": {"steps": 3, "num_generations": 4}})
@@ -131,7 +102,7 @@ def tiny_setup(tiny_loaded, tiny_backend):
 def test_grpo_moves_the_soft_prompt_and_never_the_model(tiny_loaded, tiny_backend, tiny_setup):
     cfg, prompts = tiny_setup
     scripted = ScriptedRollouts(tiny_backend, ["so \\boxed{7}", "\\boxed{7} apples", "maybe \\boxed{8}", "\\boxed{7}"])
-    before = _checksum(tiny_loaded.model)
+    before = weights_checksum(tiny_loaded.model)
     trainer = NativeTrainer(tiny_loaded, scripted, cfg.training)
     memory = learn_memory(QUESTION, config=cfg, loaded=tiny_loaded, backend=scripted, prompts=prompts, trainer=trainer)
     s = memory.meta.stats
@@ -143,7 +114,7 @@ def test_grpo_moves_the_soft_prompt_and_never_the_model(tiny_loaded, tiny_backen
     assert memory.soft_prompt.shape == (20, tiny_loaded.info.hidden_size)
     assert not torch.equal(memory.soft_prompt, init)  # the memory learned something
     assert (memory.soft_prompt - init).abs().max() < 1e-2  # ...with lr 1e-4 over 3 steps: a small move
-    assert _checksum(tiny_loaded.model) == before  # the base model is frozen
+    assert weights_checksum(tiny_loaded.model) == before  # the base model is frozen
     assert all(not p.requires_grad for p in tiny_loaded.model.parameters())
     # Rollouts were drawn with the current soft prompt, in the configured position, each step.
     assert len(scripted.calls) == 3 and all(c.soft_prompt is not None for c in scripted.calls)
@@ -290,12 +261,12 @@ def test_trl_engine_runs_one_step_and_leaves_the_model_untouched(tiny_loaded, ti
         update={"engine": "trl", "steps": 1, "num_generations": 2, "max_completion_length": 8}
     )
     cfg = cfg.model_copy(update={"training": training})
-    before = _checksum(tiny_loaded.model)
+    before = weights_checksum(tiny_loaded.model)
     memory = learn_memory(QUESTION, config=cfg, loaded=tiny_loaded, backend=tiny_backend, prompts=prompts)
     assert memory.meta.stats.engine == "trl" and memory.meta.stats.steps == 1
     assert memory.soft_prompt.shape == (20, tiny_loaded.info.hidden_size)
     assert len(memory.meta.stats.answers) == 1 and len(memory.meta.stats.answers[0]) == 2
-    assert _checksum(tiny_loaded.model) == before
+    assert weights_checksum(tiny_loaded.model) == before
     assert type(tiny_loaded.model).__name__ == "LlamaForCausalLM" and not tiny_loaded.model.training
     # same format as native memories
     assert LatentMemory.from_bytes(memory.to_bytes()).meta.stats.engine == "trl"
