@@ -413,6 +413,20 @@ def test_consistency_ties_and_unanswerable_candidates_score_equal():
     assert len(backend.calls) == calls  # nothing to agree with: no sampling
 
 
+def test_consistency_scores_recorded_answers_like_responses():
+    """score_answers (a run's recorded final answers) gives what score gives for the responses."""
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    backend = FixedSamplesBackend(["\\boxed{7}"] * 3 + ["\\boxed{5}"])
+    v = ConsistencyVerifier(backend, samples=4)
+    prompt = PromptInput((4, 5))
+    assert v.score_answers(QUESTION, ["7.0", "5", None], [Candidate("x", prompt=prompt)]) == [0.75, 0.25, 0.0]
+    assert backend.calls[-1][0][0].token_ids == (4, 5)  # sampled from the responses' prompt
+    calls = len(backend.calls)
+    assert v.score_answers(QUESTION, [None, None]) == [0.0, 0.0]
+    assert len(backend.calls) == calls
+
+
 def test_consistency_budget_fits_the_context_and_prompt_is_built_without_one(tiny_loaded):
     from elm_memory.verifiers.consistency import ConsistencyVerifier
 

@@ -87,7 +87,13 @@ class ConsistencyVerifier:
 
     # -- scoring -------------------------------------------------------------------
     def score(self, question: str, responses: Sequence[Candidate]) -> list[float]:
-        answers = [extract_answer(c.text) if c.text else None for c in responses]
+        return self.score_answers(question, [extract_answer(c.text) if c.text else None for c in responses], responses)
+
+    def score_answers(
+        self, question: str, answers: Sequence[str | None], responses: Sequence[Candidate] = ()
+    ) -> list[float]:
+        """:meth:`score` on final answers already extracted (e.g. a run's recorded candidates);
+        ``responses`` only supplies the prompt the samples are drawn from."""
         if not any(a is not None for a in answers):
             return [0.0] * len(answers)  # nothing to agree with: skip the sampling
         drawn = self.sample_answers(question, responses)
