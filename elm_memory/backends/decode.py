@@ -12,6 +12,12 @@ most rows are padding long before the batch ends. This loop:
   seed only, not on which other prompts share the batch (what training several memories
   together needs to equal training each alone).
 
+Prompts of one batch may also carry **their own options** (a greedy answer decoded next to
+n sampled rollouts, each row stopping at its own length): what lets answering and learning
+share decode steps (:mod:`elm_memory.backends.fusing`). On a CPU a decode step is mostly fixed
+cost (one batch-1 step of the 0.5B model reached a quarter of the memory-bandwidth bound, and
+8 rows cost 1.2x one row), so rows that would have decoded one after another nearly come free.
+
 Each lever is a :class:`~elm_memory.config.BackendConfig` switch; ``benchmarks/learn_throughput.py``
 measures them against ``model.generate``.
 """
@@ -45,7 +51,7 @@ class DecodeOptions:
 def sample(
     model: torch.nn.Module,
     attention_mask: torch.Tensor,
-    options: DecodeOptions,
+    options: DecodeOptions | Sequence[DecodeOptions],
     *,
     input_ids: torch.Tensor | None = None,
     inputs_embeds: torch.Tensor | None = None,
@@ -61,21 +67,28 @@ def sample(
     the ids), ``"answer"`` (``should_stop(row, tokens, token)`` said so after ``token``) or
     ``"length"``. ``generators[i]`` draws prompt i's samples (None: the global RNG).
     ``memory``: a lora/prefix memory applied to every row (a prefix starts the KV cache).
+
+    ``options`` may be one per prompt: prompt i then gets ``options[i].n`` rows, decoded at its
+    own temperature, top-p and length (``share_prompt_kv``/``drop_finished`` are the first's).
+    A prompt's rows and random draws are the ones it gets in a batch of its own.
     """
     inputs = input_ids if input_ids is not None else inputs_embeds
     assert inputs is not None, "pass input_ids or inputs_embeds"
-    B, n = inputs.shape[0], options.n
-    prefill_rows = B * n if n > 1 and not options.share_prompt_kv else B
+    per_prompt = [options] * inputs.shape[0] if isinstance(options, DecodeOptions) else list(options)
+    if len(per_prompt) != inputs.shape[0]:
+        raise ValueError(f"{len(per_prompt)} decode options for {inputs.shape[0]} prompts")
+    rows = sum(o.n for o in per_prompt)
+    prefill_rows = rows if not per_prompt[0].share_prompt_kv else inputs.shape[0]
     with memory.apply(model, prefill_rows) if memory is not None else nullcontext(AppliedMemory()) as applied:
         return _sample(
-            model, attention_mask, options, applied, input_ids, inputs_embeds, eos_ids, generators, should_stop
+            model, attention_mask, per_prompt, applied, input_ids, inputs_embeds, eos_ids, generators, should_stop
         )
 
 
 def _sample(
     model: torch.nn.Module,
     attention_mask: torch.Tensor,
-    options: DecodeOptions,
+    per_prompt: list[DecodeOptions],
     applied: AppliedMemory,
     input_ids: torch.Tensor | None,
     inputs_embeds: torch.Tensor | None,
@@ -86,19 +99,21 @@ def _sample(
     """:func:`sample` under an applied memory (whose cache, if any, already holds a prefix)."""
     inputs = input_ids if input_ids is not None else inputs_embeds
     assert inputs is not None
-    B, n = inputs.shape[0], options.n
+    options = per_prompt[0]
     device = inputs.device
     mask = attention_mask.to(device=device, dtype=torch.long)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
+    row_prompt = [p for p, o in enumerate(per_prompt) for _ in range(o.n)]  # the prompt of each row
+    expand = torch.tensor(row_prompt, device=device) if len(row_prompt) > len(per_prompt) else None
 
     from transformers import DynamicCache
 
     cache = applied.cache if applied.cache is not None else DynamicCache()
-    if n > 1 and not options.share_prompt_kv:  # the reference behaviour: n copies of each prompt prefilled
-        input_ids = None if input_ids is None else input_ids.repeat_interleave(n, dim=0)
-        inputs_embeds = None if inputs_embeds is None else inputs_embeds.repeat_interleave(n, dim=0)
-        mask, positions = mask.repeat_interleave(n, dim=0), positions.repeat_interleave(n, dim=0)
+    if expand is not None and not options.share_prompt_kv:  # the reference: each row's prompt prefilled
+        input_ids = None if input_ids is None else input_ids[expand]
+        inputs_embeds = None if inputs_embeds is None else inputs_embeds[expand]
+        mask, positions = mask[expand], positions[expand]
     mask = applied.mask(mask)  # a prefix's positions in front; position ids count the prompt's own tokens
     out = model(
         input_ids=input_ids,
@@ -110,18 +125,19 @@ def _sample(
         logits_to_keep=1,
     )
     logits = out.logits[:, -1, :]
-    if n > 1 and options.share_prompt_kv:  # one prefill per prompt, its KV repeated for its n samples
-        cache.batch_repeat_interleave(n)
-        logits, mask, positions = (t.repeat_interleave(n, dim=0) for t in (logits, mask, positions))
+    if expand is not None and options.share_prompt_kv:  # one prefill per prompt, its KV repeated per row
+        cache.batch_select_indices(expand)
+        logits, mask, positions = logits[expand], mask[expand], positions[expand]
 
-    rows = B * n
+    rows = len(row_prompt)
+    limit = [per_prompt[p].max_new_tokens for p in row_prompt]
     tokens: list[list[int]] = [[] for _ in range(rows)]
     reasons = ["length"] * rows
     live = list(range(rows))  # the original row of each batch position
     alive = [True] * rows  # per batch position; only False for kept finished rows (drop_finished off)
     next_pos = positions[:, -1] + 1
-    for step in range(options.max_new_tokens):
-        picked = _pick(logits, live, alive, n, options, generators)
+    for _ in range(max(limit)):
+        picked = _pick(logits, live, alive, row_prompt, per_prompt, generators)
         picked_list = picked.tolist()
         is_eos = torch.isin(picked, eos).tolist()
         for b, row in enumerate(live):
@@ -133,7 +149,9 @@ def _sample(
                 reasons[row], alive[b] = "stop", False
             elif should_stop is not None and should_stop(row, tokens[row], tok):
                 reasons[row], alive[b] = "answer", False
-        if step == options.max_new_tokens - 1 or not any(alive):
+            elif len(tokens[row]) >= limit[row]:
+                alive[b] = False  # its reason stays "length"
+        if not any(alive):
             break
         mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=device)], dim=1)
         if options.drop_finished and not all(alive):
@@ -158,7 +176,33 @@ def _pick(
     logits: torch.Tensor,
     live: list[int],
     alive: list[bool],
-    n: int,
+    row_prompt: list[int],
+    per_prompt: list[DecodeOptions],
+    generators: Sequence[torch.Generator | None] | None,
+) -> torch.Tensor:
+    """One token per batch row, under its prompt's options (rows of prompts with other options
+    than the first are picked as a group of their own: greedy rows take no random draw)."""
+    first = per_prompt[0]
+    if all(o.temperature == first.temperature and o.top_p == first.top_p for o in per_prompt):
+        return _pick_rows(logits, live, alive, row_prompt, first, generators)
+    picked = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
+    groups: dict[tuple[float, float], list[int]] = {}
+    for b, row in enumerate(live):
+        o = per_prompt[row_prompt[row]]
+        groups.setdefault((o.temperature, o.top_p), []).append(b)
+    for positions in groups.values():
+        o = per_prompt[row_prompt[live[positions[0]]]]
+        idx = torch.tensor(positions, device=logits.device)
+        sub_live, sub_alive = [live[b] for b in positions], [alive[b] for b in positions]
+        picked[idx] = _pick_rows(logits[idx], sub_live, sub_alive, row_prompt, o, generators)
+    return picked
+
+
+def _pick_rows(
+    logits: torch.Tensor,
+    live: list[int],
+    alive: list[bool],
+    row_prompt: list[int],
     options: DecodeOptions,
     generators: Sequence[torch.Generator | None] | None,
 ) -> torch.Tensor:
@@ -179,7 +223,7 @@ def _pick(
     by_prompt: dict[int, list[int]] = {}
     for b, row in enumerate(live):
         if alive[b]:
-            by_prompt.setdefault(row // n, []).append(b)
+            by_prompt.setdefault(row_prompt[row], []).append(b)
     for prompt, batch_rows in by_prompt.items():
         gen = generators[prompt]
         device = gen.device if gen is not None else "cpu"

@@ -125,6 +125,60 @@ class HFBackend:
         return [g for g in out if g is not None]
 
     @torch.no_grad()
+    def generate_many(
+        self, requests: Sequence[tuple[Sequence[PromptLike], SamplingParams]]
+    ) -> list[list[list[Generation]]]:
+        """Several ``generate`` calls at once: what each returns, with all their prompts decoded as
+        one batch where they can share it (each prompt under its own call's params and seed, so its
+        rows are the ones its own call would decode, up to the batch's effect on bf16 arithmetic).
+
+        Calls with a lora/prefix memory (a hook or cache serves a whole batch), with ``logprobs``, or
+        more rows than ``backend.max_batch_rows``, and the ``generate`` decode loop, run one by one.
+        """
+        calls = [([to_prompt_input(p, self.tokenizer) for p in prompts], params) for prompts, params in requests]
+        rows = sum(len(inputs) * params.n for inputs, params in calls)
+        fusable = (
+            len(calls) > 1
+            and self.decode_loop == "elm"
+            and rows <= self.batch_size
+            and not any(params.logprobs or any(p.memory is not None for p in inputs) for inputs, params in calls)
+        )
+        if not fusable:
+            return [self.generate(inputs, params) for inputs, params in calls]
+        batch = [p for inputs, _ in calls for p in inputs]
+        options, generators, stops = [], [], []
+        for inputs, params in calls:
+            for index, prompt in enumerate(inputs):  # the index its own call gives it: the same seed
+                options.append(self._decode_options(params))
+                seed = None if params.greedy else self._prompt_seed(prompt, params, index)
+                generators.append(None if seed is None else torch.Generator(device=self.device).manual_seed(seed))
+                stops.extend([params.stop_at_answer] * params.n)
+        tensors, mask = self._left_padded(batch)
+
+        def stop(row: int, tokens: list[int], token: int) -> bool:
+            return stops[row] and self._answer_closed(row, tokens, token)
+
+        decoded = decode.sample(
+            self.model,
+            mask,
+            options,
+            eos_ids=self.eos_ids,
+            generators=generators if any(g is not None for g in generators) else None,
+            should_stop=stop if any(stops) else None,
+            memory=None,
+            **tensors,
+        )
+        out: list[list[list[Generation]]] = []
+        row = 0
+        for inputs, params in calls:
+            gens: list[list[Generation]] = []
+            for _ in inputs:
+                gens.append([self._finish(*decoded[row + j]) for j in range(params.n)])
+                row += params.n
+            out.append(gens)
+        return out
+
+    @torch.no_grad()
     def token_logprobs(self, prompt: PromptInput, completions: Sequence[Sequence[int]]) -> list[list[float]]:
         """Log-probabilities (temperature 1) of each completion token given the prompt, teacher-forced."""
         # one completion per forward: a batch of G long completions would hold G x (T, vocab) logits
@@ -191,14 +245,7 @@ class HFBackend:
         params: SamplingParams,
         seeds: list[int] | None,
     ) -> list[tuple[list[int], str]]:
-        options = DecodeOptions(
-            max_new_tokens=params.max_new_tokens,
-            temperature=0.0 if params.greedy else params.temperature,
-            top_p=params.top_p,
-            n=params.n,
-            share_prompt_kv=self.share_prompt_kv,
-            drop_finished=self.drop_finished,
-        )
+        options = self._decode_options(params)
         generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] if seeds else None
         stop = self._answer_closed if params.stop_at_answer else None
         return decode.sample(
@@ -210,6 +257,16 @@ class HFBackend:
             should_stop=stop,
             memory=batch[0].memory,
             **inputs,
+        )
+
+    def _decode_options(self, params: SamplingParams) -> DecodeOptions:
+        return DecodeOptions(
+            max_new_tokens=params.max_new_tokens,
+            temperature=0.0 if params.greedy else params.temperature,
+            top_p=params.top_p,
+            n=params.n,
+            share_prompt_kv=self.share_prompt_kv,
+            drop_finished=self.drop_finished,
         )
 
     def _answer_closed(self, row: int, tokens: list[int], token: int) -> bool:

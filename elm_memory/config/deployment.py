@@ -318,6 +318,16 @@ class LearnerConfig(ConfigSection):
             "Also the batch of `elm offline` training. Ignored by training.engine=trl (one at a time)."
         ),
     )
+    overlap_answering: bool = Field(
+        default=True,
+        description=(
+            "Online evaluation (`elm stream`, `elm demo`) with `mode: sync`: learn question i's memory while "
+            "question i is answered, the answer's decode and the first training step's rollouts in one batch "
+            "(`hf` backend; other backends run them one after the other). Learning reads no answer and the "
+            "memory is stored before question i+1, so the protocol is unchanged; on a 2-core CPU a decode step "
+            "of 5 rows costs little more than one of 1. False: answer, then learn."
+        ),
+    )
     ray: RayLearnerConfig = Field(
         default_factory=RayLearnerConfig, description="`learner.mode: ray` only: the Ray actor pool and retries."
     )

@@ -50,21 +50,49 @@ class GreedyCache:
         )
 
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
-        if not params.greedy or params.n != 1:
-            return self._backend.generate(prompts, params)
-        inputs = [to_prompt_input(p, self._backend.tokenizer) for p in prompts]
-        keys = [self._key(p, params) for p in inputs]
-        missing = [i for i, k in enumerate(keys) if k not in self._entries]
-        self.hits += len(inputs) - len(missing)
-        self.misses += len(missing)
-        if missing:
-            fresh = self._backend.generate([inputs[i] for i in missing], params)
-            for i, [gen] in zip(missing, fresh, strict=True):
-                self._entries[keys[i]] = gen
-                while len(self._entries) > self._size:
-                    self._entries.popitem(last=False)
-        out = []
-        for k in keys:
-            self._entries.move_to_end(k)
-            out.append([copy.deepcopy(self._entries[k])])
+        return self.generate_many([(prompts, params)])[0]
+
+    def generate_many(
+        self, requests: Sequence[tuple[Sequence[PromptLike], SamplingParams]]
+    ) -> list[list[list[Generation]]]:
+        """Each call's cache hits served here, everything else in one ``generate_many`` of the
+        backend (one ``generate`` when only one call is left, or the backend has no ``generate_many``)."""
+        plans: list[tuple[list[Any], list[int]] | None] = []  # per call: (keys, missing) or None (sampled)
+        forward: list[tuple[Sequence[PromptLike], SamplingParams]] = []
+        for prompts, params in requests:
+            if not params.greedy or params.n != 1:
+                plans.append(None)
+                forward.append((prompts, params))
+                continue
+            inputs = [to_prompt_input(p, self._backend.tokenizer) for p in prompts]
+            keys = [self._key(p, params) for p in inputs]
+            missing = [i for i, k in enumerate(keys) if k not in self._entries]
+            self.hits += len(inputs) - len(missing)
+            self.misses += len(missing)
+            plans.append((keys, missing))
+            if missing:
+                forward.append(([inputs[i] for i in missing], params))
+        fresh = iter(self._forward(forward))
+        out: list[list[list[Generation]]] = []
+        for plan in plans:
+            if plan is None:
+                out.append(next(fresh))
+                continue
+            keys, missing = plan
+            if missing:
+                for i, [gen] in zip(missing, next(fresh), strict=True):
+                    self._entries[keys[i]] = gen
+                    while len(self._entries) > self._size:
+                        self._entries.popitem(last=False)
+            gens = []
+            for k in keys:
+                self._entries.move_to_end(k)
+                gens.append([copy.deepcopy(self._entries[k])])
+            out.append(gens)
         return out
+
+    def _forward(self, requests: list[tuple[Sequence[PromptLike], SamplingParams]]) -> list[list[list[Generation]]]:
+        many = getattr(self._backend, "generate_many", None)
+        if len(requests) > 1 and callable(many):
+            return list(many(requests))
+        return [self._backend.generate(prompts, params) for prompts, params in requests]

@@ -178,12 +178,17 @@ class _Stream:
 
 
 def _run_one(method: Any, index: int, problem: Problem) -> dict[str, Any]:
-    t0 = time.perf_counter()
-    output = method.answer(problem.question, index)
-    t_answer = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    method.learn(problem.question, problem.id, output)
-    record = _record(method, index, problem, output, t_answer, time.perf_counter() - t1)
+    both = getattr(method, "answer_and_learn", None)  # a method that can overlap the two
+    if both is not None:
+        output, t_answer, t_learn = both(problem.question, problem.id, index)
+    else:
+        t0 = time.perf_counter()
+        output = method.answer(problem.question, index)
+        t_answer = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        method.learn(problem.question, problem.id, output)
+        t_learn = time.perf_counter() - t1
+    record = _record(method, index, problem, output, t_answer, t_learn)
     grade = getattr(method, "record_ground_truth", None)  # after answering and learning: gold never leaks in
     if grade is not None:
         grade(output, record["correct"])

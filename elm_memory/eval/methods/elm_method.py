@@ -9,6 +9,10 @@ is a no-op.
 
 from __future__ import annotations
 
+import time
+from typing import Any
+
+from elm_memory.backends.fusing import FusedCalls
 from elm_memory.elm import ELM
 from elm_memory.errors import ELMError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, memory_store_config
@@ -31,7 +35,10 @@ class ELMMethod:
             }
         )
         base = runtime.base
-        self.elm = ELM(self.config, loaded=base.loaded, backend=base.backend, verifier=base.verifier)
+        # answering and learning one question run side by side, their decodes batched together
+        self.fused = FusedCalls(base.backend)
+        self.overlap = self.config.learner.overlap_answering
+        self.elm = ELM(self.config, loaded=base.loaded, backend=self.fused.backend, verifier=base.verifier)
         self._bytes: dict[str, int] = {}  # memory id -> bytes of its stored form (a memory never changes)
 
     def answer(self, question: str, index: int) -> MethodOutput:
@@ -50,7 +57,33 @@ class ELMMethod:
         )
 
     def learn(self, question: str, question_id: str, output: MethodOutput) -> None:
-        ticket = self.elm.learner.submit(question, self.name)
+        self._note_ticket(output, self.elm.learner.submit(question, self.name))
+
+    def answer_and_learn(self, question: str, question_id: str, index: int) -> tuple[MethodOutput, float, float]:
+        """Answer and learn one question side by side (``learner.overlap_answering``): the output, the
+        seconds until the answer was ready, and the seconds learning went on after it.
+
+        Retrieval cannot see this question's memory: learning stores it only after its rollouts, and
+        those wait in the fused batch until the answer has retrieved and reached its own decode."""
+        if not self.overlap:
+            t0 = time.perf_counter()
+            output = self.answer(question, index)
+            t1 = time.perf_counter()
+            self.learn(question, question_id, output)
+            return output, t1 - t0, time.perf_counter() - t1
+        t0 = time.perf_counter()
+        answered: list[float] = []
+
+        def answer() -> MethodOutput:
+            out = self.answer(question, index)
+            answered.append(time.perf_counter() - t0)
+            return out
+
+        output, ticket = self.fused.run([answer, lambda: self.elm.learner.submit(question, self.name)])
+        self._note_ticket(output, ticket)
+        return output, answered[0], time.perf_counter() - t0 - answered[0]
+
+    def _note_ticket(self, output: MethodOutput, ticket: Any) -> None:
         output.extra["learn_job"] = {"job_id": ticket.job_id, "status": ticket.status, "memory_id": ticket.memory_id}
         if ticket.status not in ("done", "skipped"):
             output.warnings.append(f"learning the memory ended with status {ticket.status!r}")

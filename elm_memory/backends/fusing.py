@@ -1,0 +1,147 @@
+"""Run a few independent parts of one job in threads whose ``generate`` calls share decode batches.
+
+The online protocol answers a question and then learns a memory from it. The two do not depend
+on each other (a memory is learned from the question, with no answer and no gold), and on a CPU
+each is mostly a decode loop at a tiny batch: the memory-conditioned answer is one greedy row,
+the first training step's rollouts are G sampled rows. A decode step costs nearly the same for 5
+rows as for 1 (see :mod:`elm_memory.backends.decode`), so decoding them as one batch saves most
+of one of the two.
+
+:meth:`FusedCalls.run` runs the parts in threads against :attr:`FusedCalls.backend`, a view of
+the wrapped backend. A part's ``generate`` call waits until every part still running is waiting
+in ``generate`` too (or has finished), then all waiting calls go to the backend's
+``generate_many`` as one batch. Deterministic, no timing window: the batch forms when nobody
+else can add to it. Outside :meth:`run`, or from any other thread, the view calls straight through.
+
+A backend without ``generate_many`` (e.g. the vLLM backends, whose engine batches by itself and
+is not driven from several threads here) runs the parts one after another, in order.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from elm_memory.backends.base import Generation, PromptLike, SamplingParams
+
+
+@dataclass
+class _Call:
+    prompts: Sequence[PromptLike]
+    params: SamplingParams
+    result: list[list[Generation]] | None = None
+    error: BaseException | None = None
+    done: bool = False
+
+
+@dataclass
+class FusionStats:
+    """What fusing did, for benchmarks and tests: batches run and the calls each held."""
+
+    batches: list[int] = field(default_factory=list)  # calls per batch sent to generate_many
+
+
+class FusedView:
+    """The backend as the parts see it: ``generate`` joins the current fused batch from a part's
+    thread, and calls straight through otherwise. Everything else is the wrapped backend's."""
+
+    def __init__(self, owner: FusedCalls):
+        self._owner = owner
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._owner.inner, name)
+
+    def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
+        return self._owner.generate(prompts, params)
+
+
+class FusedCalls:
+    """Wraps a backend; :meth:`run` executes parts whose ``generate`` calls are batched together."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.backend = FusedView(self)
+        self.stats = FusionStats()
+        self._cond = threading.Condition()
+        self._active: set[int] = set()  # parts still running in the current run()
+        self._pending: list[_Call] = []
+        self._local = threading.local()
+        self._run_lock = threading.Lock()  # one run() at a time
+
+    @property
+    def can_fuse(self) -> bool:
+        return callable(getattr(self.inner, "generate_many", None))
+
+    def run(self, parts: Sequence[Callable[[], Any]]) -> list[Any]:
+        """Each part's return value, in order; the first part's exception is raised after all have
+        ended (a failed part leaves the fused batch, so it never blocks the others)."""
+        if not self.can_fuse or len(parts) < 2:
+            return [part() for part in parts]
+        results: list[Any] = [None] * len(parts)
+        errors: list[BaseException | None] = [None] * len(parts)
+
+        def work(i: int) -> None:
+            self._local.part = i
+            try:
+                results[i] = parts[i]()
+            except BaseException as exc:  # re-raised in the caller's thread below
+                errors[i] = exc
+            finally:
+                self._local.part = None
+                with self._cond:
+                    self._active.discard(i)
+                    self._cond.notify_all()
+
+        with self._run_lock:
+            with self._cond:
+                self._active = set(range(len(parts)))
+            threads = [threading.Thread(target=work, args=(i,), name=f"elm-fused-{i}") for i in range(len(parts))]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+        for exc in errors:
+            if exc is not None:
+                raise exc
+        return results
+
+    def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
+        if getattr(self._local, "part", None) is None:
+            return self.inner.generate(prompts, params)
+        call = _Call(prompts, params)
+        with self._cond:
+            self._pending.append(call)
+            self._cond.notify_all()
+            while not call.done:
+                if len(self._pending) == len(self._active):  # every running part waits here: decode them
+                    batch, self._pending = self._pending, []
+                    self._cond.release()
+                    try:
+                        self._decode(batch)
+                    finally:
+                        self._cond.acquire()
+                    self._cond.notify_all()
+                else:
+                    self._cond.wait()
+        if call.error is not None:
+            raise call.error
+        assert call.result is not None
+        return call.result
+
+    def _decode(self, batch: list[_Call]) -> None:
+        try:
+            if len(batch) == 1:
+                results = [self.inner.generate(batch[0].prompts, batch[0].params)]
+            else:
+                results = self.inner.generate_many([(c.prompts, c.params) for c in batch])
+            self.stats.batches.append(len(batch))
+            for c, r in zip(batch, results, strict=True):
+                c.result = r
+        except BaseException as exc:  # every call of the batch gets it
+            for c in batch:
+                c.error = exc
+        finally:
+            for c in batch:
+                c.done = True

@@ -1,0 +1,261 @@
+"""Answering and learning side by side: per-prompt decode options, ``generate_many`` and FusedCalls."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from elm_memory.backends import decode
+from elm_memory.backends.base import Generation, PromptInput, SamplingParams
+from elm_memory.backends.fusing import FusedCalls
+from elm_memory.config import ELMConfig
+from elm_memory.eval.cache import GreedyCache
+from elm_memory.eval.datasets import load_problems
+from elm_memory.eval.records import RecordLog
+
+GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)
+SAMPLED = SamplingParams(max_new_tokens=6, temperature=0.8, n=3, seed=7)
+
+
+def _ids(result):
+    return [[g.token_ids for g in gens] for gens in result]
+
+
+def _prompts(backend):
+    tok = backend.tokenizer
+    a = tuple(tok("Tom has 3 apples and buys 4 more. How many", add_special_tokens=False)["input_ids"])
+    b = tuple(tok("What is 17 + 25? The answer is", add_special_tokens=False)["input_ids"])
+    c = tuple(tok("A train travels 60 km in", add_special_tokens=False)["input_ids"])
+    hidden = backend.model.get_input_embeddings().weight.shape[1]
+    soft = torch.randn(4, hidden, generator=torch.Generator().manual_seed(0))
+    return a, b, PromptInput(c, soft_prompt=soft * 0.01, soft_prompt_at=1)
+
+
+# ---- the decode loop and the backend ---------------------------------------------------------
+
+
+def test_generate_many_gives_each_call_what_it_gets_alone(tiny_backend):
+    """One greedy call of two prompts and one sampled call (n=3, a soft prompt, another length) decoded as
+    one batch: every row equals the row of its own call (float32), and each keeps its own length."""
+    a, b, c = _prompts(tiny_backend)
+    alone = [tiny_backend.generate([a, b], GREEDY), tiny_backend.generate([c], SAMPLED)]
+    calls = []
+    real = decode.sample
+
+    def spy(*args, **kwargs):
+        calls.append(args[2])
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode, "sample", spy)
+        together = tiny_backend.generate_many([([a, b], GREEDY), ([c], SAMPLED)])
+    assert len(calls) == 1 and [o.n for o in calls[0]] == [1, 1, 3]  # one decode, per-prompt options
+    assert [_ids(r) for r in together] == [_ids(r) for r in alone]
+    assert all(len(g.token_ids) <= 6 for g in together[1][0]) and len(together[1][0]) == 3
+    assert max(len(g.token_ids) for g in together[0][0] + together[0][1]) > 6  # the greedy rows went on
+
+
+def test_generate_many_stops_at_the_answer_only_for_calls_that_ask(tiny_backend):
+    a, b, _ = _prompts(tiny_backend)
+    stop = SamplingParams(max_new_tokens=10, stop_at_answer=True)
+    alone = [tiny_backend.generate([a], stop), tiny_backend.generate([b], GREEDY)]
+    together = tiny_backend.generate_many([([a], stop), ([b], GREEDY)])
+    assert [_ids(r) for r in together] == [_ids(r) for r in alone]
+    assert [r[0][0].finish_reason for r in together] == [r[0][0].finish_reason for r in alone]
+
+
+def test_generate_many_runs_calls_alone_when_they_cannot_share_a_batch(tiny_backend):
+    a, b, _ = _prompts(tiny_backend)
+    calls = []
+    real = decode.sample
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    with_logprobs = SamplingParams(max_new_tokens=4, logprobs=True)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode, "sample", spy)
+        out = tiny_backend.generate_many([([a], with_logprobs), ([b], GREEDY)])
+    assert len(calls) == 2  # logprobs are computed per call: no shared batch
+    assert out[0][0][0].logprobs is not None and len(out[0][0][0].logprobs) == len(out[0][0][0].token_ids)
+    assert _ids(out[1]) == _ids(tiny_backend.generate([b], GREEDY))
+
+
+def test_per_prompt_options_must_match_the_prompts(tiny_loaded):
+    ids = torch.tensor([[1, 2, 3]])
+    with pytest.raises(ValueError, match="2 decode options for 1 prompts"):
+        decode.sample(
+            tiny_loaded.model,
+            torch.ones_like(ids),
+            [decode.DecodeOptions(max_new_tokens=2)] * 2,
+            input_ids=ids,
+        )
+
+
+def test_the_greedy_cache_serves_hits_and_sends_the_rest_as_one_batch(tiny_backend):
+    a, b, c = _prompts(tiny_backend)
+    cache = GreedyCache(tiny_backend)
+    first = cache.generate([a], GREEDY)
+    seen = []
+    real = tiny_backend.generate_many
+
+    def spy(requests):
+        seen.append([len(p) for p, _ in requests])
+        return real(requests)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(tiny_backend, "generate_many", spy)
+        out = cache.generate_many([([a, b], GREEDY), ([c], SAMPLED)])
+    assert seen == [[1, 1]]  # a was a hit; b and the sampled call share one batch
+    assert _ids(out[0])[0] == _ids(first)[0] and cache.hits == 1
+    assert _ids(out[0])[1] == _ids(tiny_backend.generate([b], GREEDY))[0]
+
+
+# ---- FusedCalls ---------------------------------------------------------------------------------
+
+
+class FakeBackend:
+    """generate / generate_many that record what they were given; a generation's text names its prompt."""
+
+    name = "fake"
+
+    def __init__(self, many: bool = True, fail: bool = False):
+        self.log: list[tuple[str, list]] = []
+        self.fail = fail
+        if not many:
+            self.generate_many = None
+
+    def generate(self, prompts, params):
+        self.log.append(("generate", [list(prompts)]))
+        return [[Generation(f"{p}/{params.n}", [], "stop")] for p in prompts]
+
+    def generate_many(self, requests):
+        self.log.append(("many", [list(p) for p, _ in requests]))
+        if self.fail:
+            raise RuntimeError("decode failed")
+        return [[[Generation(f"{p}/{params.n}", [], "stop")] for p in prompts] for prompts, params in requests]
+
+
+def test_parts_generate_calls_share_one_batch_and_get_their_own_results():
+    backend = FakeBackend()
+    fused = FusedCalls(backend)
+
+    def answer():
+        return fused.backend.generate(["q-zero-shot", "q-memory"], GREEDY)
+
+    def learn():
+        first = fused.backend.generate(["q-rollout"], SAMPLED)
+        second = fused.backend.generate(["q-step2"], SAMPLED)
+        return first, second
+
+    out_answer, (first, second) = fused.run([answer, learn])
+    assert [g[0].text for g in out_answer] == ["q-zero-shot/1", "q-memory/1"]
+    assert first[0][0].text == "q-rollout/3" and second[0][0].text == "q-step2/3"
+    # the answer's call and the first rollouts in one batch (in the order they arrived); the second
+    # step alone, since the answer had ended
+    (kind, calls), last = backend.log
+    assert kind == "many" and sorted(calls) == [["q-rollout"], ["q-zero-shot", "q-memory"]]
+    assert last == ("generate", [["q-step2"]])
+    assert fused.stats.batches == [2, 1]
+
+
+def test_a_failing_part_leaves_the_batch_and_is_raised_after_the_others_end():
+    backend = FakeBackend()
+    fused = FusedCalls(backend)
+    done = []
+
+    def answer():
+        out = fused.backend.generate(["q"], GREEDY)
+        done.append(out[0][0].text)
+
+    def learn():
+        raise ValueError("bad question")
+
+    with pytest.raises(ValueError, match="bad question"):
+        fused.run([answer, learn])
+    assert done == ["q/1"] and backend.log == [("generate", [["q"]])]
+
+
+def test_a_failing_batch_fails_every_call_in_it():
+    fused = FusedCalls(FakeBackend(fail=True))
+    with pytest.raises(RuntimeError, match="decode failed"):
+        fused.run([lambda: fused.backend.generate(["a"], GREEDY), lambda: fused.backend.generate(["b"], SAMPLED)])
+    # the next run starts clean
+    fused.inner.fail = False
+    assert [r[0][0].text for r in fused.run([lambda: fused.backend.generate(["c"], GREEDY)] * 2)] == ["c/1", "c/1"]
+
+
+def test_without_generate_many_parts_run_in_order_on_the_callers_thread():
+    backend = FakeBackend(many=False)
+    fused = FusedCalls(backend)
+    threads = []
+
+    def part(name):
+        def run():
+            threads.append(threading.current_thread())
+            return fused.backend.generate([name], GREEDY)[0][0].text
+
+        return run
+
+    assert fused.run([part("a"), part("b")]) == ["a/1", "b/1"]
+    assert threads == [threading.current_thread()] * 2 and fused.stats.batches == []
+    assert [entry[1] for entry in backend.log] == [[["a"]], [["b"]]]
+
+
+def test_outside_a_run_the_view_is_the_backend():
+    backend = FakeBackend()
+    fused = FusedCalls(backend)
+    assert fused.backend.generate(["x"], GREEDY)[0][0].text == "x/1" and backend.log == [("generate", [["x"]])]
+    assert fused.backend.name == "fake"  # other attributes are the backend's
+
+
+# ---- the online protocol ------------------------------------------------------------------------
+
+
+def test_overlapping_answering_and_learning_changes_no_answer_and_no_memory(tiny_loaded, tiny_backend, tmp_path):
+    """The same stream with learner.overlap_answering on and off (float32): the same records and the
+    same stored memories, and with it on the answers' decodes really shared batches with rollouts."""
+    from elm_memory.elm import ELM
+    from elm_memory.eval.methods.base import EvalRuntime, build_method, memory_store_config
+    from elm_memory.eval.online import run_stream
+
+    problems = load_problems("gsm8k", limit=3, seed=17)
+    runs = {}
+    for overlap in (False, True):
+        cfg = ELMConfig.load(
+            preset="cpu-tiny",
+            overrides={"generation": {"max_new_tokens": 12}, "learner": {"overlap_answering": overlap}},
+        )
+        out = tmp_path / f"overlap-{overlap}"
+        runtime = EvalRuntime(cfg, out, loaded=tiny_loaded, backend=tiny_backend)
+        if overlap:  # count the shared batches through the method the run builds
+            built = []
+            real = build_method
+
+            def spy(name, rt, real=real, built=built):
+                built.append(real(name, rt))
+                return built[-1]
+
+            mp = pytest.MonkeyPatch()
+            mp.setattr("elm_memory.eval.online.build_method", spy)
+        try:
+            run_stream(problems, ["elm_input"], cfg, out, dataset="gsm8k", seed=17, runtime=runtime, progress=False)
+        finally:
+            if overlap:
+                mp.undo()
+        records = RecordLog(out / "records.jsonl").read()
+        store_cfg = memory_store_config(cfg, out, "elm_input").model_copy(update={"namespace": "elm_input"})
+        with ELM(store_cfg, loaded=tiny_loaded, backend=tiny_backend) as elm:
+            store = elm.retriever.store
+            memories = {r.id: store.load(r).soft_prompt for r in store.list("elm_input")}
+        keep = ("answer", "route", "memory_id", "candidates", "response", "pool_size")
+        runs[overlap] = ([{k: r[k] for k in keep} for r in records], memories)
+    assert runs[True][0] == runs[False][0]
+    assert sorted(runs[True][1]) == sorted(runs[False][1]) and len(runs[True][1]) == 3
+    for mid, soft in runs[False][1].items():
+        torch.testing.assert_close(runs[True][1][mid], soft)
+    [method] = built
+    assert method.overlap and method.fused.stats.batches.count(2) >= 3  # each question: answer + rollouts
