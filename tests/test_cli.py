@@ -104,6 +104,8 @@ def test_demo_shows_both_methods_per_question_on_cpu_tiny(tmp_path):
     # the second question retrieves the first one's memory, says where it came from, shows both candidates
     assert "memory " in second and "from Q1 (synth" in second and "similarity 0." in second
     assert "candidates: zero-shot" in second and "|  memory" in second
+    # answered and learned side by side (learner.overlap_answering): the timing line says so
+    assert "(memory learned alongside), then learning" in second
     assert "| zero_shot " in r.stdout and "| elm_input " in r.stdout  # the table has both methods
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert sorted((rec["method"], rec["index"]) for rec in records) == [

@@ -54,7 +54,13 @@ class Walkthrough:
             )
             lines.append(f"              candidates: {shown}")
         t = elm.get("timings") or {}
-        lines.append(f"              answer {t.get('answer', 0):.0f}s, learn {t.get('learn', 0):.0f}s")
+        if (elm.get("extra") or {}).get("overlap"):  # learned alongside: "learn" is the time after the answer
+            lines.append(
+                f"              answer {t.get('answer', 0):.0f}s (memory learned alongside), "
+                f"then learning {t.get('learn', 0):.0f}s more"
+            )
+        else:
+            lines.append(f"              answer {t.get('answer', 0):.0f}s, learn {t.get('learn', 0):.0f}s")
         return "\n".join(lines)
 
     def _memory_line(self, elm: dict[str, Any]) -> str:

@@ -81,6 +81,7 @@ class ELMMethod:
 
         output, ticket = self.fused.run([answer, lambda: self.elm.learner.submit(question, self.name)])
         self._note_ticket(output, ticket)
+        output.extra["overlap"] = self.fused.can_fuse  # the record's "learn" seconds are those after the answer
         return output, answered[0], time.perf_counter() - t0 - answered[0]
 
     def _note_ticket(self, output: MethodOutput, ticket: Any) -> None:
