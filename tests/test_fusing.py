@@ -259,3 +259,31 @@ def test_overlapping_answering_and_learning_changes_no_answer_and_no_memory(tiny
         torch.testing.assert_close(runs[True][1][mid], soft)
     [method] = built
     assert method.overlap and method.fused.stats.batches.count(2) >= 3  # each question: answer + rollouts
+
+
+def test_batches_decode_in_the_calling_thread_and_the_first_part_runs_there():
+    caller = threading.current_thread()
+    seen = []
+
+    class Recording(FakeBackend):
+        def generate_many(self, requests):
+            seen.append(threading.current_thread())
+            return super().generate_many(requests)
+
+        def generate(self, prompts, params):
+            seen.append(threading.current_thread())
+            return super().generate(prompts, params)
+
+    fused = FusedCalls(Recording())
+    first_thread = []
+
+    def first():
+        first_thread.append(threading.current_thread())
+        return "no generate"
+
+    def second():  # waits in generate after the first part has ended: the caller decodes it
+        return fused.backend.generate(["late"], GREEDY)[0][0].text
+
+    assert fused.run([first, second]) == ["no generate", "late/1"]
+    assert fused.run([second, second]) == ["late/1", "late/1"]
+    assert first_thread == [caller] and seen and all(t is caller for t in seen)

@@ -7,11 +7,14 @@ the first training step's rollouts are G sampled rows. A decode step costs nearl
 rows as for 1 (see :mod:`elm_memory.backends.decode`), so decoding them as one batch saves most
 of one of the two.
 
-:meth:`FusedCalls.run` runs the parts in threads against :attr:`FusedCalls.backend`, a view of
-the wrapped backend. A part's ``generate`` call waits until every part still running is waiting
-in ``generate`` too (or has finished), then all waiting calls go to the backend's
-``generate_many`` as one batch. Deterministic, no timing window: the batch forms when nobody
-else can add to it. Outside :meth:`run`, or from any other thread, the view calls straight through.
+:meth:`FusedCalls.run` runs the first part in the calling thread and the others in new threads,
+all against :attr:`FusedCalls.backend`, a view of the wrapped backend. A part's ``generate`` call
+waits until every part still running is waiting in ``generate`` too (or has finished); then all
+waiting calls go to the backend's ``generate_many`` as one batch. Deterministic, no timing window:
+the batch forms when nobody else can add to it. Batches always decode in the calling thread: on
+the 2-core Xeon the same decode ran about 25% slower in a freshly started thread than in the main
+one (``benchmarks/results/demo_overlap.json``), so the caller should pass its heaviest part first.
+Outside :meth:`run`, or from any other thread, the view calls straight through.
 
 A backend without ``generate_many`` (e.g. the vLLM backends, whose engine batches by itself and
 is not driven from several threads here) runs the parts one after another, in order.
@@ -69,14 +72,15 @@ class FusedCalls:
         self._pending: list[_Call] = []
         self._local = threading.local()
         self._run_lock = threading.Lock()  # one run() at a time
+        self._driver: int | None = None  # the thread that called run(): the only one that decodes batches
 
     @property
     def can_fuse(self) -> bool:
         return callable(getattr(self.inner, "generate_many", None))
 
     def run(self, parts: Sequence[Callable[[], Any]]) -> list[Any]:
-        """Each part's return value, in order; the first part's exception is raised after all have
-        ended (a failed part leaves the fused batch, so it never blocks the others)."""
+        """Each part's return value, in order; the first failing part's exception is raised after all
+        have ended (a failed part leaves the fused batch, so it never blocks the others)."""
         if not self.can_fuse or len(parts) < 2:
             return [part() for part in parts]
         results: list[Any] = [None] * len(parts)
@@ -97,11 +101,20 @@ class FusedCalls:
         with self._run_lock:
             with self._cond:
                 self._active = set(range(len(parts)))
-            threads = [threading.Thread(target=work, args=(i,), name=f"elm-fused-{i}") for i in range(len(parts))]
+                self._driver = threading.get_ident()
+            threads = [threading.Thread(target=work, args=(i,), name=f"elm-fused-{i}") for i in range(1, len(parts))]
             for t in threads:
                 t.start()
-            for t in threads:
-                t.join()
+            try:
+                work(0)
+                with self._cond:  # the first part is done: decode the others' batches until they end
+                    while self._active:
+                        if not self._decode_ready():
+                            self._cond.wait()
+            finally:
+                for t in threads:
+                    t.join()
+                self._driver = None
         for exc in errors:
             if exc is not None:
                 raise exc
@@ -111,24 +124,31 @@ class FusedCalls:
         if getattr(self._local, "part", None) is None:
             return self.inner.generate(prompts, params)
         call = _Call(prompts, params)
+        driver = threading.get_ident() == self._driver
         with self._cond:
             self._pending.append(call)
             self._cond.notify_all()
             while not call.done:
-                if len(self._pending) == len(self._active):  # every running part waits here: decode them
-                    batch, self._pending = self._pending, []
-                    self._cond.release()
-                    try:
-                        self._decode(batch)
-                    finally:
-                        self._cond.acquire()
-                    self._cond.notify_all()
-                else:
+                if not (driver and self._decode_ready()):
                     self._cond.wait()
         if call.error is not None:
             raise call.error
         assert call.result is not None
         return call.result
+
+    def _decode_ready(self) -> bool:
+        """In the calling thread, holding the lock: if every running part waits in ``generate``, decode
+        their calls (lock released meanwhile) and return True."""
+        if not self._pending or len(self._pending) != len(self._active):
+            return False
+        batch, self._pending = self._pending, []
+        self._cond.release()
+        try:
+            self._decode(batch)
+        finally:
+            self._cond.acquire()
+        self._cond.notify_all()
+        return True
 
     def _decode(self, batch: list[_Call]) -> None:
         try:

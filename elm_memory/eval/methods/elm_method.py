@@ -79,7 +79,8 @@ class ELMMethod:
             answered.append(time.perf_counter() - t0)
             return out
 
-        output, ticket = self.fused.run([answer, lambda: self.elm.learner.submit(question, self.name)])
+        # learning first: the heavier part (rollouts, then the forward/backward) keeps the calling thread
+        ticket, output = self.fused.run([lambda: self.elm.learner.submit(question, self.name), answer])
         self._note_ticket(output, ticket)
         output.extra["overlap"] = self.fused.can_fuse  # the record's "learn" seconds are those after the answer
         return output, answered[0], time.perf_counter() - t0 - answered[0]
