@@ -125,6 +125,7 @@ class FakeBackend:
     def __init__(self, many: bool = True, fail: bool = False):
         self.log: list[tuple[str, list]] = []
         self.fail = fail
+        self.batches_calls = many
         if not many:
             self.generate_many = None
 
@@ -287,3 +288,18 @@ def test_batches_decode_in_the_calling_thread_and_the_first_part_runs_there():
     assert fused.run([first, second]) == ["no generate", "late/1"]
     assert fused.run([second, second]) == ["late/1", "late/1"]
     assert first_thread == [caller] and seen and all(t is caller for t in seen)
+
+
+def test_a_cache_in_front_of_a_backend_that_cannot_batch_runs_the_parts_in_order():
+    """The evaluation's greedy cache has generate_many of its own, but only the backend behind it can
+    batch: in front of one that cannot (e.g. vLLM), nothing runs in another thread."""
+
+    class Plain:
+        name = "plain"
+        tokenizer = None
+
+        def generate(self, prompts, params):
+            return [[Generation("x", [], "stop")] for _ in prompts]
+
+    assert not FusedCalls(GreedyCache(Plain())).can_fuse
+    assert FusedCalls(GreedyCache(FakeBackend())).can_fuse and not FusedCalls(FakeBackend(many=False)).can_fuse

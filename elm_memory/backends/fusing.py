@@ -16,8 +16,9 @@ the 2-core Xeon the same decode ran about 25% slower in a freshly started thread
 one (``benchmarks/results/demo_overlap.json``), so the caller should pass its heaviest part first.
 Outside :meth:`run`, or from any other thread, the view calls straight through.
 
-A backend without ``generate_many`` (e.g. the vLLM backends, whose engine batches by itself and
-is not driven from several threads here) runs the parts one after another, in order.
+A backend that does not batch calls (no ``batches_calls`` and ``generate_many``; e.g. the vLLM
+backends, whose engine batches by itself and is not driven from several threads here) runs the
+parts one after another, in order.
 """
 
 from __future__ import annotations
@@ -76,7 +77,10 @@ class FusedCalls:
 
     @property
     def can_fuse(self) -> bool:
-        return callable(getattr(self.inner, "generate_many", None))
+        """The backend says it batches calls (``batches_calls``; a wrapper such as the evaluation's greedy
+        cache passes its backend's answer through) and has ``generate_many``."""
+        many = getattr(self.inner, "generate_many", None)
+        return bool(getattr(self.inner, "batches_calls", False)) and callable(many)
 
     def run(self, parts: Sequence[Callable[[], Any]]) -> list[Any]:
         """Each part's return value, in order; the first failing part's exception is raised after all

@@ -68,6 +68,8 @@ class HFBackend:
     """:class:`~elm_memory.backends.base.GenerationBackend` on a transformers model."""
 
     name = "hf"
+    # generate_many decodes several calls as one batch (what elm_memory.backends.fusing relies on)
+    batches_calls = True
 
     def __init__(
         self,

@@ -65,7 +65,7 @@ class ELMMethod:
 
         Retrieval cannot see this question's memory: learning stores it only after its rollouts, and
         those wait in the fused batch until the answer has retrieved and reached its own decode."""
-        if not self.overlap:
+        if not (self.overlap and self.fused.can_fuse):  # e.g. vLLM: answer, then learn (never the reverse)
             t0 = time.perf_counter()
             output = self.answer(question, index)
             t1 = time.perf_counter()
@@ -82,7 +82,7 @@ class ELMMethod:
         # learning first: the heavier part (rollouts, then the forward/backward) keeps the calling thread
         ticket, output = self.fused.run([lambda: self.elm.learner.submit(question, self.name), answer])
         self._note_ticket(output, ticket)
-        output.extra["overlap"] = self.fused.can_fuse  # the record's "learn" seconds are those after the answer
+        output.extra["overlap"] = True  # the record's "learn" seconds are those after the answer
         return output, answered[0], time.perf_counter() - t0 - answered[0]
 
     def _note_ticket(self, output: MethodOutput, ticket: Any) -> None:
