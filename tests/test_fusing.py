@@ -216,7 +216,10 @@ def test_outside_a_run_the_view_is_the_backend():
 # ---- the online protocol ------------------------------------------------------------------------
 
 
-def test_overlapping_answering_and_learning_changes_no_answer_and_no_memory(tiny_loaded, tiny_backend, tmp_path):
+@pytest.mark.parametrize("verifier", ["self_certainty", "consistency"])
+def test_overlapping_answering_and_learning_changes_no_answer_and_no_memory(
+    verifier, tiny_loaded, tiny_backend, tmp_path
+):
     """The same stream with learner.overlap_answering on and off (float32): the same records and the
     same stored memories, and with it on the answers' decodes really shared batches with rollouts."""
     from elm_memory.elm import ELM
@@ -228,7 +231,11 @@ def test_overlapping_answering_and_learning_changes_no_answer_and_no_memory(tiny
     for overlap in (False, True):
         cfg = ELMConfig.load(
             preset="cpu-tiny",
-            overrides={"generation": {"max_new_tokens": 12}, "learner": {"overlap_answering": overlap}},
+            overrides={
+                "generation": {"max_new_tokens": 12},
+                "learner": {"overlap_answering": overlap},
+                "verifier": {"name": verifier, "consistency_max_new_tokens": 12},
+            },
         )
         out = tmp_path / f"overlap-{overlap}"
         runtime = EvalRuntime(cfg, out, loaded=tiny_loaded, backend=tiny_backend)

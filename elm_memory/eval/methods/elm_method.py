@@ -38,7 +38,10 @@ class ELMMethod:
         # answering and learning one question run side by side, their decodes batched together
         self.fused = FusedCalls(base.backend)
         self.overlap = self.config.learner.overlap_answering
-        self.elm = ELM(self.config, loaded=base.loaded, backend=self.fused.backend, verifier=base.verifier)
+        # the runtime's verifier is shared (a PRM is loaded once), but `consistency` samples through
+        # generate(): built here on the fused view, its samples join the batches and decode in this thread
+        verifier = None if self.config.verifier.name == "consistency" else base.verifier
+        self.elm = ELM(self.config, loaded=base.loaded, backend=self.fused.backend, verifier=verifier)
         self._bytes: dict[str, int] = {}  # memory id -> bytes of its stored form (a memory never changes)
 
     def answer(self, question: str, index: int) -> MethodOutput:
