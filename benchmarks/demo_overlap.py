@@ -20,6 +20,7 @@ from pathlib import Path
 
 from elm_memory.config import ELMConfig
 from elm_memory.environment import collect_env
+from elm_memory.eval.records import RecordLog
 
 
 def run_demo(out: Path, overlap: bool, limit: int) -> dict:
@@ -30,7 +31,7 @@ def run_demo(out: Path, overlap: bool, limit: int) -> dict:
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"elm demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    records = [json.loads(x) for x in (out / "records.jsonl").read_text().splitlines() if x.strip()]
+    records = RecordLog(out / "records.jsonl").read()
     elm = sorted((r for r in records if r["method"] == "elm_input"), key=lambda r: r["index"])
     zs = [r for r in records if r["method"] == "zero_shot"]
     return {

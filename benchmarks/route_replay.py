@@ -38,12 +38,13 @@ from elm_memory.backends.base import SamplingParams, answer_budget
 from elm_memory.config import ELMConfig
 from elm_memory.elm import ELM
 from elm_memory.environment import collect_env
+from elm_memory.eval.records import RecordLog
 from elm_memory.models.prompting import PromptBuilder
 from elm_memory.verifiers import Candidate, build_verifier
 
 
 def _records(run_dir: Path, method: str) -> list[dict[str, Any]]:
-    rows = [json.loads(x) for x in (run_dir / "records.jsonl").read_text().splitlines() if x.strip()]
+    rows = RecordLog(run_dir / "records.jsonl").read()
     return sorted((r for r in rows if r["method"] == method), key=lambda r: r["index"])
 
 

@@ -32,11 +32,12 @@ from elm_memory.answers import equivalent
 from elm_memory.config import ELMConfig
 from elm_memory.elm import ELM
 from elm_memory.environment import collect_env
+from elm_memory.eval.records import RecordLog
 from elm_memory.verifiers import build_verifier
 
 
 def _elm_records(run_dir: Path, method: str) -> list[dict[str, Any]]:
-    rows = [json.loads(x) for x in (run_dir / "records.jsonl").read_text().splitlines() if x.strip()]
+    rows = RecordLog(run_dir / "records.jsonl").read()
     return sorted((r for r in rows if r["method"] == method), key=lambda r: r["index"])
 
 

@@ -178,9 +178,8 @@ class _Stream:
 
 
 def _run_one(method: Any, index: int, problem: Problem) -> dict[str, Any]:
-    both = getattr(method, "answer_and_learn", None)  # a method that can overlap the two
-    if both is not None:
-        output, t_answer, t_learn = both(problem.question, problem.id, index)
+    if getattr(method, "overlap", False):  # a method that answers and learns side by side (ELM methods)
+        output, t_answer, t_learn = method.answer_and_learn(problem.question, problem.id, index)
     else:
         t0 = time.perf_counter()
         output = method.answer(problem.question, index)

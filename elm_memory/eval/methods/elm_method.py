@@ -37,7 +37,8 @@ class ELMMethod:
         base = runtime.base
         # answering and learning one question run side by side, their decodes batched together
         self.fused = FusedCalls(base.backend)
-        self.overlap = self.config.learner.overlap_answering
+        # only where the backend batches calls; otherwise (e.g. vLLM) the run answers, then learns
+        self.overlap = self.config.learner.overlap_answering and self.fused.can_fuse
         # the runtime's verifier is shared (a PRM is loaded once), but `consistency` samples through
         # generate(): built here on the fused view, its samples join the batches and decode in this thread
         verifier = None if self.config.verifier.name == "consistency" else base.verifier
@@ -63,17 +64,11 @@ class ELMMethod:
         self._note_ticket(output, self.elm.learner.submit(question, self.name))
 
     def answer_and_learn(self, question: str, question_id: str, index: int) -> tuple[MethodOutput, float, float]:
-        """Answer and learn one question side by side (``learner.overlap_answering``): the output, the
-        seconds until the answer was ready, and the seconds learning went on after it.
+        """Answer and learn one question side by side (the online loop calls this when ``self.overlap``):
+        the output, the seconds until the answer was ready, and the seconds learning went on after it.
 
         Retrieval cannot see this question's memory: learning stores it only after its rollouts, and
         those wait in the fused batch until the answer has retrieved and reached its own decode."""
-        if not (self.overlap and self.fused.can_fuse):  # e.g. vLLM: answer, then learn (never the reverse)
-            t0 = time.perf_counter()
-            output = self.answer(question, index)
-            t1 = time.perf_counter()
-            self.learn(question, question_id, output)
-            return output, t1 - t0, time.perf_counter() - t1
         t0 = time.perf_counter()
         answered: list[float] = []
 
