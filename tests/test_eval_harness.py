@@ -114,6 +114,34 @@ def test_greedy_cache_serves_repeats_and_never_caches_samples():
     assert cache.generate([b], greedy)[0][0].text == first[1][0].text
 
 
+def test_greedy_cache_keeps_no_memory_answers_and_takes_back_recorded_ones():
+    import torch
+
+    raw = CountingBackend()
+    cache = GreedyCache(raw, size=2)
+    greedy = SamplingParams(max_new_tokens=8)
+    a, b = PromptInput((1, 2)), PromptInput((3,))
+    with_memory = PromptInput((1, 2), soft_prompt=torch.ones(2, 4))
+    cache.generate([a, b], greedy)
+    cache.generate([with_memory], greedy)
+    cache.generate([with_memory], greedy)  # a memory's answer is not kept: asked again, made again
+    assert raw.calls == [2, 1, 1]
+    cache.generate([a, b], greedy)  # and it pushed no zero-shot answer out of the (2-entry) cache
+    assert raw.calls == [2, 1, 1] and cache.hits == 2
+    # a recorded answer put back is served as it was recorded, without a backend call
+    recorded = Generation(text="recorded", token_ids=[7, 8], finish_reason="stop")
+    c = PromptInput((9, 9))
+    cache.put(c, greedy, recorded)
+    [[served]] = cache.generate([c], greedy)
+    assert raw.calls == [2, 1, 1] and (served.text, served.token_ids, served.finish_reason) == (
+        "recorded",
+        [7, 8],
+        "stop",
+    )
+    with pytest.raises(ValueError, match="only greedy"):
+        cache.put(c, SamplingParams(max_new_tokens=8, temperature=0.7), recorded)
+
+
 # ---- the online protocol on the real tiny model -------------------------------------------
 
 
@@ -213,6 +241,50 @@ def test_a_killed_stream_resumes_with_its_pool_intact(tiny_loaded, tmp_path):
     assert after[: len(before)] == before
     assert after[-1]["pool_size"] == 3  # one memory per question, no duplicate from the killed job
     assert json.loads((out / "summary.json").read_text())["elm_input"]["n"] == 3
+
+
+@pytest.mark.model
+def test_a_resumed_stream_gives_elm_the_zero_shot_answers_it_recorded(tiny_loaded, tiny_backend, tmp_path):
+    """zero_shot recorded in one process, elm_input run in the next: ELM's zero-shot candidate is still
+    the recorded answer, served from the cache (not made again in another batch)."""
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+
+    cfg = tiny_config()
+    problems = load_problems("gsm8k", limit=3, seed=17)
+    run_stream(
+        problems,
+        ["zero_shot"],
+        cfg,
+        tmp_path,
+        dataset="gsm8k",
+        seed=17,
+        progress=False,
+        plots=False,
+        runtime=EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend),
+    )
+    zero = RecordLog(tmp_path / "records.jsonl").read()
+    assert all(len(r["extra"]["generation"]["token_ids"]) >= 1 for r in zero)
+    # the restarted process: a fresh runtime, so a fresh (empty) cache
+    runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+    run_stream(
+        problems,
+        ["zero_shot", "elm_input"],
+        cfg,
+        tmp_path,
+        dataset="gsm8k",
+        seed=17,
+        progress=False,
+        plots=False,
+        runtime=runtime,
+    )
+    records = RecordLog(tmp_path / "records.jsonl").read()
+    assert records[:3] == zero  # zero_shot was not run again
+    elm = [r for r in records if r["method"] == "elm_input"]
+    assert [r["shared_generations"] for r in elm] == [1, 1, 1]
+    for z, e in zip(zero, elm, strict=True):
+        assert e["candidates"][0] == {**z["candidates"][0]}
+    assert runtime.greedy_cache.misses == sum(1 for r in elm if r["memory_id"])  # only the memories' answers
 
 
 def test_pools_need_a_store_and_the_runtime_its_run_directory(tmp_path):

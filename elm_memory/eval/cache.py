@@ -4,7 +4,9 @@ Greedy decoding is a function of the prompt, so when ``zero_shot`` and ``elm_inp
 the same question, ELM's zero-shot candidate is the very generation ``zero_shot`` already
 made. Serving it from the cache makes comparing k methods cost one zero-shot pass per
 question instead of k, and guarantees ELM's "its zero-shot" column is the zero_shot row.
-Sampled calls (rollouts, verifier@k) always go to the backend.
+Sampled calls (rollouts, verifier@k) always go to the backend, and answers conditioned on a
+memory are not kept (no other method asks for them). A resumed run puts back the zero-shot
+answers it recorded (:meth:`GreedyCache.put`), so the guarantee holds across restarts.
 """
 
 from __future__ import annotations
@@ -79,17 +81,35 @@ class GreedyCache:
                 out.append(next(fresh))
                 continue
             keys, missing = plan
-            if missing:
-                for i, [gen] in zip(missing, next(fresh), strict=True):
-                    self._entries[keys[i]] = gen
-                    while len(self._entries) > self._size:
-                        self._entries.popitem(last=False)
+            made = dict(zip(missing, next(fresh), strict=True)) if missing else {}
             gens = []
-            for k in keys:
-                self._entries.move_to_end(k)
-                gens.append([copy.deepcopy(self._entries[k])])
+            for i, k in enumerate(keys):
+                if i in made:
+                    gens.append(made[i])
+                    self._keep(k, made[i][0])
+                else:
+                    self._entries.move_to_end(k)
+                    gens.append([copy.deepcopy(self._entries[k])])
             out.append(gens)
         return out
+
+    def put(self, prompt: PromptLike, params: SamplingParams, generation: Generation) -> None:
+        """Remember ``generation`` as the greedy answer to ``prompt`` (a resumed run restores the
+        zero-shot answers it recorded, so ELM's zero-shot candidate is still that very answer)."""
+        if not params.greedy or params.n != 1:
+            raise ValueError("only greedy, single-completion generations are cached")
+        self._keep(self._key(to_prompt_input(prompt, self._backend.tokenizer), params), generation)
+
+    def _keep(self, key: tuple, generation: Generation) -> None:
+        # Only prompts without a memory: they are the ones another method asks for again (a soft
+        # prompt or adapter is one question's memory), and keeping the others would push zero-shot
+        # answers still to be shared out of a long run's cache.
+        if key[1] is not None or key[2] is not None:
+            return
+        self._entries[key] = copy.deepcopy(generation)
+        self._entries.move_to_end(key)
+        while len(self._entries) > self._size:
+            self._entries.popitem(last=False)
 
     def _forward(self, requests: list[tuple[Sequence[PromptLike], SamplingParams]]) -> list[list[list[Generation]]]:
         many = getattr(self._backend, "generate_many", None)

@@ -78,7 +78,8 @@ def run_stream(
         out, _manifest(problems, methods, config, dataset, seed), RESUME_FIELDS, config_defaults()
     )
     log = RecordLog(out / "records.jsonl")
-    done = {(r["method"], r["question_id"]) for r in log.read()}
+    recorded = log.read()
+    done = {(r["method"], r["question_id"]) for r in recorded}
     todo = [(i, p, m) for i, p in enumerate(problems) for m in methods if (m, p.id) not in done]
     if todo:
         runtime, owns_runtime = open_runtime(config, out, runtime)
@@ -87,6 +88,10 @@ def run_stream(
             with ProgressBar(progress, total=len(problems) * len(methods), completed=len(done)) as bar:
                 for m in methods:  # build all first: an error in any method shows before hours of work
                     built[m] = build_method(m, runtime)
+                for m, method in built.items():  # a resumed run: what the methods recorded they may share
+                    resume = getattr(method, "resume", None)
+                    if resume is not None and any(r["method"] == m for r in recorded):
+                        resume([r for r in recorded if r["method"] == m])
                 stream = _Stream(problems, runtime, built, log, bar, on_record)
                 stream.run_batched([t for t in todo if _batchable(built[t[2]])], methods, batch_size)
                 stream.run_in_order([t for t in todo if not _batchable(built[t[2]])])

@@ -88,6 +88,13 @@ class EvalRuntime:
         return self._base
 
     @property
+    def greedy_cache(self) -> Any:
+        """The :class:`~elm_memory.eval.cache.GreedyCache` every method's greedy calls go through
+        (loads the model on first use)."""
+        self.base  # noqa: B018 - builds the cache with the backend
+        return self._cache
+
+    @property
     def shared_generations(self) -> int:
         """Greedy generations served from the cache so far (another method had made them); 0 before
         the model is loaded."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from elm_memory.answers import equivalent, extract_answer
-from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
+from elm_memory.backends.base import Generation, PromptInput, SamplingParams, answer_budget
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
 
 
@@ -45,30 +45,60 @@ class ZeroShot(_Memoryless):
     def __init__(self, runtime: EvalRuntime):
         self.runtime = runtime
 
+    def _prompt(self, question: str) -> PromptInput:
+        k = self.runtime.config.memory.num_tokens
+        return self.runtime.prompts.answer_prompt(question, memory_tokens=k).zero_shot()
+
+    def _params(self, max_new: int) -> SamplingParams:
+        cfg = self.runtime.config
+        g = cfg.generation
+        return SamplingParams(
+            max_new_tokens=max_new,
+            temperature=g.temperature,
+            top_p=g.top_p,
+            stop_at_answer=g.stop_at_answer,
+            seed=cfg.training.seed,
+        )
+
     def answer_batch(self, questions: list[str], indices: list[int]) -> list[MethodOutput]:
         rt = self.runtime
-        cfg = rt.config
-        k = cfg.memory.num_tokens
-        g = cfg.generation
-        gens = _generate_grouped(
-            rt,
-            [rt.prompts.answer_prompt(q, memory_tokens=k).zero_shot() for q in questions],
-            lambda max_new: SamplingParams(
-                max_new_tokens=max_new,
-                temperature=g.temperature,
-                top_p=g.top_p,
-                stop_at_answer=g.stop_at_answer,
-                seed=cfg.training.seed,
-            ),
-            reserve=k,
-        )
-        texts = {i: gen[0].text for i, gen in enumerate(gens)}
+        k = rt.config.memory.num_tokens
+        gens = _generate_grouped(rt, [self._prompt(q) for q in questions], self._params, reserve=k)
         outputs = []
-        for i in range(len(questions)):
-            answer = extract_answer(texts[i])
+        for [gen] in gens:
+            answer = extract_answer(gen.text)
             candidates = [{"kind": "zero_shot", "answer": answer, "score": None}]
-            outputs.append(MethodOutput(answer=answer, response=texts[i], route="zero_shot", candidates=candidates))
+            outputs.append(
+                MethodOutput(
+                    answer=answer,
+                    response=gen.text,
+                    route="zero_shot",
+                    candidates=candidates,
+                    # what a resumed run needs to put this very generation back in the cache
+                    extra={"generation": {"token_ids": list(gen.token_ids), "finish_reason": gen.finish_reason}},
+                )
+            )
         return outputs
+
+    def resume(self, records: list[dict[str, Any]]) -> int:
+        """Put this method's recorded answers back in the run's greedy cache, so the ELM methods
+        still to run get the same zero-shot candidate a run without the restart would have given
+        them (regenerating it in another batch can change a bf16 answer). Returns how many."""
+        rt = self.runtime
+        if not self._params(1).greedy:  # sampled zero-shot answers are not shared
+            return 0
+        g, k = rt.config.generation, rt.config.memory.num_tokens
+        restored = 0
+        for r in records:
+            kept = (r.get("extra") or {}).get("generation")
+            if not kept:  # recorded before answers kept their tokens
+                continue
+            prompt = self._prompt(r["question"])
+            budget = answer_budget(g.max_new_tokens, rt.backend.info.max_context, len(prompt.token_ids), k)
+            generation = Generation(r["response"], list(kept["token_ids"]), kept["finish_reason"])
+            rt.greedy_cache.put(prompt, self._params(budget), generation)
+            restored += 1
+        return restored
 
 
 class VerifierAtK(_Memoryless):
