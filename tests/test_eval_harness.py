@@ -252,38 +252,24 @@ def test_a_resumed_stream_gives_elm_the_zero_shot_answers_it_recorded(tiny_loade
 
     cfg = tiny_config()
     problems = load_problems("gsm8k", limit=3, seed=17)
-    run_stream(
-        problems,
-        ["zero_shot"],
-        cfg,
-        tmp_path,
-        dataset="gsm8k",
-        seed=17,
-        progress=False,
-        plots=False,
-        runtime=EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend),
-    )
+
+    def run(methods):  # each call a fresh runtime, as in a restarted process: a fresh (empty) cache
+        runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+        run_stream(
+            problems, methods, cfg, tmp_path, dataset="gsm8k", seed=17, progress=False, plots=False, runtime=runtime
+        )
+        return runtime
+
+    run(["zero_shot"])
     zero = RecordLog(tmp_path / "records.jsonl").read()
     assert all(len(r["extra"]["generation"]["token_ids"]) >= 1 for r in zero)
-    # the restarted process: a fresh runtime, so a fresh (empty) cache
-    runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
-    run_stream(
-        problems,
-        ["zero_shot", "elm_input"],
-        cfg,
-        tmp_path,
-        dataset="gsm8k",
-        seed=17,
-        progress=False,
-        plots=False,
-        runtime=runtime,
-    )
+    runtime = run(["zero_shot", "elm_input"])
     records = RecordLog(tmp_path / "records.jsonl").read()
     assert records[:3] == zero  # zero_shot was not run again
     elm = [r for r in records if r["method"] == "elm_input"]
     assert [r["shared_generations"] for r in elm] == [1, 1, 1]
     for z, e in zip(zero, elm, strict=True):
-        assert e["candidates"][0] == {**z["candidates"][0]}
+        assert e["candidates"][0] == z["candidates"][0]
     assert runtime.greedy_cache.misses == sum(1 for r in elm if r["memory_id"])  # only the memories' answers
 
 
