@@ -32,6 +32,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from elm_memory.memories.base import AppliedMemory
+from elm_memory.models.logits import last_positions
 
 if TYPE_CHECKING:
     from elm_memory.memories.base import MemoryAdapter
@@ -122,7 +123,7 @@ def _sample(
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=last_positions(1, inputs.shape[1], device),
     )
     logits = out.logits[:, -1, :]
     if expand is not None and options.share_prompt_kv:  # one prefill per prompt, its KV repeated per row

@@ -27,6 +27,7 @@ import torch
 
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError
 from elm_memory.memories.base import PREFIX, AppliedMemory, digest_tensors
+from elm_memory.models.logits import last_positions
 from elm_memory.training.initialization import tile_to_length
 
 if TYPE_CHECKING:
@@ -139,7 +140,7 @@ def question_prefix(loaded: LoadedModel, question_ids: Sequence[int], k: int) ->
         position_ids=torch.arange(-n, 0, device=device).unsqueeze(0),
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=last_positions(1, n, device),
     )
     layers: list[Any] = list(cache.layers)  # DynamicLayer: keys/values (1, kv_heads, n, head_dim)
     keys = [layer.keys[0, :, -k:, :].to("cpu", torch.float32).clone() for layer in layers]

@@ -29,6 +29,7 @@ from elm_memory.backends.base import Generation
 from elm_memory.backends.postprocess import answer_closed_after, finish_generation
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError
 from elm_memory.models.loading import ModelInfo
+from elm_memory.models.logits import last_positions
 
 _META_KEY = "elm_memory.kv_prefix"
 FORMAT_VERSION = 1
@@ -66,7 +67,7 @@ def encode_prefix(model: Any, token_ids: Sequence[int]) -> KVPrefix:
         position_ids=torch.arange(len(ids), device=device).unsqueeze(0),
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,  # only the cache is wanted
+        logits_to_keep=last_positions(1, len(ids), device),  # only the cache is wanted
     )
     layers: list[Any] = list(cache.layers)  # attention layers: each holds (1, kv_heads, T, head_dim) keys/values
     keys = [layer.keys[0].detach().to("cpu").contiguous() for layer in layers]
@@ -158,7 +159,7 @@ def generate_after_prefix(
         attention_mask=torch.ones(1, total, dtype=torch.long, device=device),
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=last_positions(1, len(prompt_ids), device),
     )
     eos = set(int(e) for e in eos_ids)
     closes_brace: dict[int, bool] = {}

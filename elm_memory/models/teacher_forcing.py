@@ -27,6 +27,7 @@ import torch
 
 from elm_memory.backends.base import PromptInput, compose_embeddings
 from elm_memory.memories.base import AppliedMemory, shared_memory
+from elm_memory.models.logits import last_positions
 
 
 def completion_logits(
@@ -116,7 +117,7 @@ def _logits_full_rows(
     if applied.cache is not None:  # a prefix memory: its keys/values come first in every layer
         kwargs = {"use_cache": True, "past_key_values": applied.cache}
     if _keeps_logits(model):
-        kwargs["logits_to_keep"] = T + 1
+        kwargs["logits_to_keep"] = last_positions(T + 1, full.shape[1], full.device)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(inputs_embeds=full, attention_mask=applied.mask(attn), position_ids=positions, **kwargs).logits
     return logits[:, -(T + 1) : -1, :]  # position t predicts token t + 1
@@ -148,7 +149,7 @@ def _logits_shared_prompt(
         position_ids=(prompt_mask.cumsum(-1) - 1).clamp(min=0),
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=1,
+        logits_to_keep=last_positions(1, width, device),
     )
     index = {p: u for u, p in enumerate(order)}
     which = torch.tensor([index[p] for p in rows], device=device)
@@ -162,7 +163,7 @@ def _logits_shared_prompt(
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=T,
+        logits_to_keep=last_positions(T, T, device),
     ).logits
     return torch.cat([first.unsqueeze(1), rest[:, : T - 1, :]], dim=1)
 
