@@ -35,7 +35,11 @@ class MethodOutput:
 @runtime_checkable
 class EvalMethod(Protocol):
     """``answer`` sees only the question; ``learn`` then updates the method's pool (no-op for
-    memoryless methods). ``pool_stats`` returns (entries, bytes on disk)."""
+    memoryless methods). ``pool_stats`` returns (entries, bytes on disk).
+
+    Optional hooks the runner looks for: ``answer_batch`` (memoryless methods, batched across the
+    stream), ``answer_and_learn`` with ``overlap`` (both side by side), ``record_ground_truth`` (after
+    scoring) and ``resume(records)`` (once, on a resumed run, with the method's own earlier records)."""
 
     name: str
 
