@@ -52,9 +52,7 @@ def test_a_decode_prefill_hands_the_lm_head_a_dense_last_position(smol, lm_head_
 def test_teacher_forcing_hands_the_lm_head_dense_completion_positions(smol, lm_head_inputs, share_prompt_kv):
     prompt = PromptInput(tuple(smol.tokenizer("What is 3 + 4? Answer:")["input_ids"]))
     completions = [[220, 22, 13], [220, 23]]
-    logits, _, _ = teacher_forcing.completion_logits(
-        smol.model, [prompt], completions, share_prompt_kv=share_prompt_kv
-    )
+    logits, _, _ = teacher_forcing.completion_logits(smol.model, [prompt], completions, share_prompt_kv=share_prompt_kv)
     assert logits.shape[:2] == (2, 3) and lm_head_inputs
     assert all(stride == _dense(shape) for shape, stride in lm_head_inputs)
     assert all(shape[1] < len(prompt.token_ids) + 3 for shape, _ in lm_head_inputs)  # never every position
