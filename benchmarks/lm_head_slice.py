@@ -48,6 +48,23 @@ def _timed(fn: Any, repeats: int) -> tuple[float, Any]:
     return statistics.median(times), out
 
 
+def _compare(ways: dict[str, Any], run: Any, repeats: int) -> dict[str, Any]:
+    """Both ways, alternated twice (a drift in machine speed hits both alike): best median seconds
+    of each, and the largest difference between their outputs."""
+    run(next(iter(ways.values())))  # warm-up
+    seconds: dict[str, list[float]] = {}
+    outputs: dict[str, torch.Tensor] = {}
+    for _ in range(2):
+        for name, keep in ways.items():
+            s, outputs[name] = _timed(lambda keep=keep: run(keep), repeats)
+            seconds.setdefault(name, []).append(s)
+    return {
+        "count_s": round(min(seconds["count"]), 3),
+        "index_s": round(min(seconds["index"]), 3),
+        "max_abs_logit_diff": float((outputs["count"].float() - outputs["index"].float()).abs().max()),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--repeats", type=int, default=3)
@@ -64,21 +81,8 @@ def main() -> None:
         for batch in (1, 2, 8):
             x = torch.tensor([ids] * batch)
             ways = {"count": 1, "index": torch.tensor([L - 1])}
-            model(input_ids=x, logits_to_keep=ways["index"])  # warm-up
-            seconds, logits = {}, {}
-            for _ in range(2):  # alternate: a drift in machine speed hits both ways alike
-                for name, keep in ways.items():
-                    s, out = _timed(lambda keep=keep, x=x: model(input_ids=x, logits_to_keep=keep).logits, args.repeats)
-                    seconds.setdefault(name, []).append(s)
-                    logits[name] = out
-            row = {
-                "case": "prefill",
-                "batch": batch,
-                "prompt_tokens": L,
-                "count_s": round(min(seconds["count"]), 3),
-                "index_s": round(min(seconds["index"]), 3),
-                "max_abs_logit_diff": float((logits["count"].float() - logits["index"].float()).abs().max()),
-            }
+            row = {"case": "prefill", "batch": batch, "prompt_tokens": L}
+            row |= _compare(ways, lambda keep, x=x: model(input_ids=x, logits_to_keep=keep).logits, args.repeats)
             rows.append(row)
             print(json.dumps(row), flush=True)
     T, G = 160, 4
@@ -94,22 +98,8 @@ def main() -> None:
         out.float().logsumexp(-1).mean().backward()
         return out.detach()
 
-    step(ways["index"])
-    seconds, logits = {}, {}
-    for _ in range(2):
-        for name, keep in ways.items():
-            s, out = _timed(lambda keep=keep: step(keep), args.repeats)
-            seconds.setdefault(name, []).append(s)
-            logits[name] = out
-    row = {
-        "case": "train",
-        "batch": G,
-        "prompt_tokens": L,
-        "completion_tokens": T,
-        "count_s": round(min(seconds["count"]), 3),
-        "index_s": round(min(seconds["index"]), 3),
-        "max_abs_logit_diff": float((logits["count"].float() - logits["index"].float()).abs().max()),
-    }
+    row = {"case": "train", "batch": G, "prompt_tokens": L, "completion_tokens": T}
+    row |= _compare(ways, step, args.repeats)
     rows.append(row)
     print(json.dumps(row), flush=True)
     report = {
