@@ -15,9 +15,21 @@ import copy
 import hashlib
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 from elm_memory.backends.base import Generation, PromptLike, SamplingParams, to_prompt_input
+
+
+class _Key(NamedTuple):
+    """What makes two greedy calls the same generation."""
+
+    token_ids: tuple[int, ...]
+    soft_prompt: str | None  # digest of the soft prompt's values and shape
+    adapter: str | None  # kind and digest of a lora/prefix memory
+    soft_prompt_at: int
+    max_new_tokens: int
+    stop_at_answer: bool
+    logprobs: bool
 
 
 class GreedyCache:
@@ -27,7 +39,7 @@ class GreedyCache:
     def __init__(self, backend: Any, size: int = 512):
         self._backend = backend
         self._size = size
-        self._entries: OrderedDict[tuple, Generation] = OrderedDict()
+        self._entries: OrderedDict[_Key, Generation] = OrderedDict()
         self.hits = 0
         self.misses = 0
 
@@ -35,20 +47,20 @@ class GreedyCache:
         return getattr(self._backend, name)
 
     @staticmethod
-    def _key(prompt: Any, params: SamplingParams) -> tuple:
+    def _key(prompt: Any, params: SamplingParams) -> _Key:
         soft = None
         if prompt.soft_prompt is not None:
             t = prompt.soft_prompt.detach().float().cpu().contiguous()
             soft = hashlib.sha256(t.numpy().tobytes()).hexdigest() + str(tuple(t.shape))
         adapter = None if prompt.memory is None else f"{prompt.memory.kind}:{prompt.memory.digest()}"
-        return (
-            prompt.token_ids,
+        return _Key(
+            tuple(prompt.token_ids),
             soft,
             adapter,
             prompt.soft_prompt_at,
             params.max_new_tokens,
             params.stop_at_answer,
-            params.logprobs,
+            bool(params.logprobs),
         )
 
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
@@ -59,7 +71,7 @@ class GreedyCache:
     ) -> list[list[list[Generation]]]:
         """Each call's cache hits served here, everything else in one ``generate_many`` of the
         backend (one ``generate`` when only one call is left, or the backend has no ``generate_many``)."""
-        plans: list[tuple[list[Any], list[int]] | None] = []  # per call: (keys, missing) or None (sampled)
+        plans: list[tuple[list[_Key], list[int]] | None] = []  # per call: (keys, missing) or None (sampled)
         forward: list[tuple[Sequence[PromptLike], SamplingParams]] = []
         for prompts, params in requests:
             if not params.greedy or params.n != 1:
@@ -100,11 +112,11 @@ class GreedyCache:
             raise ValueError("only greedy, single-completion generations are cached")
         self._keep(self._key(to_prompt_input(prompt, self._backend.tokenizer), params), generation)
 
-    def _keep(self, key: tuple, generation: Generation) -> None:
+    def _keep(self, key: _Key, generation: Generation) -> None:
         # Only prompts without a memory: they are the ones another method asks for again (a soft
         # prompt or adapter is one question's memory), and keeping the others would push zero-shot
         # answers still to be shared out of a long run's cache.
-        if key[1] is not None or key[2] is not None:
+        if key.soft_prompt is not None or key.adapter is not None:
             return
         self._entries[key] = copy.deepcopy(generation)
         self._entries.move_to_end(key)
