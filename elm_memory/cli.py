@@ -325,6 +325,38 @@ def compare(
 
 @app.command()
 @handle_errors
+def report(
+    run: Annotated[Path, typer.Argument(help="An online run directory (`elm stream --out`), finished or not.")],
+    plots: Annotated[bool, typer.Option("--plots/--no-plots", help="Redraw the plots.")] = True,
+    json_out: JsonOpt = False,
+) -> None:
+    """The table (and plots) of an online run from its records, also while it is still running or after it
+    stopped part-way: how many questions each method has answered so far is the table's n (loads no model)."""
+    from elm_memory.errors import ConfigError
+    from elm_memory.eval.online import finish
+    from elm_memory.eval.records import RecordLog
+
+    manifest_path = run / "run.json"
+    if not manifest_path.is_file():
+        raise ConfigError(f"{run} is not an online run directory: no run.json (`elm stream --out DIR` writes one)")
+    manifest = json.loads(manifest_path.read_text(encoding="utf-8"))
+    methods = manifest.get("methods")
+    if not methods:  # a run written before the manifest listed them: the order they appear in
+        methods = list(dict.fromkeys(r["method"] for r in RecordLog(run / "records.jsonl").read()))
+    result = finish(run, methods, plots=plots)
+    if not json_out:
+        total = len(manifest.get("question_ids") or [])
+        done = {m: s.get("n", 0) for m, s in result.summary.items()}
+        left = {m: total - n for m, n in done.items() if total and n < total}
+        if left or len(done) < len(methods):
+            missing = [m for m in methods if m not in done]
+            parts = [f"{m} {done[m]}/{total}" for m in left] + [f"{m} 0/{total}" for m in missing]
+            typer.echo(f"partial run: {', '.join(parts)} questions answered")
+    _print_run(result, json_out)
+
+
+@app.command()
+@handle_errors
 def offline(
     dataset: DatasetOpt,
     out: Annotated[Path, typer.Option(help="Run directory (records, summary, plots, memories). Re-run to resume.")],

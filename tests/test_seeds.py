@@ -106,3 +106,14 @@ def test_cli_prints_and_writes(tmp_path):
     bad = CliRunner().invoke(app, ["compare", str(a)])
     assert bad.exit_code != 0
     assert "at least two" in bad.output
+
+
+def test_report_prints_a_partial_runs_table_and_refuses_a_directory_that_is_no_run(tmp_path):
+    a = make_run(tmp_path, 17, [True, False, True], [(True, True)])  # elm_input stopped after one question
+    result = CliRunner().invoke(app, ["report", str(a), "--no-plots"])
+    assert result.exit_code == 0, result.output
+    assert "partial run: elm_input 1/3 questions answered" in result.output
+    assert "| zero_shot | 3 |" in result.output and "| elm_input | 1 |" in result.output
+    assert json.loads((a / "summary.json").read_text())["zero_shot"]["n"] == 3
+    bad = CliRunner().invoke(app, ["report", str(tmp_path)])
+    assert bad.exit_code != 0 and "not an online run directory" in bad.output
