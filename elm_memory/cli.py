@@ -344,14 +344,11 @@ def report(
     if not methods:  # a run written before the manifest listed them: the order they appear in
         methods = list(dict.fromkeys(r["method"] for r in RecordLog(run / "records.jsonl").read()))
     result = finish(run, methods, plots=plots)
-    if not json_out:
-        total = len(manifest.get("question_ids") or [])
-        done = {m: s.get("n", 0) for m, s in result.summary.items()}
-        left = {m: total - n for m, n in done.items() if total and n < total}
-        if left or len(done) < len(methods):
-            missing = [m for m in methods if m not in done]
-            parts = [f"{m} {done[m]}/{total}" for m in left] + [f"{m} 0/{total}" for m in missing]
-            typer.echo(f"partial run: {', '.join(parts)} questions answered")
+    total = len(manifest.get("question_ids") or [])
+    answered = {m: result.summary.get(m, {}).get("n", 0) for m in methods}
+    short = [f"{m} {n}/{total}" for m, n in answered.items() if n < total]
+    if short and not json_out:
+        typer.echo(f"partial run: {', '.join(short)} questions answered")
     _print_run(result, json_out)
 
 

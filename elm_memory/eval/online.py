@@ -90,8 +90,9 @@ def run_stream(
                     built[m] = build_method(m, runtime)
                 for m, method in built.items():  # a resumed run: what the methods recorded they may share
                     resume = getattr(method, "resume", None)
-                    if resume is not None and any(r["method"] == m for r in recorded):
-                        resume([r for r in recorded if r["method"] == m])
+                    mine = [r for r in recorded if r["method"] == m]
+                    if resume is not None and mine:
+                        resume(mine)
                 stream = _Stream(problems, runtime, built, log, bar, on_record)
                 stream.run_batched([t for t in todo if _batchable(built[t[2]])], methods, batch_size)
                 stream.run_in_order([t for t in todo if not _batchable(built[t[2]])])

@@ -87,14 +87,14 @@ class ZeroShot(_Memoryless):
         rt = self.runtime
         if not self._params(1).greedy:  # sampled zero-shot answers are not shared
             return 0
-        g, k = rt.config.generation, rt.config.memory.num_tokens
+        k = rt.config.memory.num_tokens
         restored = 0
         for r in records:
             kept = (r.get("extra") or {}).get("generation")
             if not kept:  # recorded before answers kept their tokens
                 continue
             prompt = self._prompt(r["question"])
-            budget = answer_budget(g.max_new_tokens, rt.backend.info.max_context, len(prompt.token_ids), k)
+            budget = _budget(rt, prompt, k)
             generation = Generation(r["response"], list(kept["token_ids"]), kept["finish_reason"])
             rt.greedy_cache.put(prompt, self._params(budget), generation)
             restored += 1
@@ -163,14 +163,18 @@ def verifier_at_2(runtime: EvalRuntime) -> VerifierAtK:
 def _generate_grouped(rt: EvalRuntime, prompts: list[PromptInput], make_params, reserve: int = 0) -> list[list]:
     """Generate for ``prompts`` with each one's answer budget capped by the context left, as the
     graph does; prompts sharing a budget share one batched call. Returns completions per prompt."""
-    g = rt.config.generation
     groups: dict[int, list[int]] = {}
     for i, p in enumerate(prompts):
-        budget = answer_budget(g.max_new_tokens, rt.backend.info.max_context, len(p.token_ids), reserve)
-        groups.setdefault(budget, []).append(i)
+        groups.setdefault(_budget(rt, p, reserve), []).append(i)
     out: list[list] = [[] for _ in prompts]
     for max_new, members in groups.items():
         results = rt.backend.generate([prompts[i] for i in members], make_params(max_new))
         for i, gens in zip(members, results, strict=True):
             out[i] = gens
     return out
+
+
+def _budget(rt: EvalRuntime, prompt: PromptInput, reserve: int = 0) -> int:
+    """The graph's answer budget for ``prompt`` (equal prompts, equal budgets: the cache's key relies on it)."""
+    limit = rt.config.generation.max_new_tokens
+    return answer_budget(limit, rt.backend.info.max_context, len(prompt.token_ids), reserve)
