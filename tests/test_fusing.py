@@ -163,6 +163,30 @@ def test_parts_generate_calls_share_one_batch_and_get_their_own_results():
     assert fused.stats.batches == [2, 1]
 
 
+def test_a_parts_generate_many_joins_the_batch_with_all_its_calls():
+    """The answer part asks for its answers and a verifier's samples in one generate_many: both calls
+    share the batch with the learner's rollouts, and each call gets its own generations back."""
+    backend = FakeBackend()
+    fused = FusedCalls(backend)
+
+    def answer():
+        return fused.backend.generate_many([(["q-zero-shot", "q-memory"], GREEDY), (["q-samples"], SAMPLED)])
+
+    def learn():
+        return fused.backend.generate(["q-rollout"], SAMPLED)
+
+    (answers, samples), rollouts = fused.run([answer, learn])
+    assert [g[0].text for g in answers] == ["q-zero-shot/1", "q-memory/1"]
+    assert samples[0][0].text == "q-samples/3" and rollouts[0][0].text == "q-rollout/3"
+    [(kind, calls)] = backend.log
+    assert kind == "many" and sorted(calls) == [["q-rollout"], ["q-samples"], ["q-zero-shot", "q-memory"]]
+    assert fused.stats.batches == [3]
+    # outside a run, generate_many goes straight to the backend (one call each without generate_many)
+    plain = FakeBackend(many=False)
+    out = FusedCalls(plain).backend.generate_many([(["a"], GREEDY), (["b"], SAMPLED)])
+    assert [r[0][0].text for r in out] == ["a/1", "b/3"] and [e[0] for e in plain.log] == ["generate"] * 2
+
+
 def test_a_failing_part_leaves_the_batch_and_is_raised_after_the_others_end():
     backend = FakeBackend()
     fused = FusedCalls(backend)

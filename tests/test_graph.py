@@ -283,3 +283,51 @@ def test_prefer_answered_routes_to_the_candidate_with_an_answer(tiny_elm):
     r = tiny_elm.answer(Q2, learn=False)
     assert r.route == "answered" and r.answer == "7" and services.verifier.calls == 0
     assert "verify" not in r.timings
+
+
+class ScriptedBackend:
+    """The tiny backend's tokenizer and info, with scripted texts (SmolLM2 never boxes): greedy answers box
+    3 without a memory and 7 with one, samples box 7, 7, 7, 3. Records each call's requests."""
+
+    def __init__(self, inner, batches_calls=True):
+        self.info, self.tokenizer, self.batches_calls = inner.info, inner.tokenizer, batches_calls
+        self.calls = []
+
+    def generate(self, prompts, params):
+        return self.generate_many([(prompts, params)])[0]
+
+    def generate_many(self, requests):
+        from elm_memory.backends.base import Generation
+
+        self.calls.append([(len(prompts), params.n) for prompts, params in requests])
+        out = []
+        for prompts, params in requests:
+            if params.greedy:
+                texts = [["\\boxed{7}" if p.soft_prompt is not None else "\\boxed{3}"] for p in prompts]
+            else:
+                texts = [["\\boxed{7}"] * 3 + ["\\boxed{3}"] for _ in prompts]
+            out.append([[Generation(t, [1], "answer") for t in row] for row in texts])
+        return out
+
+
+@pytest.mark.parametrize(("presample", "batches_calls"), [(True, True), (False, True), (True, False)])
+def test_consistency_samples_join_the_answers_call_when_presampling(tiny_elm, presample, batches_calls):
+    """presample on a backend that batches calls: the samples come in the candidates' call and a
+    disagreement is scored without another; otherwise they are drawn after the disagreement. Same route,
+    same scores either way; no memory, no samples."""
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    tiny_elm.answer(Q1)  # a memory to retrieve
+    services = tiny_elm.services()
+    backend = ScriptedBackend(services.backend, batches_calls=batches_calls)
+    services.backend = backend
+    services.verifier = ConsistencyVerifier(backend, samples=4, presample=presample)
+    r = tiny_elm.answer(Q2, learn=False)
+    assert r.route == "verifier" and r.answer == "7" and [c["score"] for c in r.candidates] == [0.25, 0.75]
+    if presample and batches_calls:
+        assert backend.calls == [[(2, 1), (1, 4)]]  # one call: both answers and the four samples
+    else:
+        assert backend.calls == [[(2, 1)], [(1, 4)]]
+    backend.calls.clear()
+    first = tiny_elm.answer(Q1, namespace="empty", learn=False)
+    assert first.route == "zero_shot" and backend.calls == [[(1, 1)]]

@@ -427,6 +427,27 @@ def test_consistency_scores_recorded_answers_like_responses():
     assert len(backend.calls) == calls
 
 
+def test_consistency_samples_drawn_ahead_score_as_samples_drawn_on_demand():
+    """sample_request is the very call score makes, and score_with_samples on its answers gives the same
+    scores: what the graph does when it draws the samples with the candidates (presample)."""
+    from elm_memory.verifiers.base import SamplingVerifier
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    backend = FixedSamplesBackend(["\\boxed{7}"] * 3 + ["\\boxed{5}"])
+    v = ConsistencyVerifier(backend, samples=4, seed=9, presample=True)
+    assert isinstance(v, SamplingVerifier) and v.presample
+    soft = torch.zeros(2, 8)
+    prompts, params = v.sample_request(QUESTION, PromptInput((1, 2), soft_prompt=soft, soft_prompt_at=0))
+    assert prompts[0].token_ids == (1, 2) and prompts[0].soft_prompt is None  # zero-shot: the memory dropped
+    on_demand = v.score(QUESTION, [Candidate("\\boxed{5}", prompt=PromptInput((1, 2))), Candidate("\\boxed{7}")])
+    [(drawn_prompts, drawn_params)] = backend.calls
+    assert drawn_params == params and drawn_prompts[0].token_ids == prompts[0].token_ids
+    [gens] = backend.generate(prompts, params)
+    assert v.score_with_samples(["5", "7"], v.sample_answers_of(gens)) == on_demand == [0.25, 0.75]
+    assert v.score_with_samples(["7", None], []) == [0.0, 0.0]  # no samples: nobody agrees
+    assert not ConsistencyVerifier(backend).presample  # off unless asked for
+
+
 def test_consistency_budget_fits_the_context_and_prompt_is_built_without_one(tiny_loaded):
     from elm_memory.verifiers.consistency import ConsistencyVerifier
 

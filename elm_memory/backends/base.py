@@ -104,6 +104,19 @@ class GenerationBackend(Protocol):
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]: ...
 
 
+#: One ``generate`` call's arguments.
+GenerateRequest = tuple[Sequence[PromptLike], SamplingParams]
+
+
+def generate_requests(backend: Any, requests: Sequence[GenerateRequest]) -> list[list[list[Generation]]]:
+    """What ``backend.generate`` returns for each request: one ``generate_many`` call where the backend has
+    one (the HF backend decodes the calls as one batch, each under its own params), else one call each."""
+    many = getattr(backend, "generate_many", None)
+    if len(requests) > 1 and callable(many):
+        return list(many(requests))
+    return [backend.generate(prompts, params) for prompts, params in requests]
+
+
 def sampling_seed(prompt: PromptInput, params: SamplingParams, index: int) -> int | None:
     """The seed prompt ``index`` of a call samples with: its own ``PromptInput.seed``, else
     ``params.seed + index * n`` (vLLM gives a request's n samples consecutive streams); None for

@@ -8,9 +8,10 @@ rows as for 1 (see :mod:`elm_memory.backends.decode`), so decoding them as one b
 of one of the two.
 
 :meth:`FusedCalls.run` runs the first part in the calling thread and the others in new threads,
-all against :attr:`FusedCalls.backend`, a view of the wrapped backend. A part's ``generate`` call
-waits until every part still running is waiting in ``generate`` too (or has finished); then all
-waiting calls go to the backend's ``generate_many`` as one batch. Deterministic, no timing window:
+all against :attr:`FusedCalls.backend`, a view of the wrapped backend. A part's ``generate`` (or
+``generate_many``: several calls of one part, e.g. the answers and a verifier's samples) waits until
+every part still running is waiting in one too (or has finished); then all waiting calls go to the
+backend's ``generate_many`` as one batch. Deterministic, no timing window:
 the batch forms when nobody else can add to it. Batches always decode in the calling thread: on
 the 2-core Xeon the same decode ran about 25% slower in a freshly started thread than in the main
 one (``benchmarks/results/demo_overlap.json``), so the caller should pass its heaviest part first.
@@ -28,14 +29,15 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from elm_memory.backends.base import Generation, PromptLike, SamplingParams
+from elm_memory.backends.base import GenerateRequest, Generation, PromptLike, SamplingParams, generate_requests
 
 
 @dataclass
 class _Call:
-    prompts: Sequence[PromptLike]
-    params: SamplingParams
-    result: list[list[Generation]] | None = None
+    """One part's ``generate``/``generate_many`` call: its requests, decoded with the batch's others."""
+
+    requests: Sequence[GenerateRequest]
+    result: list[list[list[Generation]]] | None = None
     error: BaseException | None = None
     done: bool = False
 
@@ -44,7 +46,7 @@ class _Call:
 class FusionStats:
     """What fusing did, for benchmarks and tests: batches run and the calls each held."""
 
-    batches: list[int] = field(default_factory=list)  # calls per batch sent to generate_many
+    batches: list[int] = field(default_factory=list)  # requests per batch sent to generate_many
 
 
 class FusedView:
@@ -58,7 +60,11 @@ class FusedView:
         return getattr(self._owner.inner, name)
 
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
-        return self._owner.generate(prompts, params)
+        return self._owner.generate_many([(prompts, params)])[0]
+
+    def generate_many(self, requests: Sequence[GenerateRequest]) -> list[list[list[Generation]]]:
+        """Several calls of one part (e.g. the answers and the verifier's samples), in the same batch."""
+        return self._owner.generate_many(requests)
 
 
 class FusedCalls:
@@ -124,10 +130,10 @@ class FusedCalls:
                 raise exc
         return results
 
-    def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
+    def generate_many(self, requests: Sequence[GenerateRequest]) -> list[list[list[Generation]]]:
         if getattr(self._local, "part", None) is None:
-            return self.inner.generate(prompts, params)
-        call = _Call(prompts, params)
+            return generate_requests(self.inner, requests)
+        call = _Call(list(requests))
         driver = threading.get_ident() == self._driver
         with self._cond:
             self._pending.append(call)
@@ -156,13 +162,11 @@ class FusedCalls:
 
     def _decode(self, batch: list[_Call]) -> None:
         try:
-            if len(batch) == 1:
-                results = [self.inner.generate(batch[0].prompts, batch[0].params)]
-            else:
-                results = self.inner.generate_many([(c.prompts, c.params) for c in batch])
-            self.stats.batches.append(len(batch))
-            for c, r in zip(batch, results, strict=True):
-                c.result = r
+            requests = [r for c in batch for r in c.requests]
+            results = iter(generate_requests(self.inner, requests))
+            self.stats.batches.append(len(requests))
+            for c in batch:
+                c.result = [next(results) for _ in c.requests]
         except BaseException as exc:  # every call of the batch gets it
             for c in batch:
                 c.error = exc

@@ -304,6 +304,16 @@ class VerifierConfig(ConfigSection):
             "quarter of the 2048-token answer budget."
         ),
     )
+    consistency_presample: bool = Field(
+        default=False,
+        description=(
+            "`consistency`: draw the samples in the same decode batch as the two answers whenever a memory was "
+            "retrieved, instead of in a call of their own after a disagreement. On a backend that batches calls "
+            "(`hf`) extra rows cost little per decode step, so a disagreement needs no decode of its own; the "
+            "rows are wasted when the answers agree. Backends that do not batch calls (vLLM) sample after a "
+            "disagreement either way."
+        ),
+    )
     consistency_temperature: float = Field(
         default=0.7,
         gt=0.0,

@@ -17,7 +17,14 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
-from elm_memory.backends.base import Generation, PromptLike, SamplingParams, to_prompt_input
+from elm_memory.backends.base import (
+    GenerateRequest,
+    Generation,
+    PromptLike,
+    SamplingParams,
+    generate_requests,
+    to_prompt_input,
+)
 
 
 class _Key(NamedTuple):
@@ -66,13 +73,11 @@ class GreedyCache:
     def generate(self, prompts: Sequence[PromptLike], params: SamplingParams) -> list[list[Generation]]:
         return self.generate_many([(prompts, params)])[0]
 
-    def generate_many(
-        self, requests: Sequence[tuple[Sequence[PromptLike], SamplingParams]]
-    ) -> list[list[list[Generation]]]:
+    def generate_many(self, requests: Sequence[GenerateRequest]) -> list[list[list[Generation]]]:
         """Each call's cache hits served here, everything else in one ``generate_many`` of the
         backend (one ``generate`` when only one call is left, or the backend has no ``generate_many``)."""
         plans: list[tuple[list[_Key], list[int]] | None] = []  # per call: (keys, missing) or None (sampled)
-        forward: list[tuple[Sequence[PromptLike], SamplingParams]] = []
+        forward: list[GenerateRequest] = []
         for prompts, params in requests:
             if not params.greedy or params.n != 1:
                 plans.append(None)
@@ -86,7 +91,7 @@ class GreedyCache:
             plans.append((keys, missing))
             if missing:
                 forward.append(([inputs[i] for i in missing], params))
-        fresh = iter(self._forward(forward))
+        fresh = iter(generate_requests(self._backend, forward))
         out: list[list[list[Generation]]] = []
         for plan in plans:
             if plan is None:
@@ -122,9 +127,3 @@ class GreedyCache:
         self._entries.move_to_end(key)
         while len(self._entries) > self._size:
             self._entries.popitem(last=False)
-
-    def _forward(self, requests: list[tuple[Sequence[PromptLike], SamplingParams]]) -> list[list[list[Generation]]]:
-        many = getattr(self._backend, "generate_many", None)
-        if len(requests) > 1 and callable(many):
-            return list(many(requests))
-        return [self._backend.generate(prompts, params) for prompts, params in requests]

@@ -18,11 +18,12 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import Runtime
 
 from elm_memory.answers import equivalent, extract_answer
-from elm_memory.backends.base import SamplingParams, answer_budget
+from elm_memory.backends.base import GenerateRequest, SamplingParams, answer_budget, generate_requests
 from elm_memory.graph.context import ELMRunContext, as_run_context, resolve_namespace
 from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import CandidateState, ELMState, Fresh, FreshTimings
 from elm_memory.models.prompting import validate_question
+from elm_memory.verifiers.base import SamplingVerifier
 
 log = logging.getLogger(__name__)
 
@@ -125,7 +126,13 @@ class ELMNodes:
             stop_at_answer=g.stop_at_answer,
             seed=cfg.training.seed,
         )
-        results = svc.backend.generate(inputs, params)
+        requests: list[GenerateRequest] = [(inputs, params)]
+        sampler = self._presampler() if len(inputs) > 1 else None  # no memory: nothing to route
+        if sampler is not None:
+            requests.append(sampler.sample_request(state["question"], inputs[0]))
+        generated = generate_requests(svc.backend, requests)
+        results = generated[0]
+        samples = sampler.sample_answers_of(generated[1][0]) if sampler is not None else None
         candidates = [
             CandidateState(
                 kind=kind,
@@ -140,9 +147,19 @@ class ELMNodes:
         return {
             "candidates": candidates,
             "memory_id": memory_id,
+            "verifier_samples": samples,
             "warnings": warnings,
             "timings": _elapsed("dual_generate", t0),
         }
+
+    def _presampler(self) -> SamplingVerifier | None:
+        """The verifier, when it asks for its samples ahead and the backend decodes several calls as one
+        batch (elsewhere drawing them ahead would cost a decode on every question, agreeing or not)."""
+        svc = self.services
+        verifier = svc.verifier
+        if not (isinstance(verifier, SamplingVerifier) and verifier.presample):
+            return None
+        return verifier if getattr(svc.backend, "batches_calls", False) else None
 
     # -- route / verify ------------------------------------------------------------------
     def route(self, state: ELMState) -> dict[str, Any]:
@@ -185,7 +202,11 @@ class ELMNodes:
                     )
                     for c in candidates
                 ]
-                scores = svc.verifier.score(state["question"], scored)
+                samples = state.get("verifier_samples")
+                if samples is not None and isinstance(svc.verifier, SamplingVerifier):
+                    scores = svc.verifier.score_with_samples([c["answer"] for c in candidates], samples)
+                else:
+                    scores = svc.verifier.score(state["question"], scored)
                 for c, s in zip(candidates, scores, strict=True):
                     c["score"] = _json_float(s)
                 if scores[1] > scores[0]:

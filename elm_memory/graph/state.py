@@ -73,3 +73,7 @@ class ELMOutput(TypedDict, total=False):
 
 class ELMState(ELMInput, ELMOutput, total=False):
     """Input and output keys together: what flows between the nodes."""
+
+    # answers of a sampling verifier's samples, drawn with the candidates (`consistency_presample`);
+    # None when none were drawn ahead
+    verifier_samples: list[str | None] | None

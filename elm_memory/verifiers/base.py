@@ -35,7 +35,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 
-from elm_memory.backends.base import PromptInput
+from elm_memory.backends.base import GenerateRequest, PromptInput
 from elm_memory.errors import BackendError, RegistryError
 
 if TYPE_CHECKING:
@@ -82,6 +82,28 @@ class Verifier(Protocol):
 
     def score(self, question: str, responses: Sequence[Candidate]) -> list[float]:
         """One float per response, in order. Never raises on empty responses."""
+        ...
+
+
+@runtime_checkable
+class SamplingVerifier(Protocol):
+    """A verifier whose scores come from fresh samples of the question. The graph can draw them ahead,
+    in the same decode batch as the two candidates, and score a disagreement with them later, so the
+    samples cost batch rows instead of a decode of their own (``presample``)."""
+
+    name: str
+    presample: bool  # draw the samples with the candidates (where the backend batches calls)
+
+    def sample_request(self, question: str, prompt: PromptInput | None = None) -> GenerateRequest:
+        """The ``generate`` call that draws the samples (``prompt``: the question's zero-shot prompt)."""
+        ...
+
+    def sample_answers_of(self, generations: Sequence[Any]) -> list[str | None]:
+        """The final answers of the generations that call returned for its one prompt."""
+        ...
+
+    def score_with_samples(self, answers: Sequence[str | None], samples: Sequence[str | None]) -> list[float]:
+        """Scores of the candidates' final ``answers`` given the drawn samples' answers."""
         ...
 
 

@@ -19,6 +19,11 @@ Details:
 * A candidate without an answer (no box, empty text) scores 0.0. Equal scores are equal
   floats, so the graph's strict ``memory > zero-shot`` rule keeps zero-shot on a tie.
 * Answers are compared with :func:`elm_memory.answers.equivalent` (the vote's own rule).
+* ``presample`` (:class:`~elm_memory.verifiers.base.SamplingVerifier`): the graph draws the samples
+  in the same decode batch as the two candidates whenever a memory was retrieved, and the score
+  reads them, with the same prompt, params and seed as the call drawn after a disagreement. A
+  decode step costs about the same for a few more rows, so the samples then cost rows in a batch
+  that runs anyway instead of a decode of their own; the rows are wasted when the candidates agree.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 from elm_memory.answers import equivalent, extract_answer
-from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
+from elm_memory.backends.base import GenerateRequest, Generation, PromptInput, SamplingParams, answer_budget
 from elm_memory.errors import BackendError, ConfigError
 from elm_memory.verifiers.base import Candidate, ZeroShotPrompts
 
@@ -50,6 +55,7 @@ class ConsistencyVerifier:
         top_p: float = 1.0,
         seed: int | None = 42,
         prompt_config: Any = None,
+        presample: bool = False,
     ):
         if backend is None or not callable(getattr(backend, "generate", None)):
             raise BackendError(
@@ -70,6 +76,7 @@ class ConsistencyVerifier:
         self.top_p = float(top_p)
         self.seed = seed
         self.prompt_config = prompt_config
+        self.presample = bool(presample)
         self._zero_shot = ZeroShotPrompts(backend, prompt_config)
 
     @classmethod
@@ -83,6 +90,7 @@ class ConsistencyVerifier:
             top_p=cfg.generation.top_p,
             seed=cfg.training.seed,  # the run's one seed, as the answer and the rollouts use
             prompt_config=cfg.prompt,
+            presample=v.consistency_presample,
         )
 
     # -- scoring -------------------------------------------------------------------
@@ -96,13 +104,22 @@ class ConsistencyVerifier:
         ``responses`` only supplies the prompt the samples are drawn from."""
         if not any(a is not None for a in answers):
             return [0.0] * len(answers)  # nothing to agree with: skip the sampling
-        drawn = self.sample_answers(question, responses)
-        total = len(drawn)
-        return [0.0 if a is None or not total else sum(equivalent(a, s) for s in drawn) / total for a in answers]
+        return self.score_with_samples(answers, self.sample_answers(question, responses))
+
+    def score_with_samples(self, answers: Sequence[str | None], samples: Sequence[str | None]) -> list[float]:
+        """Agreeing samples / samples drawn, per answer (None: no answer, 0.0)."""
+        total = len(samples)
+        return [0.0 if a is None or not total else sum(equivalent(a, s) for s in samples) / total for a in answers]
 
     def sample_answers(self, question: str, responses: Sequence[Candidate] = ()) -> list[str | None]:
         """The ``samples`` zero-shot answers of one batched, seeded generate call (None: no box)."""
-        prompt = self._sampling_prompt(question, responses)
+        prompts, params = self.sample_request(question, self._sampling_prompt(question, responses))
+        [gens] = self.backend.generate(prompts, params)
+        return self.sample_answers_of(gens)
+
+    def sample_request(self, question: str, prompt: PromptInput | None = None) -> GenerateRequest:
+        """The seeded call that draws the samples from ``prompt`` (default: the question's zero-shot prompt)."""
+        prompt = self._zero_shot(question) if prompt is None else PromptInput(prompt.token_ids)
         max_context = getattr(getattr(self.backend, "info", None), "max_context", None)
         budget = (
             self.max_new_tokens
@@ -117,8 +134,10 @@ class ConsistencyVerifier:
             seed=self.seed,
             stop_at_answer=True,  # only the first box is read; the rest would be wasted tokens
         )
-        [gens] = self.backend.generate([prompt], params)
-        return [extract_answer(g.text) for g in gens]
+        return [prompt], params
+
+    def sample_answers_of(self, generations: Sequence[Generation]) -> list[str | None]:
+        return [extract_answer(g.text) for g in generations]
 
     def _sampling_prompt(self, question: str, responses: Sequence[Candidate]) -> PromptInput:
         for cand in responses:
