@@ -12,39 +12,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-from elm_memory.config import ELMConfig
-from elm_memory.environment import collect_env
-from elm_memory.eval.records import RecordLog
+from demo_settings import environment, run_demo  # benchmarks/ is the script's folder
 
 
-def run_demo(out: Path, overlap: bool, limit: int) -> dict:
-    cmd = [sys.executable, "-m", "elm_memory.cli", "demo", "--limit", str(limit), "--out", str(out)]
-    cmd += ["--set", f"learner.overlap_answering={str(overlap).lower()}"]
-    t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
-    wall = time.perf_counter() - t0
-    if proc.returncode != 0:
-        raise SystemExit(f"elm demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
-    records = RecordLog(out / "records.jsonl").read()
-    elm = sorted((r for r in records if r["method"] == "elm_input"), key=lambda r: r["index"])
-    zs = [r for r in records if r["method"] == "zero_shot"]
-    return {
-        "overlap_answering": overlap,
-        "wall_seconds": round(wall, 1),  # includes loading the prepared model and writing the plots
-        "elm_correct": sum(r["correct"] for r in elm),
-        "zero_shot_correct": sum(r["correct"] for r in zs),
-        "questions": len(elm),
-        "answer_seconds": [round(r["timings"]["answer"], 1) for r in elm],
-        "learn_seconds": [round(r["timings"]["learn"], 1) for r in elm],
-        "routes": [r["route"] for r in elm],
-        "answers": [r["answer"] for r in elm],
-    }
+def run_overlap(out: Path, overlap: bool, limit: int) -> dict:
+    run = run_demo(out, [f"learner.overlap_answering={str(overlap).lower()}"], limit)
+    return {"overlap_answering": overlap, **{k: v for k, v in run.items() if k not in ("settings", "scores")}}
 
 
 def main() -> None:
@@ -53,7 +30,7 @@ def main() -> None:
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        runs = [run_demo(Path(tmp) / f"overlap-{o}", o, args.limit) for o in (False, True)]
+        runs = [run_overlap(Path(tmp) / f"overlap-{o}", o, args.limit) for o in (False, True)]
         for r in runs:
             print(json.dumps({k: r[k] for k in ("overlap_answering", "wall_seconds", "elm_correct")}), flush=True)
     report = {
@@ -61,9 +38,7 @@ def main() -> None:
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "runs": runs,
         "sequential_over_overlapped": round(runs[0]["wall_seconds"] / runs[1]["wall_seconds"], 2),
-        "environment": {
-            k: v for k, v in collect_env(ELMConfig.load(preset="cpu-demo")).items() if k in ("cpu", "resolved")
-        },
+        "environment": environment(),
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=1) + "\n")

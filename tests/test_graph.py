@@ -291,7 +291,7 @@ class ScriptedBackend:
 
     def __init__(self, inner, batches_calls=True):
         self.info, self.tokenizer, self.batches_calls = inner.info, inner.tokenizer, batches_calls
-        self.calls = []
+        self.calls, self.budgets = [], []
 
     def generate(self, prompts, params):
         return self.generate_many([(prompts, params)])[0]
@@ -300,6 +300,7 @@ class ScriptedBackend:
         from elm_memory.backends.base import Generation
 
         self.calls.append([(len(prompts), params.n) for prompts, params in requests])
+        self.budgets.append([params.max_new_tokens for _, params in requests])
         out = []
         for prompts, params in requests:
             if params.greedy:
@@ -321,13 +322,16 @@ def test_consistency_samples_join_the_answers_call_when_presampling(tiny_elm, pr
     services = tiny_elm.services()
     backend = ScriptedBackend(services.backend, batches_calls=batches_calls)
     services.backend = backend
-    services.verifier = ConsistencyVerifier(backend, samples=4, presample=presample)
+    answers_budget = tiny_elm.config.generation.max_new_tokens
+    services.verifier = ConsistencyVerifier(backend, samples=4, presample=presample, max_new_tokens=answers_budget + 5)
     r = tiny_elm.answer(Q2, learn=False)
     assert r.route == "verifier" and r.answer == "7" and [c["score"] for c in r.candidates] == [0.25, 0.75]
     if presample and batches_calls:
         assert backend.calls == [[(2, 1), (1, 4)]]  # one call: both answers and the four samples
+        assert backend.budgets == [[answers_budget, answers_budget]]  # the samples add rows, not steps
     else:
         assert backend.calls == [[(2, 1)], [(1, 4)]]
+        assert backend.budgets == [[answers_budget], [answers_budget + 5]]
     backend.calls.clear()
     first = tiny_elm.answer(Q1, namespace="empty", learn=False)
     assert first.route == "zero_shot" and backend.calls == [[(1, 1)]]

@@ -310,8 +310,9 @@ class VerifierConfig(ConfigSection):
             "`consistency`: draw the samples in the same decode batch as the two answers whenever a memory was "
             "retrieved, instead of in a call of their own after a disagreement. On a backend that batches calls "
             "(`hf`) extra rows cost little per decode step, so a disagreement needs no decode of its own; the "
-            "rows are wasted when the answers agree. Backends that do not batch calls (vLLM) sample after a "
-            "disagreement either way."
+            "rows are wasted when the answers agree. Drawn ahead, a sample is cut at the answers' budget "
+            "(`generation.max_new_tokens`, if shorter), so it never lengthens the batch. Backends that do not "
+            "batch calls (vLLM) sample after a disagreement either way."
         ),
     )
     consistency_temperature: float = Field(

@@ -9,6 +9,7 @@ question, a namespace template without its variable) fails the run with a typed 
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable
@@ -129,7 +130,10 @@ class ELMNodes:
         requests: list[GenerateRequest] = [(inputs, params)]
         sampler = self._presampler() if len(inputs) > 1 else None  # no memory: nothing to route
         if sampler is not None:
-            requests.append(sampler.sample_request(state["question"], inputs[0]))
+            sample_prompts, sample_params = sampler.sample_request(state["question"], inputs[0])
+            # no longer than the answers: the samples then add rows to the batch, never decode steps
+            budget = min(sample_params.max_new_tokens, params.max_new_tokens)
+            requests.append((sample_prompts, dataclasses.replace(sample_params, max_new_tokens=budget)))
         generated = generate_requests(svc.backend, requests)
         results = generated[0]
         samples = sampler.sample_answers_of(generated[1][0]) if sampler is not None else None

@@ -21,7 +21,8 @@ Details:
 * Answers are compared with :func:`elm_memory.answers.equivalent` (the vote's own rule).
 * ``presample`` (:class:`~elm_memory.verifiers.base.SamplingVerifier`): the graph draws the samples
   in the same decode batch as the two candidates whenever a memory was retrieved, and the score
-  reads them, with the same prompt, params and seed as the call drawn after a disagreement. A
+  reads them: the same prompt, params and seed as the call drawn after a disagreement, except
+  that a sample is cut at the answers' token budget when that is shorter. A
   decode step costs about the same for a few more rows, so the samples then cost rows in a batch
   that runs anyway instead of a decode of their own; the rows are wasted when the candidates agree.
 """

@@ -1,0 +1,94 @@
+"""The main job's wall time and answers under a few settings, run back to back on one machine.
+
+Each variant runs ``elm demo`` (8 synth-arith questions, ``cpu-demo``, ELM next to zero-shot) in a
+fresh run directory with its own ``--set`` overrides, one after the other, so their ratios compare on
+one machine in one sitting. Writes per variant: wall seconds, ELM's and zero-shot's right answers,
+routes, answers, per-question answer and learn seconds, and the verifier's candidate scores.
+
+    python benchmarks/demo_settings.py --out benchmarks/results/consistency_presample.json \\
+        --variant self_certainty= \\
+        --variant consistency=verifier.name=consistency,verifier.consistency_presample=false \\
+        --variant consistency_presample=verifier.name=consistency,verifier.consistency_presample=true
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from elm_memory.config import ELMConfig
+from elm_memory.environment import collect_env
+from elm_memory.eval.records import RecordLog
+
+
+def run_demo(out: Path, settings: list[str], limit: int) -> dict:
+    """One ``elm demo`` with ``--set`` for each of ``settings``; what it answered and how long it took."""
+    cmd = [sys.executable, "-m", "elm_memory.cli", "demo", "--limit", str(limit), "--out", str(out)]
+    for setting in settings:
+        cmd += ["--set", setting]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise SystemExit(f"elm demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    records = RecordLog(out / "records.jsonl").read()
+    elm = sorted((r for r in records if r["method"] == "elm_input"), key=lambda r: r["index"])
+    zs = [r for r in records if r["method"] == "zero_shot"]
+    return {
+        "settings": settings,
+        "wall_seconds": round(wall, 1),  # includes loading the prepared model and writing the plots
+        "elm_correct": sum(r["correct"] for r in elm),
+        "zero_shot_correct": sum(r["correct"] for r in zs),
+        "questions": len(elm),
+        "answer_seconds": [round(r["timings"]["answer"], 1) for r in elm],
+        "learn_seconds": [round(r["timings"]["learn"], 1) for r in elm],
+        "routes": [r["route"] for r in elm],
+        "answers": [r["answer"] for r in elm],
+        "scores": [[c.get("score") for c in r.get("candidates") or []] for r in elm],
+    }
+
+
+def environment() -> dict:
+    return {k: v for k, v in collect_env(ELMConfig.load(preset="cpu-demo")).items() if k in ("cpu", "resolved")}
+
+
+def parse_variant(text: str) -> tuple[str, list[str]]:
+    """``name=key=value,key=value`` (``name=`` for the defaults)."""
+    name, _, settings = text.partition("=")
+    if not name:
+        raise SystemExit(f"--variant {text!r}: expected NAME=key=value,... (NAME= for the defaults)")
+    return name, [s for s in settings.split(",") if s]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--limit", type=int, default=8)
+    ap.add_argument("--variant", action="append", required=True, help="NAME=key=value,... (repeatable)")
+    ap.add_argument("--out", type=Path, required=True)
+    args = ap.parse_args()
+    variants = [parse_variant(v) for v in args.variant]
+    runs = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, settings in variants:
+            runs[name] = run_demo(Path(tmp) / name, settings, args.limit)
+            print(json.dumps({"variant": name, **{k: runs[name][k] for k in ("wall_seconds", "elm_correct")}}))
+    base = runs[variants[0][0]]["wall_seconds"]
+    report = {
+        "benchmark": "demo_settings",
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "runs": runs,
+        "wall_over_first": {name: round(r["wall_seconds"] / base, 2) for name, r in runs.items()},
+        "environment": environment(),
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
