@@ -328,7 +328,7 @@ def test_consistency_samples_join_the_answers_call_when_presampling(tiny_elm, pr
     assert r.route == "verifier" and r.answer == "7" and [c["score"] for c in r.candidates] == [0.25, 0.75]
     if presample and batches_calls:
         assert backend.calls == [[(2, 1), (1, 4)]]  # one call: both answers and the four samples
-        assert backend.budgets == [[answers_budget, answers_budget]]  # the samples add rows, not steps
+        assert backend.budgets == [[answers_budget, answers_budget]]  # cut to the answers' budget
     else:
         assert backend.calls == [[(2, 1)], [(1, 4)]]
         assert backend.budgets == [[answers_budget], [answers_budget + 5]]

@@ -445,7 +445,8 @@ def test_consistency_samples_drawn_ahead_score_as_samples_drawn_on_demand():
     [gens] = backend.generate(prompts, params)
     assert v.score_with_samples(["5", "7"], v.sample_answers_of(gens)) == on_demand == [0.25, 0.75]
     assert v.score_with_samples(["7", None], []) == [0.0, 0.0]  # no samples: nobody agrees
-    assert not ConsistencyVerifier(backend).presample  # off unless asked for
+    assert ConsistencyVerifier(backend).presample and not ConsistencyVerifier(backend, presample=False).presample
+    assert ELMConfig.load(overrides={"verifier": {"name": "consistency"}}).verifier.consistency_presample
 
 
 def test_consistency_budget_fits_the_context_and_prompt_is_built_without_one(tiny_loaded):

@@ -131,7 +131,8 @@ class ELMNodes:
         sampler = self._presampler() if len(inputs) > 1 else None  # no memory: nothing to route
         if sampler is not None:
             sample_prompts, sample_params = sampler.sample_request(state["question"], inputs[0])
-            # no longer than the answers: the samples then add rows to the batch, never decode steps
+            # no longer than the answers' budget: a batch the answers would cut short can run a bit longer,
+            # never past what the answers alone may take
             budget = min(sample_params.max_new_tokens, params.max_new_tokens)
             requests.append((sample_prompts, dataclasses.replace(sample_params, max_new_tokens=budget)))
         generated = generate_requests(svc.backend, requests)

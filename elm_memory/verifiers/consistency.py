@@ -56,7 +56,7 @@ class ConsistencyVerifier:
         top_p: float = 1.0,
         seed: int | None = 42,
         prompt_config: Any = None,
-        presample: bool = False,
+        presample: bool = True,
     ):
         if backend is None or not callable(getattr(backend, "generate", None)):
             raise BackendError(
