@@ -13,10 +13,9 @@ from __future__ import annotations
 import argparse
 import json
 import tempfile
-import time
 from pathlib import Path
 
-from demo_settings import environment, run_demo  # benchmarks/ is the script's folder
+from demo_settings import run_demo, write_report  # benchmarks/ is the script's folder
 
 
 def run_overlap(out: Path, overlap: bool, limit: int) -> dict:
@@ -33,16 +32,8 @@ def main() -> None:
         runs = [run_overlap(Path(tmp) / f"overlap-{o}", o, args.limit) for o in (False, True)]
         for r in runs:
             print(json.dumps({k: r[k] for k in ("overlap_answering", "wall_seconds", "elm_correct")}), flush=True)
-    report = {
-        "benchmark": "demo_overlap",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "runs": runs,
-        "sequential_over_overlapped": round(runs[0]["wall_seconds"] / runs[1]["wall_seconds"], 2),
-        "environment": environment(),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
+    ratio = round(runs[0]["wall_seconds"] / runs[1]["wall_seconds"], 2)
+    write_report(args.out, "demo_overlap", runs, sequential_over_overlapped=ratio)
 
 
 if __name__ == "__main__":

@@ -57,6 +57,20 @@ def environment() -> dict:
     return {k: v for k, v in collect_env(ELMConfig.load(preset="cpu-demo")).items() if k in ("cpu", "resolved")}
 
 
+def write_report(out: Path, benchmark: str, runs: dict | list, **ratios: dict | float) -> None:
+    """The benchmark's JSON (runs, ratios, the CPU and resolved settings) at ``out``; prints all but the runs."""
+    report = {
+        "benchmark": benchmark,
+        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "runs": runs,
+        **ratios,
+        "environment": environment(),
+    }
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=1) + "\n")
+    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
+
+
 def parse_variant(text: str) -> tuple[str, list[str]]:
     """``name=key=value,key=value`` (``name=`` for the defaults)."""
     name, _, settings = text.partition("=")
@@ -78,16 +92,8 @@ def main() -> None:
             runs[name] = run_demo(Path(tmp) / name, settings, args.limit)
             print(json.dumps({"variant": name, **{k: runs[name][k] for k in ("wall_seconds", "elm_correct")}}))
     base = runs[variants[0][0]]["wall_seconds"]
-    report = {
-        "benchmark": "demo_settings",
-        "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "runs": runs,
-        "wall_over_first": {name: round(r["wall_seconds"] / base, 2) for name, r in runs.items()},
-        "environment": environment(),
-    }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1) + "\n")
-    print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
+    ratios = {name: round(r["wall_seconds"] / base, 2) for name, r in runs.items()}
+    write_report(args.out, "demo_settings", runs, wall_over_first=ratios)
 
 
 if __name__ == "__main__":
