@@ -20,6 +20,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from elm_memory.config import ELMConfig
 from elm_memory.environment import collect_env
@@ -57,13 +58,14 @@ def environment() -> dict:
     return {k: v for k, v in collect_env(ELMConfig.load(preset="cpu-demo")).items() if k in ("cpu", "resolved")}
 
 
-def write_report(out: Path, benchmark: str, runs: dict | list, **ratios: dict | float) -> None:
-    """The benchmark's JSON (runs, ratios, the CPU and resolved settings) at ``out``; prints all but the runs."""
+def write_report(out: Path, benchmark: str, runs: dict | list, **extra: Any) -> None:
+    """The benchmark's JSON (runs, ``extra`` such as ratios, the CPU and resolved settings) at ``out``;
+    prints all but the runs."""
     report = {
         "benchmark": benchmark,
         "when": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "runs": runs,
-        **ratios,
+        **extra,
         "environment": environment(),
     }
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -165,5 +165,8 @@ def test_elm_env_text_names_the_decision():
 
 def test_attention_kernel_follows_the_device_unless_set():
     assert place(AVX2_EPYC)[0].attn_implementation == "eager"
+    assert place(AVX512_BF16)[0].attn_implementation == "eager"  # the EPYC where SDPA decoded slower
+    assert place(AMX)[0].attn_implementation == "sdpa"  # measured faster there
     assert place(H100)[0].attn_implementation == "sdpa"
+    assert place(AMX, attn_implementation="eager")[0].attn_implementation == "eager"
     assert place(AVX2_EPYC, attn_implementation="sdpa")[0].attn_implementation == "sdpa"

@@ -37,8 +37,9 @@ class ModelConfig(ConfigSection):
     attn_implementation: Literal["auto", "eager", "sdpa"] = Field(
         default="auto",
         description=(
-            "transformers attention kernel. `auto`: `sdpa` on CUDA, `eager` on CPU, where PyTorch's SDPA kernel "
-            "made a one-token decode step 1.5-1.9x slower at batch 32 (benchmarks/learn_throughput.py)."
+            "transformers attention kernel. `auto`: `sdpa` on CUDA and on CPUs with AMX (1.05-1.5x faster decode "
+            "steps than eager on a 2-core AMX Xeon), `eager` on other CPUs (SDPA made decode steps 1.5-1.9x slower "
+            "at batch 32 on a 2-core AVX512-BF16 EPYC); benchmarks/attention_kernel.py measures yours."
         ),
     )
     max_context: int | None = Field(
