@@ -9,12 +9,19 @@ routes, answers, per-question answer and learn seconds, and the verifier's candi
         --variant self_certainty= \\
         --variant consistency=verifier.name=consistency,verifier.consistency_presample=false \\
         --variant consistency_presample=verifier.name=consistency,verifier.consistency_presample=true
+
+``NAME@REV=...`` runs that variant on the code of git revision ``REV`` (checked out in a temporary
+worktree put first on ``PYTHONPATH``), so a change compares against the code before it in one sitting:
+
+    python benchmarks/demo_settings.py --out benchmarks/results/demo_ride_along.json \\
+        --variant before@49b1cca= --variant after=
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -27,13 +34,18 @@ from elm_memory.environment import collect_env
 from elm_memory.eval.records import RecordLog
 
 
-def run_demo(out: Path, settings: list[str], limit: int) -> dict:
-    """One ``elm demo`` with ``--set`` for each of ``settings``; what it answered and how long it took."""
+def run_demo(out: Path, settings: list[str], limit: int, code: Path | None = None) -> dict:
+    """One ``elm demo`` with ``--set`` for each of ``settings`` (on the package at ``code`` when given);
+    what it answered and how long it took."""
     cmd = [sys.executable, "-m", "elm_memory.cli", "demo", "--limit", str(limit), "--out", str(out)]
     for setting in settings:
         cmd += ["--set", setting]
+    env = dict(os.environ)
+    if code is not None:
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(code), env.get("PYTHONPATH", "")) if p)
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True)
+    # run outside the repository: ``-m`` puts the working directory first on sys.path
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=out.parent)
     wall = time.perf_counter() - t0
     if proc.returncode != 0:
         raise SystemExit(f"elm demo failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
@@ -50,6 +62,7 @@ def run_demo(out: Path, settings: list[str], limit: int) -> dict:
         "learn_seconds": [round(r["timings"]["learn"], 1) for r in elm],
         "routes": [r["route"] for r in elm],
         "answers": [r["answer"] for r in elm],
+        "zero_shot_answers": [r["answer"] for r in sorted(zs, key=lambda r: r["index"])],
         "scores": [[c.get("score") for c in r.get("candidates") or []] for r in elm],
     }
 
@@ -73,12 +86,20 @@ def write_report(out: Path, benchmark: str, runs: dict | list, **extra: Any) -> 
     print(json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=1))
 
 
-def parse_variant(text: str) -> tuple[str, list[str]]:
-    """``name=key=value,key=value`` (``name=`` for the defaults)."""
-    name, _, settings = text.partition("=")
+def parse_variant(text: str) -> tuple[str, str | None, list[str]]:
+    """``name[@rev]=key=value,key=value`` (``name=`` for the defaults): name, revision, settings."""
+    head, _, settings = text.partition("=")
+    name, _, rev = head.partition("@")
     if not name:
-        raise SystemExit(f"--variant {text!r}: expected NAME=key=value,... (NAME= for the defaults)")
-    return name, [s for s in settings.split(",") if s]
+        raise SystemExit(f"--variant {text!r}: expected NAME[@REV]=key=value,... (NAME= for the defaults)")
+    return name, rev or None, [s for s in settings.split(",") if s]
+
+
+def checkout(rev: str, where: Path) -> Path:
+    """A detached worktree of ``rev`` at ``where`` (its package shadows the installed one)."""
+    root = Path(__file__).resolve().parents[1]
+    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(where), rev], check=True)
+    return where
 
 
 def main() -> None:
@@ -89,10 +110,17 @@ def main() -> None:
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant]
     runs = {}
+    root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
-        for name, settings in variants:
-            runs[name] = run_demo(Path(tmp) / name, settings, args.limit)
-            print(json.dumps({"variant": name, **{k: runs[name][k] for k in ("wall_seconds", "elm_correct")}}))
+        trees = {rev: checkout(rev, Path(tmp) / f"code-{rev}") for rev in {r for _, r, _ in variants if r}}
+        try:
+            for name, rev, settings in variants:
+                runs[name] = run_demo(Path(tmp) / name, settings, args.limit, trees.get(rev) if rev else None)
+                runs[name]["revision"] = rev or "working tree"
+                print(json.dumps({"variant": name, **{k: runs[name][k] for k in ("wall_seconds", "elm_correct")}}))
+        finally:
+            for tree in trees.values():
+                subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)
     base = runs[variants[0][0]]["wall_seconds"]
     ratios = {name: round(r["wall_seconds"] / base, 2) for name, r in runs.items()}
     write_report(args.out, "demo_settings", runs, wall_over_first=ratios)
