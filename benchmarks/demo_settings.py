@@ -33,6 +33,8 @@ from elm_memory.config import ELMConfig
 from elm_memory.environment import collect_env
 from elm_memory.eval.records import RecordLog
 
+REPO = Path(__file__).resolve().parents[1]  # where a revision's worktree is added from
+
 
 def run_demo(out: Path, settings: list[str], limit: int, code: Path | None = None) -> dict:
     """One ``elm demo`` with ``--set`` for each of ``settings`` (on the package at ``code`` when given);
@@ -97,8 +99,7 @@ def parse_variant(text: str) -> tuple[str, str | None, list[str]]:
 
 def checkout(rev: str, where: Path) -> Path:
     """A detached worktree of ``rev`` at ``where`` (its package shadows the installed one)."""
-    root = Path(__file__).resolve().parents[1]
-    subprocess.run(["git", "-C", str(root), "worktree", "add", "--detach", str(where), rev], check=True)
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(where), rev], check=True)
     return where
 
 
@@ -110,7 +111,6 @@ def main() -> None:
     args = ap.parse_args()
     variants = [parse_variant(v) for v in args.variant]
     runs = {}
-    root = Path(__file__).resolve().parents[1]
     with tempfile.TemporaryDirectory() as tmp:
         trees = {rev: checkout(rev, Path(tmp) / f"code-{rev}") for rev in {r for _, r, _ in variants if r}}
         try:
@@ -120,7 +120,7 @@ def main() -> None:
                 print(json.dumps({"variant": name, **{k: runs[name][k] for k in ("wall_seconds", "elm_correct")}}))
         finally:
             for tree in trees.values():
-                subprocess.run(["git", "-C", str(root), "worktree", "remove", "--force", str(tree)], check=False)
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(tree)], check=False)
     base = runs[variants[0][0]]["wall_seconds"]
     ratios = {name: round(r["wall_seconds"] / base, 2) for name, r in runs.items()}
     write_report(args.out, "demo_settings", runs, wall_over_first=ratios)
