@@ -273,6 +273,53 @@ def test_a_resumed_stream_gives_elm_the_zero_shot_answers_it_recorded(tiny_loade
     assert runtime.greedy_cache.misses == sum(1 for r in elm if r["memory_id"])  # only the memories' answers
 
 
+@pytest.mark.model
+def test_a_question_whose_record_was_lost_is_answered_again_without_its_own_memory(tiny_loaded, tiny_backend, tmp_path):
+    """Stopped after question 2's memory was stored but before its record was written: the resumed
+    run removes that memory and its job, answers question 2 from the pool it had (not from its own
+    memory) and learns the memory again."""
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+    from elm_memory.jobs.queue import JobQueue
+
+    # SmolLM2 never answers, so every memory is no_consensus: let it be retrieved all the same
+    cfg = tiny_config(retrieval={"skip_no_consensus": False})
+    problems = load_problems("gsm8k", limit=2, seed=17)
+
+    def run():
+        runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+        run_stream(
+            problems,
+            ["elm_input"],
+            cfg,
+            tmp_path,
+            dataset="gsm8k",
+            seed=17,
+            progress=False,
+            plots=False,
+            runtime=runtime,
+        )
+
+    run()
+    log_path = tmp_path / "records.jsonl"
+    first, second = RecordLog(log_path).read()
+    assert second["memory_id"] == first["extra"]["learn_job"]["memory_id"]  # question 2 used question 1's memory
+    own = second["extra"]["learn_job"]["memory_id"]
+    assert own and own != second["memory_id"]
+    log_path.write_text(json.dumps(first) + "\n")  # the stop: question 2's memory stored, its record lost
+
+    resumed_at = time.time()
+    run()
+    again = RecordLog(log_path).read()
+    assert again[0] == first
+    assert again[1]["memory_id"] == second["memory_id"]  # not its own memory, which would score 1.00
+    assert again[1]["similarity"] == pytest.approx(second["similarity"])
+    assert again[1]["extra"]["learn_job"]["memory_id"] == own  # learned again (same job id), not a no-op
+    with JobQueue(tmp_path / "store" / "learner-elm_input.sqlite3") as queue:
+        assert queue.get(own).finished_at > resumed_at
+    assert again[1]["pool_size"] == 2
+
+
 def test_pools_need_a_store_and_the_runtime_its_run_directory(tmp_path):
     # refused by name before any model is loaded
     from elm_memory.eval.methods.base import EvalRuntime

@@ -88,11 +88,12 @@ def run_stream(
             with ProgressBar(progress, total=len(problems) * len(methods), completed=len(done)) as bar:
                 for m in methods:  # build all first: an error in any method shows before hours of work
                     built[m] = build_method(m, runtime)
-                for m, method in built.items():  # a resumed run: what the methods recorded they may share
+                # a resumed run: what the methods recorded they may share, and pools rolled back to their
+                # records (also with none: a run stopped in its first question may have stored its memory)
+                for m, method in built.items():
                     resume = getattr(method, "resume", None)
-                    mine = [r for r in recorded if r["method"] == m]
-                    if resume is not None and mine:
-                        resume(mine)
+                    if resume is not None:
+                        resume([r for r in recorded if r["method"] == m])
                 stream = _Stream(problems, runtime, built, log, bar, on_record)
                 stream.run_batched([t for t in todo if _batchable(built[t[2]])], methods, batch_size)
                 stream.run_in_order([t for t in todo if not _batchable(built[t[2]])])

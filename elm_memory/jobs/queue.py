@@ -286,6 +286,15 @@ class JobQueue:
         point("job.released")
         return n == 1
 
+    def forget(self, job_id: str) -> bool:
+        """Delete a job that is not running, whatever its state; False when there is none (or it runs).
+
+        For a caller that rolls its own state back past the job: a resumed evaluation drops the
+        jobs of questions it never recorded, so submitting such a question again learns it anew."""
+        with self._tx() as conn:
+            n = conn.execute("DELETE FROM jobs WHERE job_id = ? AND state != 'running'", (job_id,)).rowcount
+        return n == 1
+
     def heartbeat(self, job_id: str, owner: str) -> bool:
         """Record that ``owner`` is still working on ``job_id``; False if it no longer holds it."""
         with self._tx() as conn:

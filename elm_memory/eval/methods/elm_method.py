@@ -9,6 +9,7 @@ is a no-op.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Any
 
@@ -17,6 +18,8 @@ from elm_memory.elm import ELM
 from elm_memory.errors import ELMError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, memory_store_config
 from elm_memory.store.base import MemoryStoreBase
+
+log = logging.getLogger("elm_memory.eval")
 
 
 class ELMMethod:
@@ -44,6 +47,37 @@ class ELMMethod:
         verifier = None if self.config.verifier.name == "consistency" else base.verifier
         self.elm = ELM(self.config, loaded=base.loaded, backend=self.fused.backend, verifier=verifier)
         self._bytes: dict[str, int] = {}  # memory id -> bytes of its stored form (a memory never changes)
+
+    def resume(self, records: list[dict[str, Any]]) -> int:
+        """Roll this method's pool and learn queue back to what its ``records`` account for; returns
+        how many memories were removed.
+
+        A run stopped after a question's memory was stored but before its record was written would
+        answer that question again with its own memory in the pool (seen once: similarity 1.00). So
+        every memory and learn job no record names goes: the question is answered from the pool it
+        had, and its memory is learned again."""
+        jobs = [(r.get("extra") or {}).get("learn_job") for r in records]
+        if not all(jobs):  # recorded before records named their learn job: nothing safe to compare
+            log.warning("%s: records without their learn job; the pool is resumed as it is", self.name)
+            return 0
+        kept_jobs = {j["job_id"] for j in jobs}
+        kept_memories = {j["memory_id"] for j in jobs if j.get("memory_id")}
+        queue = getattr(self.elm.learner, "queue", None)
+        for job in queue.list() if queue is not None else []:
+            if job.job.namespace == self.name and job.job_id not in kept_jobs:
+                queue.forget(job.job_id)
+        retriever = self.elm.retriever
+        removed = 0
+        for rec in retriever.store.list(self.name) if retriever is not None else []:
+            if rec.id not in kept_memories:
+                removed += retriever.store.delete(rec.id, self.name)
+        if removed:
+            log.info(
+                "%s: removed %d memories learned from questions with no record; they are learned again",
+                self.name,
+                removed,
+            )
+        return removed
 
     def answer(self, question: str, index: int) -> MethodOutput:
         r = self.elm.answer(question, namespace=self.name, learn=False)
