@@ -111,3 +111,97 @@ def test_backend_decode_paths_agree_greedily_and_seeds_reproduce(tiny_loaded, ba
     [alone] = loop.generate([PromptInput(tuple(ids[1]), seed=7 + 3)], sampled)
     both = loop.generate(prompts, sampled)
     assert [g.token_ids for g in alone] == [g.token_ids for g in both[1]]
+
+
+# ---- speculative decoding with lookup drafts ---------------------------------------------------
+
+
+def _forwards(model):
+    """A counter of the model's forward calls (a hook; remove it with .remove())."""
+    calls = []
+    handle = model.register_forward_hook(lambda *_: calls.append(1))
+    return calls, handle
+
+
+@pytest.mark.parametrize("share", (False, True))
+def test_lookup_keeps_greedy_tokens_in_fewer_forwards(tiny_loaded, batch, share):
+    _, input_ids, mask = batch
+    plain_calls, h = _forwards(tiny_loaded.model)
+    plain = sample(tiny_loaded.model, mask, DecodeOptions(48, share_prompt_kv=share), input_ids=input_ids, eos_ids=[])
+    h.remove()
+    calls, h = _forwards(tiny_loaded.model)
+    looked = sample(
+        tiny_loaded.model,
+        mask,
+        DecodeOptions(48, share_prompt_kv=share, lookup_draft_tokens=5),
+        input_ids=input_ids,
+        eos_ids=[],
+    )
+    h.remove()
+    assert looked == plain  # fp32: a forward of several tokens gives the same argmax here
+    assert [len(t) for t, _ in looked] == [48, 48]
+    assert len(calls) < len(plain_calls)  # drafts were accepted: fewer steps for the same tokens
+
+
+def test_lookup_sampling_is_seeded_per_prompt_and_stops_where_told(tiny_loaded, batch):
+    ids, input_ids, mask = batch
+
+    def run(inp, m, seeds, stop=None):
+        gens = [torch.Generator().manual_seed(s) for s in seeds]
+        return sample(
+            tiny_loaded.model,
+            m,
+            DecodeOptions(32, temperature=0.8, n=4, lookup_draft_tokens=4),
+            input_ids=inp,
+            eos_ids=_eos(tiny_loaded),
+            generators=gens,
+            should_stop=stop,
+        )
+
+    both = run(input_ids, mask, [1, 2])
+    assert run(input_ids, mask, [1, 2]) == both
+    alone = run(torch.tensor([ids[1]]), torch.ones(1, len(ids[1]), dtype=torch.long), [2])
+    assert [t for t, _ in both[4:]] == [t for t, _ in alone]  # drafts only from rows of the same prompt text
+    assert len({tuple(t) for t, _ in both[4:]}) > 1
+    stopped = run(input_ids, mask, [1, 2], stop=lambda row, toks, tok: len(toks) >= 3 + row)
+    assert [(len(t), r) for t, r in stopped] == [(3 + row, "answer") for row in range(8)]
+
+
+def test_lookup_acceptance_draws_exactly_from_the_models_distribution():
+    """Accept draft d with probability p(d), else sample p without d: the token that comes out is
+    distributed as p itself (here on a 5-token vocabulary, 40000 seeded draws)."""
+    from elm_memory.backends.decode import _verify
+
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.0, 0.0, 0.0, 0.0, 0.0]])
+    p = torch.softmax(logits[0] / 0.8, dim=-1)
+    gen = torch.Generator().manual_seed(0)
+    counts = torch.zeros(5)
+    for _ in range(40000):
+        took, nxt = _verify(logits, [1], DecodeOptions(8, temperature=0.8), gen)
+        counts[took[0] if took else nxt] += 1
+    assert torch.allclose(counts / counts.sum(), p, atol=0.01)
+    greedy = _verify(logits, [0], DecodeOptions(8), None)
+    assert greedy == ([0], 0)  # argmax 0 accepted, then the next position's argmax
+    assert _verify(logits, [1], DecodeOptions(8), None) == ([], 0)
+
+
+def test_the_backend_drafts_from_what_it_generated_before_for_the_same_prompt(tiny_loaded, batch):
+    from elm_memory.backends.base import PromptInput, SamplingParams
+    from elm_memory.backends.hf import HFBackend
+
+    ids, _, _ = batch
+    prompts = [PromptInput(tuple(x)) for x in ids]
+    greedy = SamplingParams(max_new_tokens=40)
+    plain = [[g.token_ids for g in gs] for gs in HFBackend(tiny_loaded).generate(prompts, greedy)]
+    backend = HFBackend(tiny_loaded, lookup_draft_tokens=4)
+    first_calls, h = _forwards(tiny_loaded.model)
+    first = [[g.token_ids for g in gs] for gs in backend.generate(prompts, greedy)]
+    h.remove()
+    again_calls, h = _forwards(tiny_loaded.model)
+    again = [[g.token_ids for g in gs] for gs in backend.generate(prompts, greedy)]
+    h.remove()
+    assert first == plain and again == plain
+    # the second time the first answer is there to copy: nearly every draft is accepted
+    assert len(again_calls) < len(first_calls)
+    assert len(again_calls) <= 1 + 40 // 5 + 2
+    assert backend.recent.get([ids[0]])[0] == [first[0][0], again[0][0]]

@@ -12,6 +12,10 @@ most rows are padding long before the batch ends. This loop:
   seed only, not on which other prompts share the batch (what training several memories
   together needs to equal training each alone).
 
+With ``lookup_draft_tokens`` it also **decodes speculatively** from drafts looked up in the text
+already there (:mod:`elm_memory.backends.lookup`): several tokens per row per forward, where the
+model agrees with the guess.
+
 Prompts of one batch may also carry **their own options** (a greedy answer decoded next to
 n sampled rollouts, each row stopping at its own length): what lets answering and learning
 share decode steps (:mod:`elm_memory.backends.fusing`). On a CPU a decode step is mostly fixed
@@ -27,10 +31,11 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elm_memory.backends.lookup import LookupDrafter
 from elm_memory.memories.base import AppliedMemory
 from elm_memory.models.logits import last_positions
 
@@ -46,6 +51,7 @@ class DecodeOptions:
     n: int = 1
     share_prompt_kv: bool = True
     drop_finished: bool = True
+    lookup_draft_tokens: int = 0  # >0: speculative decoding with drafts looked up in the rows' text
 
 
 @torch.no_grad()
@@ -60,6 +66,8 @@ def sample(
     generators: Sequence[torch.Generator | None] | None = None,
     should_stop: Callable[[int, list[int], int], bool] | None = None,
     memory: MemoryAdapter | None = None,
+    prompt_tokens: Sequence[Sequence[int]] | None = None,
+    earlier_outputs: Sequence[Sequence[Sequence[int]]] = (),
 ) -> list[tuple[list[int], str]]:
     """Generate ``options.n`` continuations of each left-padded prompt in the batch.
 
@@ -70,8 +78,14 @@ def sample(
     ``memory``: a lora/prefix memory applied to every row (a prefix starts the KV cache).
 
     ``options`` may be one per prompt: prompt i then gets ``options[i].n`` rows, decoded at its
-    own temperature, top-p and length (``share_prompt_kv``/``drop_finished`` are the first's).
-    A prompt's rows and random draws are the ones it gets in a batch of its own.
+    own temperature, top-p and length (``share_prompt_kv``/``drop_finished``/``lookup_draft_tokens``
+    are the first's). A prompt's rows and random draws are the ones it gets in a batch of its own.
+
+    ``lookup_draft_tokens`` > 0 turns on speculative decoding (:mod:`elm_memory.backends.lookup`):
+    ``prompt_tokens[i]`` (prompt i's token ids; default the ``input_ids`` rows) and
+    ``earlier_outputs[i]`` (outputs generated before for that prompt) seed the lookup.
+    Greedy rows keep their tokens (up to bf16 rounding: a forward of several tokens rounds
+    differently); sampled rows keep their distribution, not their draws.
     """
     inputs = input_ids if input_ids is not None else inputs_embeds
     assert inputs is not None, "pass input_ids or inputs_embeds"
@@ -82,7 +96,17 @@ def sample(
     prefill_rows = rows if not per_prompt[0].share_prompt_kv else inputs.shape[0]
     with memory.apply(model, prefill_rows) if memory is not None else nullcontext(AppliedMemory()) as applied:
         return _sample(
-            model, attention_mask, per_prompt, applied, input_ids, inputs_embeds, eos_ids, generators, should_stop
+            model,
+            attention_mask,
+            per_prompt,
+            applied,
+            input_ids,
+            inputs_embeds,
+            eos_ids,
+            generators,
+            should_stop,
+            prompt_tokens,
+            earlier_outputs,
         )
 
 
@@ -96,11 +120,16 @@ def _sample(
     eos_ids: Sequence[int],
     generators: Sequence[torch.Generator | None] | None,
     should_stop: Callable[[int, list[int], int], bool] | None,
+    prompt_tokens: Sequence[Sequence[int]] | None = None,
+    earlier_outputs: Sequence[Sequence[Sequence[int]]] = (),
 ) -> list[tuple[list[int], str]]:
     """:func:`sample` under an applied memory (whose cache, if any, already holds a prefix)."""
     inputs = input_ids if input_ids is not None else inputs_embeds
     assert inputs is not None
     options = per_prompt[0]
+    if options.lookup_draft_tokens > 0 and prompt_tokens is None and input_ids is not None:
+        pairs = zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
+        prompt_tokens = [[t for t, m in zip(ids, keep, strict=True) if m] for ids, keep in pairs]
     device = inputs.device
     mask = attention_mask.to(device=device, dtype=torch.long)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
@@ -130,6 +159,13 @@ def _sample(
         cache.batch_select_indices(expand)
         logits, mask, positions = logits[expand], mask[expand], positions[expand]
 
+    if options.lookup_draft_tokens > 0:
+        if prompt_tokens is None:
+            raise ValueError("speculative lookup with inputs_embeds needs prompt_tokens")
+        drafter = LookupDrafter(prompt_tokens, row_prompt, options.lookup_draft_tokens, earlier_outputs)
+        return _decode_lookup(
+            model, cache, logits, mask, positions, row_prompt, per_prompt, drafter, eos, generators, should_stop
+        )
     rows = len(row_prompt)
     limit = [per_prompt[p].max_new_tokens for p in row_prompt]
     tokens: list[list[int]] = [[] for _ in range(rows)]
@@ -171,6 +207,137 @@ def _sample(
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
     return list(zip(tokens, reasons, strict=True))
+
+
+def _decode_lookup(
+    model: torch.nn.Module,
+    cache: Any,
+    logits: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    row_prompt: list[int],
+    per_prompt: list[DecodeOptions],
+    drafter: LookupDrafter,
+    eos: torch.Tensor,
+    generators: Sequence[torch.Generator | None] | None,
+    should_stop: Callable[[int, list[int], int], bool] | None,
+) -> list[tuple[list[int], str]]:
+    """The decode steps with speculative lookup: each live row feeds its next token plus up to k
+    drafted ones (one forward for all), keeps the drafts the model agrees with and the model's own
+    token after them. Rejected drafts stay in the KV cache, masked out, so no row waits for another.
+
+    Acceptance is the standard one for a draft that is a single token: a greedy row takes a draft
+    that is its argmax; a sampled row takes draft ``d`` with probability ``p(d)``, else samples from
+    ``p`` without ``d`` (renormalised), which draws exactly from ``p``."""
+    device = mask.device
+    eos_set = set(eos.tolist())
+    rows = len(row_prompt)
+    limit = [per_prompt[p].max_new_tokens for p in row_prompt]
+    tokens: list[list[int]] = [[] for _ in range(rows)]
+    reasons = ["length"] * rows
+    live = list(range(rows))
+    next_pos = positions[:, -1] + 1
+    # the first token of every row comes from the prefill's logits, as without lookup
+    first = _pick(logits, live, [True] * rows, row_prompt, per_prompt, generators).tolist()
+    picked: list[int] = []
+    alive: list[bool] = []
+    for row, tok in enumerate(first):
+        alive.append(_append(row, tok, tokens, reasons, limit, eos_set, should_stop))
+        picked.append(tok)
+        drafter.extend(row, [tok])
+    while any(alive):
+        keep = [b for b, a in enumerate(alive) if a]
+        if len(keep) < len(live):
+            idx = torch.tensor(keep, device=device)
+            cache.batch_select_indices(idx)
+            mask, next_pos = mask[idx], next_pos[idx]
+            live, picked = [live[b] for b in keep], [picked[b] for b in keep]
+        drafts = [drafter.draft(row, limit[row] - len(tokens[row]) - 1) for row in live]
+        width = 1 + max(len(d) for d in drafts)
+        feed = torch.tensor([[p, *d] + [p] * (width - 1 - len(d)) for p, d in zip(picked, drafts, strict=True)])
+        step_pos = next_pos.unsqueeze(1) + torch.arange(width, device=device)
+        mask = torch.cat([mask, torch.ones(mask.shape[0], width, dtype=mask.dtype, device=device)], dim=1)
+        out = model(
+            input_ids=feed.to(device), attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
+        )
+        accepted, picked, alive = [], [], []
+        for b, row in enumerate(live):
+            opts = per_prompt[row_prompt[row]]
+            gen = generators[row_prompt[row]] if generators is not None else None
+            took, nxt = _verify(out.logits[b], drafts[b], opts, gen)
+            done = False
+            for tok in took:  # the accepted drafts; the row may end on one of them
+                done = not _append(row, tok, tokens, reasons, limit, eos_set, should_stop)
+                if done:
+                    break
+            drafter.extend(row, took)
+            if not done:
+                done = not _append(row, nxt, tokens, reasons, limit, eos_set, should_stop)
+                drafter.extend(row, [nxt])
+            accepted.append(len(took))
+            picked.append(nxt)
+            alive.append(not done)
+        # inputs past each row's accepted drafts were guesses the model refused: masked from now on
+        for b, a in enumerate(accepted):
+            if 1 + a < width:
+                mask[b, mask.shape[1] - width + 1 + a :] = 0
+        next_pos = next_pos + 1 + torch.tensor(accepted, device=device)
+    return list(zip(tokens, reasons, strict=True))
+
+
+def _append(
+    row: int,
+    tok: int,
+    tokens: list[list[int]],
+    reasons: list[str],
+    limit: list[int],
+    eos_set: set[int],
+    should_stop: Callable[[int, list[int], int], bool] | None,
+) -> bool:
+    """Add ``tok`` to ``row``; False when the row ends with it (its reason set as the plain loop does)."""
+    tokens[row].append(tok)
+    if tok in eos_set:
+        reasons[row] = "stop"
+        return False
+    if should_stop is not None and should_stop(row, tokens[row], tok):
+        reasons[row] = "answer"
+        return False
+    return len(tokens[row]) < limit[row]
+
+
+def _verify(
+    logits: torch.Tensor, draft: list[int], options: DecodeOptions, generator: torch.Generator | None
+) -> tuple[list[int], int]:
+    """(the accepted prefix of ``draft``, the model's token after it) from one row's logits
+    ``[1 + len(draft) or more, vocab]`` (position j scores the token after input j)."""
+    n = len(draft)
+    if options.temperature <= 0.0:
+        best = logits[: n + 1].argmax(dim=-1).tolist()
+        a = 0
+        while a < n and best[a] == draft[a]:
+            a += 1
+        return draft[:a], best[a]
+    probs = torch.softmax(logits[: n + 1].float() / options.temperature, dim=-1)
+    if options.top_p < 1.0:
+        probs = _nucleus(probs, options.top_p)
+    probs = probs / probs.sum(dim=-1, keepdim=True)
+    device = generator.device if generator is not None else "cpu"
+    for a in range(n):
+        p_draft = float(probs[a, draft[a]])
+        if float(torch.rand((), generator=generator, dtype=torch.float64, device=device)) >= p_draft:
+            residual = probs[a].clone()
+            residual[draft[a]] = 0.0  # what is left once the draft is refused, renormalised by the draw
+            return draft[:a], _draw(residual, generator)
+    return draft, _draw(probs[n], generator)
+
+
+def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token from unnormalised ``probs`` by inverting its CDF at a draw of ``generator``."""
+    device = generator.device if generator is not None else "cpu"
+    cdf = probs.cumsum(dim=-1)
+    u = float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
+    target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
+    return int(torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1))
 
 
 def _pick(

@@ -37,6 +37,7 @@ from elm_memory.backends.base import (
     to_prompt_input,
 )
 from elm_memory.backends.decode import DecodeOptions
+from elm_memory.backends.lookup import RecentOutputs
 from elm_memory.backends.postprocess import answer_closed_after, eos_ids_of, finish_generation
 from elm_memory.errors import ConfigError
 from elm_memory.models.loading import LoadedModel
@@ -79,6 +80,7 @@ class HFBackend:
         decode_loop: str = "elm",
         share_prompt_kv: bool = True,
         drop_finished: bool = True,
+        lookup_draft_tokens: int = 0,
     ):
         self.loaded = loaded
         self.model = loaded.model
@@ -88,6 +90,8 @@ class HFBackend:
         self.decode_loop = decode_loop
         self.share_prompt_kv = share_prompt_kv
         self.drop_finished = drop_finished
+        self.lookup_draft_tokens = lookup_draft_tokens
+        self.recent = RecentOutputs()  # what lookup drafts may copy from besides the batch itself
         self._closes_brace: dict[int, bool] = {}  # token id -> its text contains "}" (stop-at-answer check)
         self.device = torch.device(loaded.info.device)
         self.eos_ids: list[int] = eos_ids_of(self.model.generation_config.eos_token_id, self.tokenizer)
@@ -104,6 +108,7 @@ class HFBackend:
             decode_loop=b.decode_loop,
             share_prompt_kv=b.share_prompt_kv,
             drop_finished=b.drop_finished,
+            lookup_draft_tokens=b.lookup_draft_tokens,
         )
 
     # -- public --------------------------------------------------------------------
@@ -160,8 +165,9 @@ class HFBackend:
         def stop(row: int, tokens: list[int], token: int) -> bool:
             return stops[row] and self._answer_closed(row, tokens, token)
 
-        decoded = decode.sample(
-            self.model,
+        decoded = self._sample(
+            batch,
+            [params.n for inputs, params in calls for _ in inputs],
             mask,
             options,
             eos_ids=self.eos_ids,
@@ -250,8 +256,9 @@ class HFBackend:
         options = self._decode_options(params)
         generators = [torch.Generator(device=self.device).manual_seed(s) for s in seeds] if seeds else None
         stop = self._answer_closed if params.stop_at_answer else None
-        return decode.sample(
-            self.model,
+        return self._sample(
+            batch,
+            [params.n] * len(batch),
             mask,
             options,
             eos_ids=self.eos_ids,
@@ -261,6 +268,23 @@ class HFBackend:
             **inputs,
         )
 
+    def _sample(
+        self, batch: list[PromptInput], rows: list[int], mask: torch.Tensor, options: Any, **kwargs: Any
+    ) -> list[tuple[list[int], str]]:
+        """:func:`decode.sample` on ``batch`` (``rows[i]`` rows for prompt i); with lookup drafts, seeded
+        with what was generated before for the same prompt texts, and remembering what it generates."""
+        if not self.lookup_draft_tokens:
+            return decode.sample(self.model, mask, options, **kwargs)
+        prompts = [p.token_ids for p in batch]
+        decoded = decode.sample(
+            self.model, mask, options, prompt_tokens=prompts, earlier_outputs=self.recent.get(prompts), **kwargs
+        )
+        row = 0
+        for prompt, n in zip(prompts, rows, strict=True):
+            self.recent.add(prompt, [tokens for tokens, _ in decoded[row : row + n]])
+            row += n
+        return decoded
+
     def _decode_options(self, params: SamplingParams) -> DecodeOptions:
         return DecodeOptions(
             max_new_tokens=params.max_new_tokens,
@@ -269,6 +293,7 @@ class HFBackend:
             n=params.n,
             share_prompt_kv=self.share_prompt_kv,
             drop_finished=self.drop_finished,
+            lookup_draft_tokens=self.lookup_draft_tokens,
         )
 
     def _answer_closed(self, row: int, tokens: list[int], token: int) -> bool:

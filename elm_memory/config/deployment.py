@@ -220,6 +220,19 @@ class BackendConfig(ConfigSection):
     drop_finished: bool = Field(
         default=True, description="Remove finished rows from the batch and the KV cache as they end (`elm` loop)."
     )
+    lookup_draft_tokens: int = Field(
+        default=0,
+        ge=0,
+        le=16,
+        description=(
+            "Speculative decoding without a draft model (`elm` loop): each step feeds every row up to this many "
+            "tokens guessed from the text already there (the prompt, the row's own output, the other rows of the same "
+            "prompt text) and keeps those the model agrees with (elm_memory/backends/lookup.py). Greedy rows keep "
+            "their tokens up to bf16 rounding, sampled rows their distribution (not their draws). Pays where a "
+            "forward of a few tokens per row costs little more than one, as on a CPU (benchmarks/verify_cost.py). "
+            "Default 0 = off."
+        ),
+    )
     max_batch_rows: int = Field(
         default=64,
         ge=1,

@@ -56,19 +56,25 @@ class ELMMethod:
         answer that question again with its own memory in the pool (seen once: similarity 1.00). So
         every memory and learn job no record names goes: the question is answered from the pool it
         had, and its memory is learned again."""
-        jobs = [(r.get("extra") or {}).get("learn_job") for r in records]
-        if not all(jobs):  # recorded before records named their learn job: nothing safe to compare
-            log.warning("%s: records without their learn job; the pool is resumed as it is", self.name)
-            return 0
+        jobs: list[dict[str, Any]] = []
+        for r in records:
+            job = (r.get("extra") or {}).get("learn_job")
+            if not job:  # recorded before records named their learn job: nothing safe to compare
+                log.warning("%s: records without their learn job; the pool is resumed as it is", self.name)
+                return 0
+            jobs.append(job)
         kept_jobs = {j["job_id"] for j in jobs}
         kept_memories = {j["memory_id"] for j in jobs if j.get("memory_id")}
         queue = getattr(self.elm.learner, "queue", None)
-        for job in queue.list() if queue is not None else []:
-            if job.job.namespace == self.name and job.job_id not in kept_jobs:
-                queue.forget(job.job_id)
+        if queue is not None:
+            for queued in queue.list():
+                if queued.job.namespace == self.name and queued.job_id not in kept_jobs:
+                    queue.forget(queued.job_id)
         retriever = self.elm.retriever
+        if retriever is None:  # not built: the method refuses store.kind none
+            return 0
         removed = 0
-        for rec in retriever.store.list(self.name) if retriever is not None else []:
+        for rec in retriever.store.list(self.name):
             if rec.id not in kept_memories:
                 removed += retriever.store.delete(rec.id, self.name)
         if removed:
