@@ -193,7 +193,9 @@ def test_every_method_runs_the_online_protocol(tiny_loaded, tiny_backend, tmp_pa
     again = run_stream(problems, methods, cfg, tmp_path, dataset="gsm8k", seed=17, progress=False, plots=False)
     assert again.summary == result.summary
     assert json.loads((tmp_path / "run.json").read_text())["machines"] == [machine]  # same machine: listed once
-    with pytest.raises(ConfigError, match="holds another run"):
+    with pytest.raises(
+        ConfigError, match=r"holds another run \(its config differs: at config.training.steps the run has 1, now 2\)"
+    ):
         run_stream(problems, methods, tiny_config(training={"steps": 2}), tmp_path, dataset="gsm8k", seed=17)
 
 

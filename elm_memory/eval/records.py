@@ -84,8 +84,10 @@ def check_manifest(
                 old[f] = _with_defaults(old[f], default)
         for f in fields:
             if old.get(f) != manifest.get(f):
+                where = _first_difference(old.get(f), manifest.get(f), f)
                 raise ConfigError(
-                    f"{out_dir} holds another run (its {f} differs); resume with the same arguments or use a new --out"
+                    f"{out_dir} holds another run (its {f} differs{where}); resume with the same arguments "
+                    "(a preset's value that changed since: pass the run's own with --set) or use a new --out"
                 )
         old_methods = list(old.get("methods", []))
         machines = list(old.get("machines", []))
@@ -98,6 +100,19 @@ def check_manifest(
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, manifest)
     return manifest
+
+
+def _first_difference(old: Any, new: Any, path: str) -> str:
+    """``": at KEY.PATH the run has X, now Y"`` for the first differing leaf of two nested dicts
+    (empty where there is no single leaf to name, e.g. two question lists)."""
+    if isinstance(old, dict) and isinstance(new, dict):
+        for key in sorted(set(old) | set(new)):
+            if old.get(key) != new.get(key):
+                return _first_difference(old.get(key), new.get(key), f"{path}.{key}")
+        return ""
+    if isinstance(old, list) or isinstance(new, list):
+        return ""
+    return f": at {path} the run has {old!r}, now {new!r}"
 
 
 def config_defaults() -> dict[str, dict[str, Any]]:
