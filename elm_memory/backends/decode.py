@@ -168,6 +168,7 @@ def _sample(
         )
     rows = len(row_prompt)
     limit = [per_prompt[p].max_new_tokens for p in row_prompt]
+    eos_set = set(eos.tolist())
     tokens: list[list[int]] = [[] for _ in range(rows)]
     reasons = ["length"] * rows
     live = list(range(rows))  # the original row of each batch position
@@ -176,18 +177,9 @@ def _sample(
     for _ in range(max(limit)):
         picked = _pick(logits, live, alive, row_prompt, per_prompt, generators)
         picked_list = picked.tolist()
-        is_eos = torch.isin(picked, eos).tolist()
         for b, row in enumerate(live):
-            if not alive[b]:
-                continue
-            tok = picked_list[b]
-            tokens[row].append(tok)
-            if is_eos[b]:
-                reasons[row], alive[b] = "stop", False
-            elif should_stop is not None and should_stop(row, tokens[row], tok):
-                reasons[row], alive[b] = "answer", False
-            elif len(tokens[row]) >= limit[row]:
-                alive[b] = False  # its reason stays "length"
+            if alive[b]:
+                alive[b] = _append(row, picked_list[b], tokens, reasons, limit, eos_set, should_stop)
         if not any(alive):
             break
         mask = torch.cat([mask, torch.ones(mask.shape[0], 1, dtype=mask.dtype, device=device)], dim=1)
@@ -334,10 +326,17 @@ def _verify(
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """One token from unnormalised ``probs`` by inverting its CDF at a draw of ``generator``."""
     device = generator.device if generator is not None else "cpu"
+    u = torch.rand(1, generator=generator, dtype=torch.float64, device=device).cpu()
+    return int(_inverse_cdf(probs.unsqueeze(0), u)[0])
+
+
+def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """Per row of unnormalised ``probs`` [B, V], the token where its CDF first exceeds ``u`` [B] (in [0, 1))
+    times the row's mass."""
     cdf = probs.cumsum(dim=-1)
-    u = float(torch.rand((), generator=generator, dtype=torch.float64, device=device))
-    target = torch.tensor([u], dtype=cdf.dtype, device=cdf.device) * cdf[-1]
-    return int(torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1))
+    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(1)
+    # right=True: the first token whose CDF exceeds the draw, so a zero-probability token is never picked
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
 
 
 def _pick(
@@ -396,10 +395,7 @@ def _pick_rows(
         gen = generators[prompt]
         device = gen.device if gen is not None else "cpu"
         u[batch_rows] = torch.rand(len(batch_rows), generator=gen, dtype=torch.float64, device=device).cpu()
-    cdf = probs.cumsum(dim=-1)
-    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(1)
-    # right=True: the first token whose CDF exceeds the draw, so a zero-probability token is never picked
-    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
+    return _inverse_cdf(probs, u)
 
 
 def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
