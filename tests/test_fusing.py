@@ -334,3 +334,36 @@ def test_a_cache_in_front_of_a_backend_that_cannot_batch_runs_the_parts_in_order
 
     assert not FusedCalls(GreedyCache(Plain())).can_fuse
     assert FusedCalls(GreedyCache(FakeBackend())).can_fuse and not FusedCalls(FakeBackend(many=False)).can_fuse
+
+
+@pytest.mark.parametrize("where", ["after_its_call", "in_its_call"])
+def test_an_interrupt_in_the_calling_thread_ends_every_part_at_once(where):
+    """Ctrl-C reaches the caller's thread only. Whether it lands in the first part's own work or in a batch
+    the caller decodes, the other part's next generate raises instead of decoding on (it would decode
+    1000 more batches otherwise), the run raises KeyboardInterrupt, and the next run starts clean."""
+    backend = FakeBackend()
+    fused = FusedCalls(backend)
+    answered = []
+
+    def learn():  # the caller's part
+        if where == "in_its_call":
+            backend.generate_many = _interrupting(backend.generate_many)
+        fused.backend.generate(["q-rollout"], SAMPLED)
+        raise KeyboardInterrupt
+
+    def answer():
+        for i in range(1000):
+            answered.append(fused.backend.generate([f"q-token{i}"], GREEDY))
+
+    with pytest.raises(KeyboardInterrupt):
+        fused.run([learn, answer])
+    assert len(answered) <= 1
+    backend.generate_many = FakeBackend.generate_many.__get__(backend)
+    assert [r[0][0].text for r in fused.run([lambda: fused.backend.generate(["c"], GREEDY)] * 2)] == ["c/1", "c/1"]
+
+
+def _interrupting(generate_many):
+    def once(requests):
+        raise KeyboardInterrupt
+
+    return once

@@ -17,6 +17,12 @@ the 2-core Xeon the same decode ran about 25% slower in a freshly started thread
 one (``benchmarks/results/demo_overlap.json``), so the caller should pass its heaviest part first.
 Outside :meth:`run`, or from any other thread, the view calls straight through.
 
+An interrupt (Ctrl-C: ``KeyboardInterrupt``, or ``SystemExit``) reaches the calling thread only.
+It ends the run for every part: calls waiting for a batch and every later call raise
+``KeyboardInterrupt`` in their parts' threads, so nobody decodes on after the user asked to stop
+(before, the other parts' decoding went on to their end, minutes on a CPU), and the interrupt is raised
+once they have ended. An ordinary exception in one part only takes that part out of the batch.
+
 A backend that does not batch calls (no ``batches_calls`` and ``generate_many``; e.g. the vLLM
 backends, whose engine batches by itself and is not driven from several threads here) runs the
 parts one after another, in order.
@@ -30,6 +36,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from elm_memory.backends.base import GenerateRequest, Generation, PromptLike, SamplingParams, generate_requests
+
+_INTERRUPTS = (KeyboardInterrupt, SystemExit)  # the user stopping the run, not a part failing
 
 
 @dataclass
@@ -80,6 +88,7 @@ class FusedCalls:
         self._local = threading.local()
         self._run_lock = threading.Lock()  # one run() at a time
         self._driver: int | None = None  # the thread that called run(): the only one that decodes batches
+        self._interrupted = False  # the caller was interrupted: every part's call now raises
 
     @property
     def can_fuse(self) -> bool:
@@ -117,14 +126,20 @@ class FusedCalls:
                 t.start()
             try:
                 work(0)
+                if isinstance(errors[0], _INTERRUPTS):
+                    raise errors[0]
                 with self._cond:  # the first part is done: decode the others' batches until they end
                     while self._active:
                         if not self._decode_ready():
                             self._cond.wait()
+            except _INTERRUPTS:
+                self._interrupt()
+                raise
             finally:
                 for t in threads:
                     t.join()
-                self._driver = None
+                with self._cond:
+                    self._driver, self._interrupted, self._pending = None, False, []
         for exc in errors:
             if exc is not None:
                 raise exc
@@ -136,6 +151,8 @@ class FusedCalls:
         call = _Call(list(requests))
         driver = threading.get_ident() == self._driver
         with self._cond:
+            if self._interrupted:
+                raise KeyboardInterrupt("the fused run was interrupted")
             self._pending.append(call)
             self._cond.notify_all()
             while not call.done:
@@ -145,6 +162,16 @@ class FusedCalls:
             raise call.error
         assert call.result is not None
         return call.result
+
+    def _interrupt(self) -> None:
+        """The caller was interrupted: fail the calls waiting for a batch and every later one, so the other
+        parts end now instead of decoding on (only the calling thread decodes, so none is mid-batch)."""
+        with self._cond:
+            self._interrupted = True
+            for call in self._pending:
+                call.error, call.done = KeyboardInterrupt("the fused run was interrupted"), True
+            self._pending = []
+            self._cond.notify_all()
 
     def _decode_ready(self) -> bool:
         """In the calling thread, holding the lock: if every running part waits in ``generate``, decode
@@ -168,6 +195,8 @@ class FusedCalls:
             for c in batch:
                 c.result = [next(results) for _ in c.requests]
         except BaseException as exc:  # every call of the batch gets it
+            if isinstance(exc, _INTERRUPTS):
+                self._interrupted = True  # and every later call: the run is over
             for c in batch:
                 c.error = exc
         finally:
