@@ -17,6 +17,14 @@ responses' text, which a run does not record, and are replayed by ``route_replay
 
     python benchmarks/verifier_replay.py benchmarks/results/online_synth60_s{17,42,78} \\
         --out benchmarks/results/verifier_replay_synth60.json
+
+``--tie-samples N`` replays ``verifier.consistency_tie_samples`` on runs that already routed with
+``consistency``: the recorded scores are the first draw (score x samples agreeing samples), and only
+where they tie are N more samples drawn (the verifier's own tie call: seed + 1) and counted with them.
+That is the online escalation on the run's own first samples, so nothing but the ties is redrawn.
+
+    python benchmarks/verifier_replay.py benchmarks/results/online_synth60_cons_s{17,42,78} \\
+        --tie-samples 8 --out benchmarks/results/tie_replay_synth60_cons.json
 """
 
 from __future__ import annotations
@@ -45,11 +53,33 @@ def _candidate(record: dict[str, Any], kind: str) -> str | None:
     return next((c["answer"] for c in record["candidates"] if c["kind"] == kind), None)
 
 
+def _scores(
+    verifier: Any, record: dict[str, Any], answers: list[str | None], run_samples: int | None, tie_samples: int
+) -> list[float]:
+    """Fresh samples (``run_samples`` None), or the run's recorded scores as the first draw plus the tie call."""
+    if run_samples is None:
+        return list(verifier.score_answers(record["question"], answers))
+    recorded = [float(c["score"]) for c in record["candidates"]]
+    if not verifier.is_tie(answers, recorded):
+        return recorded
+    more = verifier.sample_answers(record["question"], n=tie_samples, seed_offset=1)
+    agree = [
+        round(s * run_samples) + sum(equivalent(a, m) for m in more) if a is not None else 0
+        for a, s in zip(answers, recorded, strict=True)
+    ]
+    return [a / (run_samples + len(more)) for a in agree]
+
+
 def replay_run(
-    run_dir: Path, method: str, verifier_name: str, elm: ELM | None, limit: int | None = None
+    run_dir: Path, method: str, verifier_name: str, elm: ELM | None, limit: int | None = None, tie_samples: int = 0
 ) -> tuple[dict[str, Any], ELM]:
     run = json.loads((run_dir / "run.json").read_text())
     cfg = ELMConfig.model_validate(run["config"])
+    run_samples = None  # draw every disagreement's samples afresh
+    if tie_samples:
+        if cfg.verifier.name != "consistency":
+            raise SystemExit(f"{run_dir}: --tie-samples replays runs that routed with consistency")
+        run_samples = cfg.verifier.consistency_samples
     cfg = cfg.model_copy(
         update={
             "store": cfg.store.model_copy(update={"kind": "none"}),
@@ -80,7 +110,7 @@ def replay_run(
                 both_wrong += not z_ok  # both right cannot happen: the answers differ
             else:
                 one_right += 1
-                scores = verifier.score_answers(r["question"], [zs, mem])
+                scores = _scores(verifier, r, [zs, mem], run_samples, tie_samples)
                 pick_memory = scores[1] > scores[0]
                 new_ok = m_ok if pick_memory else z_ok
                 run_right_pick += ok
@@ -133,12 +163,13 @@ def main() -> None:
     ap.add_argument("--method", default="elm_input")
     ap.add_argument("--verifier", default="consistency", choices=["consistency"])
     ap.add_argument("--limit", type=int, default=None, help="first N questions of each run only")
+    ap.add_argument("--tie-samples", type=int, default=0, help="replay consistency_tie_samples on consistency runs")
     ap.add_argument("--out", type=Path, required=True)
     args = ap.parse_args()
     elm: ELM | None = None
     runs = []
     for run_dir in args.run_dirs:
-        result, elm = replay_run(run_dir, args.method, args.verifier, elm, args.limit)
+        result, elm = replay_run(run_dir, args.method, args.verifier, elm, args.limit, args.tie_samples)
         runs.append(result)
         print(json.dumps({k: v for k, v in result.items() if k != "changed"}), flush=True)
     assert elm is not None
@@ -156,6 +187,7 @@ def main() -> None:
     report = {
         "method": args.method,
         "verifier": args.verifier,
+        "tie_samples": args.tie_samples,
         "runs": runs,
         "mean": {
             "zero_shot_candidate": round(statistics.mean(zs), 1),

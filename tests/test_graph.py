@@ -335,3 +335,43 @@ def test_consistency_samples_join_the_answers_call_when_presampling(tiny_elm, pr
     backend.calls.clear()
     first = tiny_elm.answer(Q1, namespace="empty", learn=False)
     assert first.route == "zero_shot" and backend.calls == [[(1, 1)]]
+
+
+class TiedSamplesBackend(ScriptedBackend):
+    """ScriptedBackend whose first samples tie the two answers (one 7, one 3, two 9s); a later sample call
+    (the tie call: another seed) boxes 7 on every sample."""
+
+    def generate_many(self, requests):
+        from elm_memory.backends.base import Generation
+
+        out = super().generate_many(requests)
+        for i, (prompts, params) in enumerate(requests):
+            if not params.greedy:
+                texts = ["\\boxed{7}", "\\boxed{3}", "\\boxed{9}", "\\boxed{9}"]
+                if params.seed != self.first_seed:
+                    texts = ["\\boxed{7}"] * params.n
+                out[i] = [[Generation(t, [1], "answer") for t in texts] for _ in prompts]
+        return out
+
+
+@pytest.mark.parametrize("tie_samples", [0, 8])
+def test_a_tie_draws_more_samples_and_counts_them_all(tiny_elm, tie_samples):
+    """consistency_tie_samples: the samples drawn with the answers tie them (1 of 4 each); with tie samples
+    set, eight more are drawn in one call with the next seed and the memory's 7 wins 9/12 to 1/12; without,
+    the tie keeps zero-shot and nothing more is drawn."""
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    tiny_elm.answer(Q1)
+    services = tiny_elm.services()
+    backend = TiedSamplesBackend(services.backend)
+    backend.first_seed = 5
+    services.backend = backend
+    services.verifier = ConsistencyVerifier(backend, samples=4, seed=5, tie_samples=tie_samples)
+    r = tiny_elm.answer(Q2, learn=False)
+    scores = [c["score"] for c in r.candidates]
+    if tie_samples:
+        assert r.answer == "7" and scores == [1 / 12, 9 / 12]
+        assert backend.calls == [[(2, 1), (1, 4)], [(1, 8)]]
+    else:
+        assert r.answer == "3" and scores == [0.25, 0.25]
+        assert backend.calls == [[(2, 1), (1, 4)]]

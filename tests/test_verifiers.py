@@ -413,6 +413,51 @@ def test_consistency_ties_and_unanswerable_candidates_score_equal():
     assert len(backend.calls) == calls  # nothing to agree with: no sampling
 
 
+class SeededSamplesBackend(FixedSamplesBackend):
+    """generate() returns the texts listed for the call's seed, n of them, and records each call."""
+
+    def __init__(self, by_seed):
+        super().__init__([])
+        self.by_seed = by_seed
+
+    def generate(self, prompts, params):
+        from elm_memory.backends.base import Generation
+
+        self.calls.append((list(prompts), params))
+        texts = self.by_seed[params.seed]
+        assert params.n == len(texts)
+        return [[Generation(t, [], "answer") for t in texts] for _ in prompts]
+
+
+def test_consistency_tie_draws_more_samples_with_the_next_seed():
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    backend = SeededSamplesBackend(
+        {3: ["\\boxed{1}", "\\boxed{2}", "\\boxed{9}", "cut off"], 4: ["\\boxed{2}", "\\boxed{2}", "\\boxed{1}"]}
+    )
+    prompt = PromptInput((1, 2))
+    v = ConsistencyVerifier(backend, samples=4, seed=3, tie_samples=3)
+    assert v.score_answers(QUESTION, ["1", "2"], [Candidate("x", prompt=prompt)]) == [2 / 7, 3 / 7]
+    [(_, first), (prompts, tie)] = backend.calls
+    assert (first.n, first.seed, tie.n, tie.seed) == (4, 3, 3, 4) and prompts[0].token_ids == (1, 2)
+    assert (tie.temperature, tie.max_new_tokens) == (first.temperature, first.max_new_tokens)
+    backend.calls.clear()  # no tie: no second call
+    assert v.score_answers(QUESTION, ["9", "5"], [Candidate("x", prompt=prompt)]) == [0.25, 0.0]
+    assert len(backend.calls) == 1
+    backend.calls.clear()  # samples drawn ahead (the graph's presample) and no tie: nothing drawn at all
+    assert v.score_presampled(QUESTION, ["1", "9"], ["1", "1", "9", "2"]) == [0.5, 0.25] and backend.calls == []
+    # a 0-0 tie of answered candidates is a tie; an unanswered candidate ties with nobody
+    assert v.is_tie(["5", "6"], [0.0, 0.0]) and not v.is_tie(["5", None], [0.0, 0.0])
+    assert not v.is_tie(["5", "6"], [0.5, 0.25]) and v.is_tie(["5", "6", "7"], [0.5, 0.0, 0.5])
+    # tie samples off: the tie is kept, nothing more drawn
+    off = ConsistencyVerifier(backend, samples=4, seed=3)
+    assert off.score_answers(QUESTION, ["1", "2"], [Candidate("x", prompt=prompt)]) == [0.25, 0.25]
+    assert len(backend.calls) == 1
+    with pytest.raises(ConfigError, match="consistency_tie_samples"):
+        ConsistencyVerifier(backend, tie_samples=-1)
+    assert ELMConfig.load(overrides={"verifier": {"consistency_tie_samples": 8}}).verifier.consistency_tie_samples == 8
+
+
 def test_consistency_scores_recorded_answers_like_responses():
     """score_answers (a run's recorded final answers) gives what score gives for the responses."""
     from elm_memory.verifiers.consistency import ConsistencyVerifier

@@ -317,6 +317,20 @@ class VerifierConfig(ConfigSection):
             "either way."
         ),
     )
+    consistency_tie_samples: int = Field(
+        default=0,
+        ge=0,
+        description=(
+            "`consistency`: when both answers score the same (a tie keeps zero-shot whatever the memory answered), "
+            "draw this many more samples in one call (seed + 1, up to `consistency_max_new_tokens`) and score on "
+            "all of them (adaptive consistency); 0: off. Only ties pay for it. Replayed with 8 on the three "
+            "60-question synth-arith consistency runs (benchmarks/results/tie_replay_synth60_cons.json): 41 of "
+            "their 98 disagreements tied; of the 16 ties where one answer was right, 13 were broken towards it, "
+            "3 stayed tied and none was broken towards the wrong one (ELM 58.9% -> 62.2%, +9/-1 -> +15/-1 "
+            "against zero-shot's 54.4%). Default 0 because each tie costs a sampling call (about 40 s on a "
+            "2-core CPU)."
+        ),
+    )
     consistency_temperature: float = Field(
         default=0.7,
         gt=0.0,

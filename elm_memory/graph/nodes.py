@@ -209,7 +209,8 @@ class ELMNodes:
                 ]
                 samples = state.get("verifier_samples")
                 if samples is not None and isinstance(svc.verifier, SamplingVerifier):
-                    scores = svc.verifier.score_with_samples([c["answer"] for c in candidates], samples)
+                    answers = [c["answer"] for c in candidates]
+                    scores = svc.verifier.score_presampled(state["question"], answers, samples, scored)
                 else:
                     scores = svc.verifier.score(state["question"], scored)
                 for c, s in zip(candidates, scores, strict=True):

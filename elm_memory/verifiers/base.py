@@ -106,6 +106,16 @@ class SamplingVerifier(Protocol):
         """Scores of the candidates' final ``answers`` given the drawn samples' answers."""
         ...
 
+    def score_presampled(
+        self,
+        question: str,
+        answers: Sequence[str | None],
+        samples: Sequence[str | None],
+        responses: Sequence[Any] = (),
+    ) -> list[float]:
+        """What the graph calls: the scores given the samples drawn ahead (it may draw more, e.g. on a tie)."""
+        ...
+
 
 def build_verifier(cfg: ELMConfig, backend: Any = None) -> Verifier:
     """The verifier named by ``cfg.verifier.name`` (built-in or plugin).

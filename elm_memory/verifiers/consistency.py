@@ -25,10 +25,14 @@ Details:
   that a sample is cut at the answers' token budget when that is shorter. A
   decode step costs about the same for a few more rows, so the samples then cost rows in a batch
   that runs anyway instead of a decode of their own; the rows are wasted when the candidates agree.
+* ``tie_samples`` (adaptive consistency): when the best score is shared by two answered candidates,
+  a tie the graph would settle for zero-shot whatever the memory answered, draw that many more
+  samples (one call, seed + 1 so they are new draws) and score on all of them. Only ties pay for it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -57,6 +61,7 @@ class ConsistencyVerifier:
         seed: int | None = 42,
         prompt_config: Any = None,
         presample: bool = True,
+        tie_samples: int = 0,
     ):
         if backend is None or not callable(getattr(backend, "generate", None)):
             raise BackendError(
@@ -70,6 +75,8 @@ class ConsistencyVerifier:
             raise ConfigError(
                 f"verifier.consistency_temperature must be > 0 (greedy samples are all one answer), got {temperature!r}"
             )
+        if isinstance(tie_samples, bool) or not isinstance(tie_samples, int) or tie_samples < 0:
+            raise ConfigError(f"verifier.consistency_tie_samples must be an integer >= 0, got {tie_samples!r}")
         self.backend = backend
         self.samples = samples
         self.max_new_tokens = max_new_tokens
@@ -78,6 +85,7 @@ class ConsistencyVerifier:
         self.seed = seed
         self.prompt_config = prompt_config
         self.presample = bool(presample)
+        self.tie_samples = tie_samples
         self._zero_shot = ZeroShotPrompts(backend, prompt_config)
 
     @classmethod
@@ -92,6 +100,7 @@ class ConsistencyVerifier:
             seed=cfg.training.seed,  # the run's one seed, as the answer and the rollouts use
             prompt_config=cfg.prompt,
             presample=v.consistency_presample,
+            tie_samples=v.consistency_tie_samples,
         )
 
     # -- scoring -------------------------------------------------------------------
@@ -105,16 +114,42 @@ class ConsistencyVerifier:
         ``responses`` only supplies the prompt the samples are drawn from."""
         if not any(a is not None for a in answers):
             return [0.0] * len(answers)  # nothing to agree with: skip the sampling
-        return self.score_with_samples(answers, self.sample_answers(question, responses))
+        return self.score_presampled(question, answers, self.sample_answers(question, responses), responses)
+
+    def score_presampled(
+        self,
+        question: str,
+        answers: Sequence[str | None],
+        samples: Sequence[str | None],
+        responses: Sequence[Candidate] = (),
+    ) -> list[float]:
+        """Scores given samples already drawn; on a tie, ``tie_samples`` more are drawn and all count."""
+        scores = self.score_with_samples(answers, samples)
+        if self.tie_samples and self.is_tie(answers, scores):
+            more = self.sample_answers(question, responses, n=self.tie_samples, seed_offset=1)
+            scores = self.score_with_samples(answers, [*samples, *more])
+        return scores
+
+    @staticmethod
+    def is_tie(answers: Sequence[str | None], scores: Sequence[float]) -> bool:
+        """The best score is shared by two or more answered candidates (the route cannot tell them apart)."""
+        answered = [s for a, s in zip(answers, scores, strict=True) if a is not None]
+        return len(answered) > 1 and answered.count(max(answered)) > 1
 
     def score_with_samples(self, answers: Sequence[str | None], samples: Sequence[str | None]) -> list[float]:
         """Agreeing samples / samples drawn, per answer (None: no answer, 0.0)."""
         total = len(samples)
         return [0.0 if a is None or not total else sum(equivalent(a, s) for s in samples) / total for a in answers]
 
-    def sample_answers(self, question: str, responses: Sequence[Candidate] = ()) -> list[str | None]:
-        """The ``samples`` zero-shot answers of one batched, seeded generate call (None: no box)."""
+    def sample_answers(
+        self, question: str, responses: Sequence[Candidate] = (), *, n: int | None = None, seed_offset: int = 0
+    ) -> list[str | None]:
+        """The zero-shot answers of one batched, seeded generate call (None: no box): ``samples`` of them,
+        or ``n``; ``seed_offset`` shifts the seed so a second call draws other samples than the first."""
         prompts, params = self.sample_request(question, self._sampling_prompt(question, responses))
+        if n is not None or seed_offset:
+            seed = None if params.seed is None else params.seed + seed_offset
+            params = dataclasses.replace(params, n=self.samples if n is None else n, seed=seed)
         [gens] = self.backend.generate(prompts, params)
         return self.sample_answers_of(gens)
 
