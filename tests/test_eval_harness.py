@@ -438,3 +438,42 @@ def test_the_resume_defaults_are_the_config_schema_defaults():
     from elm_memory.eval.records import config_defaults
 
     assert config_defaults()["config"]["memory"]["kind"] == ELMConfig().memory.kind == "soft_prompt"
+
+
+def test_an_interrupted_run_leaves_its_learning_queued_instead_of_running_it(tiny_loaded, tiny_backend, tmp_path):
+    """Ctrl-C while question 1's memory is learned: the run stops at once (its close does not run the
+    interrupted job again, as it did, for tens of seconds on a CPU); the job waits as pending and the
+    resumed run answers the question and learns its memory."""
+    from elm_memory.elm import ELM
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+    from elm_memory.jobs.queue import JobQueue
+
+    cfg = tiny_config()
+    problems = load_problems("gsm8k", limit=1, seed=17)
+    calls = []
+    real = ELM.learn_from_job
+
+    def interrupted_once(self, job, *args, **kwargs):
+        calls.append(job.job_id)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return real(self, job, *args, **kwargs)
+
+    def run():
+        runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+        run_stream(
+            problems, ["elm_input"], cfg, tmp_path, dataset="gsm8k", progress=False, plots=False, runtime=runtime
+        )
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ELM, "learn_from_job", interrupted_once)
+        with pytest.raises(KeyboardInterrupt):
+            run()
+    assert len(calls) == 1  # not run again on the way out
+    with JobQueue(tmp_path / "store" / "learner-elm_input.sqlite3") as queue:
+        assert queue.get(calls[0]).state == "pending"
+    assert not (tmp_path / "records.jsonl").exists() or RecordLog(tmp_path / "records.jsonl").read() == []
+    run()
+    [record] = RecordLog(tmp_path / "records.jsonl").read()
+    assert record["extra"]["learn_job"]["status"] == "done" and record["pool_size"] == 1

@@ -97,6 +97,12 @@ def run_stream(
                 stream = _Stream(problems, runtime, built, log, bar, on_record)
                 stream.run_batched([t for t in todo if _batchable(built[t[2]])], methods, batch_size)
                 stream.run_in_order([t for t in todo if not _batchable(built[t[2]])])
+        except (KeyboardInterrupt, SystemExit):
+            # stopped by the user: leave queued learning queued (a resume redoes it) instead of running it now
+            for method in built.values():
+                getattr(method, "abandon", method.close)()
+            built = {}
+            raise
         finally:
             for method in built.values():
                 method.close()

@@ -39,7 +39,8 @@ class EvalMethod(Protocol):
 
     Optional hooks the runner looks for: ``answer_batch`` (memoryless methods, batched across the
     stream), ``answer_and_learn`` with ``overlap`` (both side by side), ``record_ground_truth`` (after
-    scoring) and ``resume(records)`` (once, on a resumed run, with the method's own earlier records)."""
+    scoring), ``resume(records)`` (once, on a resumed run, with the method's own earlier records) and
+    ``abandon()`` (instead of ``close`` when the run is interrupted: stop without finishing queued work)."""
 
     name: str
 

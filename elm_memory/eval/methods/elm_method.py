@@ -160,6 +160,11 @@ class ELMMethod:
     def close(self) -> None:
         self.elm.close()  # the backend belongs to the runtime, so only the learner stops here
 
+    def abandon(self) -> None:
+        """The run was interrupted: stop the learner without running its queued jobs (an interrupted job
+        went back to pending; the resume forgets it and learns its question again)."""
+        self.elm.close(wait=False)
+
 
 def elm_input(runtime: EvalRuntime) -> ELMMethod:
     return ELMMethod(runtime, key="input", name="elm_input")
