@@ -347,7 +347,7 @@ def test_an_interrupt_in_the_calling_thread_ends_every_part_at_once(where):
 
     def learn():  # the caller's part
         if where == "in_its_call":
-            backend.generate_many = _interrupting(backend.generate_many)
+            backend.generate_many = _interrupt
         fused.backend.generate(["q-rollout"], SAMPLED)
         raise KeyboardInterrupt
 
@@ -362,8 +362,5 @@ def test_an_interrupt_in_the_calling_thread_ends_every_part_at_once(where):
     assert [r[0][0].text for r in fused.run([lambda: fused.backend.generate(["c"], GREEDY)] * 2)] == ["c/1", "c/1"]
 
 
-def _interrupting(generate_many):
-    def once(requests):
-        raise KeyboardInterrupt
-
-    return once
+def _interrupt(requests):
+    raise KeyboardInterrupt

@@ -165,7 +165,8 @@ class FusedCalls:
 
     def _interrupt(self) -> None:
         """The caller was interrupted: fail the calls waiting for a batch and every later one, so the other
-        parts end now instead of decoding on (only the calling thread decodes, so none is mid-batch)."""
+        parts end now instead of decoding on (only the calling thread decodes, so none is mid-batch).
+        Takes the lock: call it without holding it."""
         with self._cond:
             self._interrupted = True
             for call in self._pending:
@@ -196,7 +197,7 @@ class FusedCalls:
                 c.result = [next(results) for _ in c.requests]
         except BaseException as exc:  # every call of the batch gets it
             if isinstance(exc, _INTERRUPTS):
-                self._interrupted = True  # and every later call: the run is over
+                self._interrupt()  # and the calls that joined meanwhile, and every later one: the run is over
             for c in batch:
                 c.error = exc
         finally:

@@ -84,6 +84,7 @@ def run_stream(
     if todo:
         runtime, owns_runtime = open_runtime(config, out, runtime)
         built: dict[str, EvalMethod] = {}
+        interrupted = False
         try:
             with ProgressBar(progress, total=len(problems) * len(methods), completed=len(done)) as bar:
                 for m in methods:  # build all first: an error in any method shows before hours of work
@@ -98,14 +99,12 @@ def run_stream(
                 stream.run_batched([t for t in todo if _batchable(built[t[2]])], methods, batch_size)
                 stream.run_in_order([t for t in todo if not _batchable(built[t[2]])])
         except (KeyboardInterrupt, SystemExit):
-            # stopped by the user: leave queued learning queued (a resume redoes it) instead of running it now
-            for method in built.values():
-                getattr(method, "abandon", method.close)()
-            built = {}
+            interrupted = True
             raise
         finally:
             for method in built.values():
-                method.close()
+                # stopped by the user: leave queued learning queued (a resume redoes it) instead of running it now
+                (getattr(method, "abandon", method.close) if interrupted else method.close)()
             if owns_runtime:
                 runtime.close()
     return finish(out, manifest["methods"], plots=plots)
