@@ -42,6 +42,8 @@ class AnswerResult:
     learn_job: dict[str, Any] | None = None
     namespace: str | None = None
     gate: dict[str, Any] | None = None  # why the retrieved memory was or was not used
+    # answers of the samples a sampling verifier scored the disagreement on (None: no such verifier scored)
+    verifier_sample_answers: list[str | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -235,6 +237,7 @@ class ELM:
             learn_job=out.get("learn_job"),
             namespace=out.get("namespace"),
             gate=out.get("gate"),
+            verifier_sample_answers=out.get("verifier_sample_answers"),
         )
 
     def learn(

@@ -477,3 +477,41 @@ def test_an_interrupted_run_leaves_its_learning_queued_instead_of_running_it(tin
     run()
     [record] = RecordLog(tmp_path / "records.jsonl").read()
     assert record["extra"]["learn_job"]["status"] == "done" and record["pool_size"] == 1
+
+
+def test_records_and_walkthrough_show_how_many_samples_the_verifier_drew():
+    """A sampling verifier's cost per question: the ELM method records the count of samples scored (a tie's
+    extra draw included) and the demo's candidates line shows it; without one, neither does."""
+    from types import SimpleNamespace
+
+    from elm_memory.eval.methods.elm_method import ELMMethod
+    from elm_memory.eval.walkthrough import Walkthrough
+
+    sampled = SimpleNamespace(gate=None, verifier_sample_answers=["7", "3", "9", "9"] + ["7"] * 8)
+    assert ELMMethod._extra(sampled) == {"verifier_samples": 12}
+    assert ELMMethod._extra(SimpleNamespace(gate={"decision": "used"}, verifier_sample_answers=None)) == {
+        "gate": {"decision": "used"}
+    }
+    record = {
+        "index": 0,
+        "question_id": "q0",
+        "question": "What is 3 + 4?",
+        "gold": "7",
+        "answer": "7",
+        "correct": True,
+        "route": "verifier",
+        "memory_id": None,
+        "timings": {},
+        "candidates": [
+            {"kind": "zero_shot", "answer": "3", "score": 1 / 12, "correct": False},
+            {"kind": "memory", "answer": "7", "score": 9 / 12, "correct": True},
+        ],
+        "extra": {"verifier_samples": 12},
+    }
+    zero = {**record, "answer": "3", "correct": False, "route": "zero_shot", "candidates": [], "extra": {}}
+    walk = Walkthrough(1, lambda _: None)
+    line = next(x for x in walk.describe(zero, record).splitlines() if "candidates:" in x)
+    assert line.endswith("(score 0.750)  (12 samples)")
+    del record["extra"]["verifier_samples"]
+    line = next(x for x in walk.describe(zero, record).splitlines() if "candidates:" in x)
+    assert "samples" not in line

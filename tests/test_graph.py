@@ -326,6 +326,7 @@ def test_consistency_samples_join_the_answers_call_when_presampling(tiny_elm, pr
     services.verifier = ConsistencyVerifier(backend, samples=4, presample=presample, max_new_tokens=answers_budget + 5)
     r = tiny_elm.answer(Q2, learn=False)
     assert r.route == "verifier" and r.answer == "7" and [c["score"] for c in r.candidates] == [0.25, 0.75]
+    assert r.verifier_sample_answers == ["7", "7", "7", "3"]  # what was scored, drawn ahead or after
     if presample and batches_calls:
         assert backend.calls == [[(2, 1), (1, 4)]]  # one call: both answers and the four samples
         assert backend.budgets == [[answers_budget, answers_budget]]  # cut to the answers' budget
@@ -372,6 +373,8 @@ def test_a_tie_draws_more_samples_and_counts_them_all(tiny_elm, tie_samples):
     if tie_samples:
         assert r.answer == "7" and scores == [1 / 12, 9 / 12]
         assert backend.calls == [[(2, 1), (1, 4)], [(1, 8)]]
+        assert r.verifier_sample_answers == ["7", "3", "9", "9"] + ["7"] * 8  # the result shows the cost
     else:
         assert r.answer == "3" and scores == [0.25, 0.25]
         assert backend.calls == [[(2, 1), (1, 4)]]
+        assert r.verifier_sample_answers == ["7", "3", "9", "9"]

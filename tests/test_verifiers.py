@@ -445,7 +445,14 @@ def test_consistency_tie_draws_more_samples_with_the_next_seed():
     assert v.score_answers(QUESTION, ["9", "5"], [Candidate("x", prompt=prompt)]) == [0.25, 0.0]
     assert len(backend.calls) == 1
     backend.calls.clear()  # samples drawn ahead (the graph's presample) and no tie: nothing drawn at all
-    assert v.score_presampled(QUESTION, ["1", "9"], ["1", "1", "9", "2"]) == [0.5, 0.25] and backend.calls == []
+    ahead = ["1", "1", "9", "2"]
+    assert v.samples_to_score(QUESTION, ["1", "9"], ahead) == ahead and backend.calls == []
+    assert v.score_with_samples(["1", "9"], ahead) == [0.5, 0.25]
+    # drawn ahead and tied: the tie's 3 follow the 4, in that order (the count is the verifier's cost)
+    tied = v.samples_to_score(QUESTION, ["1", "2"], ["1", "2", "5", "5"], [Candidate("x", prompt=prompt)])
+    assert tied == ["1", "2", "5", "5", "2", "2", "1"] and len(backend.calls) == 1
+    backend.calls.clear()  # nothing answered: nothing to agree with, nothing drawn
+    assert v.samples_to_score(QUESTION, [None, None], None) == [] and backend.calls == []
     # a 0-0 tie of answered candidates is a tie; an unanswered candidate ties with nobody
     assert v.is_tie(["5", "6"], [0.0, 0.0]) and not v.is_tie(["5", None], [0.0, 0.0])
     assert not v.is_tie(["5", "6"], [0.5, 0.25]) and v.is_tie(["5", "6", "7"], [0.5, 0.0, 0.5])

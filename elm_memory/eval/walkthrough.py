@@ -52,6 +52,9 @@ class Walkthrough:
                 + (f" (score {c['score']:.3f})" if c.get("score") is not None else "")
                 for c in candidates
             )
+            drawn = (elm.get("extra") or {}).get("verifier_samples")
+            if drawn is not None:  # a sampling verifier: the score is agreeing samples / samples drawn
+                shown += f"  ({drawn} samples)"
             lines.append(f"              candidates: {shown}")
         t = elm.get("timings") or {}
         if (elm.get("extra") or {}).get("overlap"):  # learned alongside: "learn" is the time after the answer

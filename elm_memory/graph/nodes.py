@@ -193,6 +193,7 @@ class ELMNodes:
         candidates: list[dict[str, Any]] = [dict(c) for c in state["candidates"]]
         chosen = candidates[0]
         warnings: list[str] = []
+        update: dict[str, Any] = {}
         if svc.verifier is None:
             warnings += _warning("answers disagree and no verifier is configured: keeping zero-shot")
         else:
@@ -207,10 +208,14 @@ class ELMNodes:
                     )
                     for c in candidates
                 ]
-                samples = state.get("verifier_samples")
-                if samples is not None and isinstance(svc.verifier, SamplingVerifier):
+                if isinstance(svc.verifier, SamplingVerifier):
+                    # the samples drawn ahead, if any, plus what the verifier draws now (a tie's more):
+                    # the trace keeps the count, the verifier's cost on this question
                     answers = [c["answer"] for c in candidates]
-                    scores = svc.verifier.score_presampled(state["question"], answers, samples, scored)
+                    ahead = state.get("verifier_samples")
+                    used = svc.verifier.samples_to_score(state["question"], answers, ahead, scored)
+                    scores = svc.verifier.score_with_samples(answers, used)
+                    update["verifier_sample_answers"] = used
                 else:
                     scores = svc.verifier.score(state["question"], scored)
                 for c, s in zip(candidates, scores, strict=True):
@@ -220,6 +225,7 @@ class ELMNodes:
             except Exception as exc:
                 warnings += _warning(f"verifier failed, keeping zero-shot: {exc}")
         return {
+            **update,
             "answer": chosen["answer"],
             "response": chosen["response"],
             "candidates": candidates,

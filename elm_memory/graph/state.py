@@ -69,6 +69,9 @@ class ELMOutput(TypedDict, total=False):
     timings: Annotated[dict[str, float], merge_timings]
     warnings: Annotated[list[str], add_warnings]
     learn_job: dict[str, Any] | None
+    # the answers of the samples a sampling verifier (consistency) scored this disagreement on,
+    # a tie's extra draw included; absent when no sampling verifier scored
+    verifier_sample_answers: list[str | None]
 
 
 class ELMState(ELMInput, ELMOutput, total=False):

@@ -106,14 +106,15 @@ class SamplingVerifier(Protocol):
         """Scores of the candidates' final ``answers`` given the drawn samples' answers."""
         ...
 
-    def score_presampled(
+    def samples_to_score(
         self,
         question: str,
         answers: Sequence[str | None],
-        samples: Sequence[str | None],
+        samples: Sequence[str | None] | None,
         responses: Sequence[Any] = (),
-    ) -> list[float]:
-        """What the graph calls: the scores given the samples drawn ahead (it may draw more, e.g. on a tie)."""
+    ) -> list[str | None]:
+        """What the graph calls before scoring: the samples drawn ahead (None: none were, draw them now),
+        plus any the verifier draws now (e.g. on a tie). The graph scores on them and records how many."""
         ...
 
 

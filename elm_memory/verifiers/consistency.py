@@ -112,23 +112,23 @@ class ConsistencyVerifier:
     ) -> list[float]:
         """:meth:`score` on final answers already extracted (e.g. a run's recorded candidates);
         ``responses`` only supplies the prompt the samples are drawn from."""
-        if not any(a is not None for a in answers):
-            return [0.0] * len(answers)  # nothing to agree with: skip the sampling
-        return self.score_presampled(question, answers, self.sample_answers(question, responses), responses)
+        return self.score_with_samples(answers, self.samples_to_score(question, answers, None, responses))
 
-    def score_presampled(
+    def samples_to_score(
         self,
         question: str,
         answers: Sequence[str | None],
-        samples: Sequence[str | None],
+        samples: Sequence[str | None] | None,
         responses: Sequence[Candidate] = (),
-    ) -> list[float]:
-        """Scores given samples already drawn; on a tie, ``tie_samples`` more are drawn and all count."""
-        scores = self.score_with_samples(answers, samples)
-        if self.tie_samples and self.is_tie(answers, scores):
-            more = self.sample_answers(question, responses, n=self.tie_samples, seed_offset=1)
-            scores = self.score_with_samples(answers, [*samples, *more])
-        return scores
+    ) -> list[str | None]:
+        """The samples the scores count: ``samples`` drawn ahead (None: draw them now), plus
+        ``tie_samples`` more when those tie the answers."""
+        if not any(a is not None for a in answers):
+            return list(samples or [])  # nothing to agree with: no sampling
+        drawn = list(self.sample_answers(question, responses) if samples is None else samples)
+        if self.tie_samples and self.is_tie(answers, self.score_with_samples(answers, drawn)):
+            drawn += self.sample_answers(question, responses, n=self.tie_samples, seed_offset=1)
+        return drawn
 
     @staticmethod
     def is_tie(answers: Sequence[str | None], scores: Sequence[float]) -> bool:

@@ -97,8 +97,18 @@ class ELMMethod:
                 {"kind": c.get("kind"), "answer": c.get("answer"), "score": c.get("score")} for c in r.candidates
             ],
             warnings=r.warnings,
-            extra={"gate": r.gate} if r.gate is not None else {},
+            extra=self._extra(r),
         )
+
+    @staticmethod
+    def _extra(r: Any) -> dict[str, Any]:
+        """The gate's decision and, where a sampling verifier scored, how many samples it drew (its cost)."""
+        extra: dict[str, Any] = {}
+        if r.gate is not None:
+            extra["gate"] = r.gate
+        if r.verifier_sample_answers is not None:
+            extra["verifier_samples"] = len(r.verifier_sample_answers)
+        return extra
 
     def learn(self, question: str, question_id: str, output: MethodOutput) -> None:
         self._note_ticket(output, self.elm.learner.submit(question, self.name))
