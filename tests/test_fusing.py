@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 import torch
@@ -155,12 +156,36 @@ def test_parts_generate_calls_share_one_batch_and_get_their_own_results():
     out_answer, (first, second) = fused.run([answer, learn])
     assert [g[0].text for g in out_answer] == ["q-zero-shot/1", "q-memory/1"]
     assert first[0][0].text == "q-rollout/3" and second[0][0].text == "q-step2/3"
-    # the answer's call and the first rollouts in one batch (in the order they arrived); the second
+    # the answer's call and the first rollouts in one batch (in the parts' order); the second
     # step alone, since the answer had ended
     (kind, calls), last = backend.log
-    assert kind == "many" and sorted(calls) == [["q-rollout"], ["q-zero-shot", "q-memory"]]
+    assert kind == "many" and calls == [["q-zero-shot", "q-memory"], ["q-rollout"]]
     assert last == ("generate", [["q-step2"]])
     assert fused.stats.batches == [2, 1]
+
+
+@pytest.mark.parametrize("first_to_arrive", [0, 1, 2])
+def test_a_batch_holds_its_calls_in_the_parts_order_whatever_order_they_arrived_in(first_to_arrive):
+    """Reproducibility: where a row sits in the batch can change what it samples (lookup drafts take the
+    latest match among the rows), so the batch follows the parts' order, not the threads' timing."""
+    backend = FakeBackend()
+    fused = FusedCalls(backend)
+    arrived = threading.Event()
+
+    def part(name, i):
+        def run():
+            if i != first_to_arrive:  # the others call only once the chosen part is waiting in its call
+                assert arrived.wait(5)
+                time.sleep(0.05)
+            else:
+                threading.Timer(0.05, arrived.set).start()
+            return fused.backend.generate([name], SAMPLED)
+
+        return run
+
+    fused.run([part("learn", 0), part("answer", 1), part("samples", 2)])
+    [(kind, calls)] = backend.log
+    assert kind == "many" and calls == [["learn"], ["answer"], ["samples"]]
 
 
 def test_a_parts_generate_many_joins_the_batch_with_all_its_calls():
@@ -179,7 +204,7 @@ def test_a_parts_generate_many_joins_the_batch_with_all_its_calls():
     assert [g[0].text for g in answers] == ["q-zero-shot/1", "q-memory/1"]
     assert samples[0][0].text == "q-samples/3" and rollouts[0][0].text == "q-rollout/3"
     [(kind, calls)] = backend.log
-    assert kind == "many" and sorted(calls) == [["q-rollout"], ["q-samples"], ["q-zero-shot", "q-memory"]]
+    assert kind == "many" and calls == [["q-zero-shot", "q-memory"], ["q-samples"], ["q-rollout"]]
     assert fused.stats.batches == [3]
     # outside a run, generate_many goes straight to the backend (one call each without generate_many)
     plain = FakeBackend(many=False)

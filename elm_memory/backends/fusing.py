@@ -11,10 +11,12 @@ of one of the two.
 all against :attr:`FusedCalls.backend`, a view of the wrapped backend. A part's ``generate`` (or
 ``generate_many``: several calls of one part, e.g. the answers and a verifier's samples) waits until
 every part still running is waiting in one too (or has finished); then all waiting calls go to the
-backend's ``generate_many`` as one batch. Deterministic, no timing window:
-the batch forms when nobody else can add to it. Batches always decode in the calling thread: on
-the 2-core Xeon the same decode ran about 25% slower in a freshly started thread than in the main
-one (``benchmarks/results/demo_overlap.json``), so the caller should pass its heaviest part first.
+backend's ``generate_many`` as one batch. Deterministic, no timing window: the batch forms when
+nobody else can add to it, and its calls go in the parts' order, not the order the threads reached
+it (the same rows in another order can sample differently). Batches always decode in the calling
+thread: on the 2-core Xeon the same decode ran about 25% slower in a freshly started thread than in
+the main one (``benchmarks/results/demo_overlap.json``), so the caller should pass its heaviest part
+first.
 Outside :meth:`run`, or from any other thread, the view calls straight through.
 
 An interrupt (Ctrl-C: ``KeyboardInterrupt``, or ``SystemExit``) reaches the calling thread only.
@@ -45,6 +47,7 @@ class _Call:
     """One part's ``generate``/``generate_many`` call: its requests, decoded with the batch's others."""
 
     requests: Sequence[GenerateRequest]
+    part: int = 0  # the batch's rows follow the parts' order, whatever order the threads arrived in
     result: list[list[list[Generation]]] | None = None
     error: BaseException | None = None
     done: bool = False
@@ -148,7 +151,7 @@ class FusedCalls:
     def generate_many(self, requests: Sequence[GenerateRequest]) -> list[list[list[Generation]]]:
         if getattr(self._local, "part", None) is None:
             return generate_requests(self.inner, requests)
-        call = _Call(list(requests))
+        call = _Call(list(requests), part=self._local.part)
         driver = threading.get_ident() == self._driver
         with self._cond:
             if self._interrupted:
@@ -179,7 +182,10 @@ class FusedCalls:
         their calls (lock released meanwhile) and return True."""
         if not self._pending or len(self._pending) != len(self._active):
             return False
-        batch, self._pending = self._pending, []
+        # part order, not arrival order: rows in another place can decode differently (a lookup draft is
+        # the latest match among the rows, and the batched forward rounds by layout), so a run whose threads
+        # arrived in another order would learn another memory
+        batch, self._pending = sorted(self._pending, key=lambda c: c.part), []
         self._cond.release()
         try:
             self._decode(batch)
