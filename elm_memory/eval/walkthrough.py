@@ -45,6 +45,7 @@ class Walkthrough:
             f"    ELM       {elm_answer(elm):>10} {MARK[elm['correct']]}  route {elm['route']}",
         ]
         lines.append("              " + self._memory_line(elm))
+        extra = elm.get("extra") or {}
         candidates = elm.get("candidates") or []
         if len(candidates) > 1:
             shown = "  |  ".join(
@@ -52,12 +53,12 @@ class Walkthrough:
                 + (f" (score {c['score']:.3f})" if c.get("score") is not None else "")
                 for c in candidates
             )
-            drawn = (elm.get("extra") or {}).get("verifier_samples")
+            drawn = extra.get("verifier_samples")
             if drawn is not None:  # a sampling verifier: the score is agreeing samples / samples drawn
                 shown += f"  ({drawn} samples)"
             lines.append(f"              candidates: {shown}")
         t = elm.get("timings") or {}
-        if (elm.get("extra") or {}).get("overlap"):  # learned alongside: "learn" is the time after the answer
+        if extra.get("overlap"):  # learned alongside: "learn" is the time after the answer
             lines.append(
                 f"              answer {t.get('answer', 0):.0f}s (memory learned alongside), "
                 f"then learning {t.get('learn', 0):.0f}s more"
