@@ -67,6 +67,10 @@ def test_layering_preset_then_file_then_overrides(tmp_path):
         ({"overrides": {"training": {"stepz": 1}}}, "unknown config key 'training.stepz'"),
         ({"overrides": {"training": {"steps": -1}}}, "training.steps"),
         ({"overrides": {"prompt": {"template": "no placeholder"}}}, "{question}"),
+        (
+            {"preset": "cpu-demo", "overrides": {"backend": {"decode_loop": "generate"}}},
+            "backend.lookup_draft_tokens=3 needs backend.decode_loop=elm",
+        ),
     ],
 )
 def test_bad_config_is_a_typed_one_line_error(kwargs, message):

@@ -205,3 +205,11 @@ def test_the_backend_drafts_from_what_it_generated_before_for_the_same_prompt(ti
     assert len(again_calls) < len(first_calls)
     assert len(again_calls) <= 1 + 40 // 5 + 2
     assert backend.recent.get([ids[0]])[0] == [first[0][0], again[0][0]]
+
+
+def test_the_generate_loop_refuses_lookup_drafts_it_cannot_apply(tiny_loaded):
+    from elm_memory.backends.hf import HFBackend
+
+    with pytest.raises(ValueError, match="lookup_draft_tokens needs decode_loop='elm'"):
+        HFBackend(tiny_loaded, decode_loop="generate", lookup_draft_tokens=2)
+    assert HFBackend(tiny_loaded, decode_loop="generate").lookup_draft_tokens == 0

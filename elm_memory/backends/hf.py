@@ -82,6 +82,8 @@ class HFBackend:
         drop_finished: bool = True,
         lookup_draft_tokens: int = 0,
     ):
+        if decode_loop == "generate" and lookup_draft_tokens > 0:
+            raise ValueError("lookup_draft_tokens needs decode_loop='elm'; transformers' generate has no lookup drafts")
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
 from elm_memory.config.section import ConfigSection, registered_name
 
@@ -211,7 +211,8 @@ class BackendConfig(ConfigSection):
         default="elm",
         description=(
             "`elm`: the library's sampling loop (elm_memory/backends/decode.py), which honours the two levers "
-            "below and samples each prompt from its own generator; `generate`: transformers' `generate`."
+            "below and samples each prompt from its own generator; `generate`: transformers' `generate` (no lookup "
+            "drafts: it refuses `lookup_draft_tokens` > 0)."
         ),
     )
     share_prompt_kv: bool = Field(
@@ -239,6 +240,16 @@ class BackendConfig(ConfigSection):
         ge=1,
         description="Most sequences decoded together by the `hf` backend (prompts x samples per call).",
     )
+
+    @model_validator(mode="after")
+    def _lookup_needs_elm_loop(self) -> BackendConfig:
+        # transformers' generate has no lookup drafts: refusing beats a silently slower run
+        if self.decode_loop == "generate" and self.lookup_draft_tokens > 0:
+            raise ValueError(
+                f"backend.lookup_draft_tokens={self.lookup_draft_tokens} needs backend.decode_loop=elm; "
+                "transformers' generate has no lookup drafts (set backend.lookup_draft_tokens=0 to use it)"
+            )
+        return self
 
 
 class RayLearnerConfig(ConfigSection):
