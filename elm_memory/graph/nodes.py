@@ -152,7 +152,7 @@ class ELMNodes:
         return {
             "candidates": candidates,
             "memory_id": memory_id,
-            "verifier_samples": samples,
+            "presampled_answers": samples,
             "warnings": warnings,
             "timings": _elapsed("dual_generate", t0),
         }
@@ -212,7 +212,7 @@ class ELMNodes:
                     # the samples drawn ahead, if any, plus what the verifier draws now (a tie's more):
                     # the trace keeps the count, the verifier's cost on this question
                     answers = [c["answer"] for c in candidates]
-                    ahead = state.get("verifier_samples")
+                    ahead = state.get("presampled_answers")
                     used = svc.verifier.samples_to_score(state["question"], answers, ahead, scored)
                     scores = svc.verifier.score_with_samples(answers, used)
                     update["verifier_sample_answers"] = used

@@ -79,4 +79,4 @@ class ELMState(ELMInput, ELMOutput, total=False):
 
     # answers of a sampling verifier's samples, drawn with the candidates (`consistency_presample`);
     # None when none were drawn ahead
-    verifier_samples: list[str | None] | None
+    presampled_answers: list[str | None] | None
