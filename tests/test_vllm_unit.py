@@ -381,3 +381,15 @@ def test_server_backend_checks_the_version_sends_the_key_and_closes(tiny_loaded,
                     VLLMServerBackend.from_config(cfg, loaded=tiny_loaded)
         assert [r[1] for r in srv.requests[:3]] == ["/v1/models", "/v1/models", "/version"]  # 503 retried
         assert all(r[2] == "Bearer cfg-key" for r in srv.requests)
+
+
+def test_vllm_backends_say_they_do_not_use_the_hf_lookup_lever(caplog):
+    from elm_memory.config import ELMConfig
+
+    with caplog.at_level("WARNING", logger="elm_memory.backends.vllm.common"):
+        common.warn_unused_hf_levers(ELMConfig.load(preset="cpu-demo"), "vllm")
+    assert "backend.lookup_draft_tokens=3" in caplog.text and "backend 'vllm'" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="elm_memory.backends.vllm.common"):
+        common.warn_unused_hf_levers(ELMConfig.load(preset="cpu-tiny"), "vllm-server")
+    assert caplog.text == ""

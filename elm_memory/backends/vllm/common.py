@@ -6,10 +6,13 @@ Nothing here imports vllm: the server client runs where vllm is not installed.
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from elm_memory.backends.base import PromptInput, SamplingParams, sampling_seed
 from elm_memory.errors import BackendError
+
+logger = logging.getLogger(__name__)
 
 #: GiB of KV cache the CPU engine reserves when ``VLLM_CPU_KVCACHE_SPACE`` is unset.
 DEFAULT_CPU_KVCACHE_GIB = 4
@@ -72,3 +75,16 @@ def request_limits(
             f"prompt of {prompt.length} positions does not fit {where}max_model_len={max_model_len}{advice}"
         )
     return min(params.max_new_tokens, room), sampling_seed(prompt, params, index)
+
+
+def warn_unused_hf_levers(cfg: Any, backend: str) -> None:
+    """Say so when the config sets a decode lever that only the ``hf`` backend's loop applies
+    (``backend.lookup_draft_tokens``, set by the cpu-demo preset): vLLM decodes on its own."""
+    lookup = getattr(getattr(cfg, "backend", None), "lookup_draft_tokens", 0) or 0
+    if lookup > 0:
+        logger.warning(
+            "backend.lookup_draft_tokens=%d is a lever of the hf backend's decode loop; backend '%s' decodes in "
+            "vLLM and does not use it (vLLM's own n-gram speculation is its speculative_config)",
+            lookup,
+            backend,
+        )

@@ -58,6 +58,7 @@ from elm_memory.backends.vllm.common import (
     check_prompt_embeds_version,
     request_limits,
     require_vllm,
+    warn_unused_hf_levers,
 )
 from elm_memory.backends.vllm.lora import LoraRequests, check_kind
 from elm_memory.backends.vllm.model_runner import STOP_XARG, select_stop_processor
@@ -177,6 +178,7 @@ class VLLMBackend:
         memory: Any = getattr(cfg, "memory", None)
         kind = getattr(memory, "kind", "soft_prompt")
         check_kind(kind, cls.name, lora=True)  # before the engine starts: a prefix memory cannot be served
+        warn_unused_hf_levers(cfg, cls.name)
         if kind == "lora":
             kwargs.setdefault("max_lora_rank", _vllm_rank(memory.lora_rank))
         model_dir = loaded.info.path if loaded is not None else resolve_model_path(cfg.model.name_or_path)

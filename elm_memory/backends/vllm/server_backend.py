@@ -36,7 +36,12 @@ from elm_memory.backends.base import (
 )
 from elm_memory.backends.postprocess import eos_ids_from_folder, finish_generation
 from elm_memory.backends.vllm.client import ServerClient, ServerRequestError, resolve_api_key, server_version
-from elm_memory.backends.vllm.common import MIN_VLLM_FOR_PROMPT_EMBEDS, check_prompt_embeds_version, request_limits
+from elm_memory.backends.vllm.common import (
+    MIN_VLLM_FOR_PROMPT_EMBEDS,
+    check_prompt_embeds_version,
+    request_limits,
+    warn_unused_hf_levers,
+)
 from elm_memory.backends.vllm.lora import check_kind
 from elm_memory.backends.vllm.model_runner import STOP_XARG
 from elm_memory.backends.vllm.model_side import bounded_max_len, model_side, torch_dtype
@@ -148,6 +153,7 @@ class VLLMServerBackend:
         from elm_memory.models.loading import resolve_model_path
 
         check_kind(getattr(getattr(cfg, "memory", None), "kind", "soft_prompt"), "vllm-server", lora=False)
+        warn_unused_hf_levers(cfg, cls.name)
         url = cfg.backend.server_url
         if not url:
             raise BackendError(
