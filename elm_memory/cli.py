@@ -200,7 +200,7 @@ MethodOpt = Annotated[
         "--method",
         "-m",
         help="Method(s), repeatable or comma-separated: zero_shot, verifier_at_2, icl, "
-        "reasoning_bank, lag, lag_tts, elm_input, elm_kv (or a plugin).",
+        "reasoning_bank, lag, lag_tts, elm_input, elm_kv, elm_kv_centered (or a plugin).",
     ),
 ]
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import weakref
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from elm_memory.retrieval import keys as keys_mod
 from elm_memory.retrieval.keys import (
     InputKeyBuilder,
     KeyBuilder,
+    KVCenteredKeyBuilder,
     KVKeyBuilder,
     SoftPromptMeanKeyBuilder,
     attention_modules,
@@ -89,7 +91,12 @@ def mean_layer_cos(q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 
 
 def test_registry_and_protocol() -> None:
-    for name, cls in (("input", InputKeyBuilder), ("soft_prompt_mean", SoftPromptMeanKeyBuilder), ("kv", KVKeyBuilder)):
+    for name, cls in (
+        ("input", InputKeyBuilder),
+        ("soft_prompt_mean", SoftPromptMeanKeyBuilder),
+        ("kv", KVKeyBuilder),
+        ("kv_centered", KVCenteredKeyBuilder),
+    ):
         builder = key_builders.get(name)()
         assert isinstance(builder, cls) and isinstance(builder, KeyBuilder) and builder.kind == name
 
@@ -222,3 +229,55 @@ def test_real_model_input_keys_identify_their_question(smol: LoadedModel) -> Non
         sim = F.normalize(qry, dim=-1) @ F.normalize(mem, dim=-1).T
         assert sim.argmax(dim=1).tolist() == [0, 1, 2, 3], builder.kind
     assert torch.allclose(InputKeyBuilder().query_key(smol, ids[0]), InputKeyBuilder().memory_key(smol, sps[0], ids[0]))
+
+
+# ---- centred KV keys ----------------------------------------------------------------------
+
+
+def test_kv_centered_removes_each_sides_mean_per_layer(tiny: LoadedModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Against an independent computation, with the calibration means given (the random model has no tokenizer)."""
+    g = torch.Generator().manual_seed(3)
+    centre_q, centre_m = torch.randn(2, 16, generator=g) * 0.3, torch.randn(2, 16, generator=g) * 0.3
+    monkeypatch.setitem(keys_mod._centres, tiny.model, (centre_q, centre_m))
+    ids = torch.tensor([[1, 2, 3, 50, 60, 70, 7]])
+    sps = torch.randn(3, 6, 64, generator=g)
+    builder = KVCenteredKeyBuilder()
+    q = builder.query_key(tiny, ids[0])
+    m = builder.memory_keys(tiny, list(sps), [[1]] * 3)
+    q_ref = F.normalize(F.normalize(reference_kv(tiny, "q_proj", input_ids=ids)[0], dim=-1) - centre_q, dim=-1)
+    m_ref = F.normalize(F.normalize(reference_kv(tiny, "k_proj", inputs_embeds=sps), dim=-1) - centre_m, dim=-1)
+    assert torch.allclose(q.view(2, 16).double(), q_ref, atol=1e-5)
+    assert torch.allclose(m.view(3, 2, 16).double(), m_ref, atol=1e-5)
+    # still one unit vector per layer: the cosine of the concatenation is the mean of per-layer cosines
+    assert torch.allclose(q.norm(), torch.tensor(2.0**0.5), atol=1e-5)
+    assert torch.allclose(builder.memory_key(tiny, sps[0], [1]), m[0], atol=1e-5)
+    assert builder.memory_keys(tiny, [], []).shape == (0, 32)
+    # and different from the plain kv key (the centre was not zero)
+    assert not torch.allclose(q, KVKeyBuilder().query_key(tiny, ids[0]), atol=1e-3)
+
+
+def test_kv_centered_calibrates_once_per_model_on_the_packaged_questions(
+    smol: LoadedModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elm_memory.eval.datasets import load_problems
+    from elm_memory.training.initialization import question_init
+
+    monkeypatch.setattr(keys_mod, "CENTERING_QUESTIONS", 4)
+    monkeypatch.setattr(keys_mod, "_centres", weakref.WeakKeyDictionary())  # these 4-question means stay here
+    calls = []
+    real = KVCenteredKeyBuilder._calibrate
+    monkeypatch.setattr(KVCenteredKeyBuilder, "_calibrate", lambda self, loaded: calls.append(1) or real(self, loaded))
+    builder = KVCenteredKeyBuilder()
+    centre_q, centre_m = builder.centres(smol)
+    assert KVCenteredKeyBuilder().centres(smol)[0] is centre_q and len(calls) == 1  # once per model, any builder
+    questions = [p.question for p in load_problems("math500", limit=4, seed=0)]
+    plain = KVKeyBuilder()
+    tok = smol.tokenizer
+    raw_q = torch.stack([plain.query_key(smol, tok(q, add_special_tokens=False)["input_ids"]) for q in questions])
+    raw_m = plain.memory_keys(smol, [question_init(smol, q, 20, "question", 0) for q in questions])
+    assert torch.allclose(centre_q, raw_q.view(4, 30, 64).mean(0), atol=1e-5)
+    assert torch.allclose(centre_m, raw_m.view(4, 30, 64).mean(0), atol=1e-5)
+    # centring removes what the calibration questions share: their centred query keys average to ~0 per layer
+    centred = torch.stack([builder.query_key(smol, tok(q, add_special_tokens=False)["input_ids"]) for q in questions])
+    assert float(centred.view(4, 30, 64).mean(0).norm(dim=-1).max()) < 0.8
+    assert float(raw_q.view(4, 30, 64).mean(0).norm(dim=-1).min()) > 0.8

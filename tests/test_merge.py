@@ -180,10 +180,11 @@ def test_memory_files_without_provenance_still_load_and_bad_provenance_is_refuse
     assert ok.merged_from == ["abcdef01"]
 
 
-def test_kv_keys_are_renormalised_per_layer():
+@pytest.mark.parametrize("kind", ["kv", "kv_centered"])
+def test_kv_keys_are_renormalised_per_layer(kind):
     g = torch.Generator().manual_seed(0)
     layers = [torch.nn.functional.normalize(torch.randn(3, 4, generator=g), dim=-1).reshape(-1) for _ in range(2)]
-    merged = combine_keys("kv", layers)
+    merged = combine_keys(kind, layers)
     assert merged.view(3, 4).norm(dim=-1).tolist() == pytest.approx([1.0, 1.0, 1.0])
     torch.testing.assert_close(combine_keys("input", layers), (layers[0] + layers[1]) / 2)
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import weakref
 from pathlib import Path
 
 import pytest
@@ -16,7 +17,7 @@ from elm_memory.config import ELMConfig
 from elm_memory.errors import IncompatibleMemoryError
 from elm_memory.memory import LatentMemory, TrainingStats
 from elm_memory.models.loading import LoadedModel
-from elm_memory.retrieval.keys import InputKeyBuilder, KVKeyBuilder, SoftPromptMeanKeyBuilder
+from elm_memory.retrieval.keys import InputKeyBuilder, KVCenteredKeyBuilder, KVKeyBuilder, SoftPromptMeanKeyBuilder
 from elm_memory.retrieval.retriever import Hit, Retriever, tokenize_question
 from elm_memory.store.chroma import ChromaMemoryStore
 
@@ -143,6 +144,25 @@ def test_from_config_and_incompatible_memory(smol: LoadedModel, tmp_path: Path) 
     )
     with pytest.raises(IncompatibleMemoryError):
         retriever.index_memory(alien)
+
+
+def test_kv_centered_pool_from_config_finds_its_memory(
+    smol: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from elm_memory.retrieval import keys as keys_mod
+
+    monkeypatch.setattr(keys_mod, "CENTERING_QUESTIONS", 8)  # the calibration's size is not what is tested
+    monkeypatch.setattr(keys_mod, "_centres", weakref.WeakKeyDictionary())
+    cfg = ELMConfig.load(overrides={"retrieval": {"key": "kv_centered"}, "store": {"path": str(tmp_path / "c")}})
+    retriever = Retriever.from_config(cfg, smol)
+    assert isinstance(retriever.key_builder, KVCenteredKeyBuilder) and retriever.kind == "kv_centered"
+    memories = [question_memory(smol, q) for q in QUESTIONS[:3]]
+    for m in memories:
+        retriever.index_memory(m)
+    assert set(memories[0].keys) == {"kv_centered"} and memories[0].keys["kv_centered"].shape == (30 * 64,)
+    assert retriever.store.count("default", kind="kv_centered") == 3
+    # each question finds the memory learned from it (SmolLM2, fp32: margins of about 0.2 over the next)
+    assert [retriever.retrieve(q, "default")[0].memory.id for q in QUESTIONS[:3]] == [m.id for m in memories]
 
 
 # ---- gates and the retrieval decision ------------------------------------------------------

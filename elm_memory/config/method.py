@@ -212,8 +212,10 @@ class RetrievalConfig(ConfigSection):
     key: str = Field(
         default="input",
         description=(
-            "Key builder: `input` (mean input embedding; paper's default), `soft_prompt_mean`, or `kv` "
-            "(per-layer Q/K, the paper's variant that wins on some benchmarks)."
+            "Key builder: `input` (mean input embedding; paper's default), `soft_prompt_mean`, `kv` "
+            "(per-layer Q/K, the paper's variant that wins on some benchmarks), or `kv_centered` (`kv` with "
+            "each side's mean direction over 64 MATH500 questions removed per layer; not in the paper, tells "
+            "questions apart better on the default model: benchmarks/key_quality.py)."
         ),
     )
     top_k: int = Field(default=1, ge=1, description="Memories retrieved per question (paper: top-1).")

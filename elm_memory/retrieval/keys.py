@@ -23,6 +23,13 @@ Three builders, all from the paper (Sec. "Memory Key Construction / Memory Retri
     per-layer L2-normalised vectors, whose cosine is exactly that mean (each side has
     norm sqrt(L)), so an ordinary cosine index ranks by the paper's score.
 
+``kv_centered``
+    ``kv`` with each side's common direction removed: per layer, the mean of the side's unit vectors
+    over a fixed calibration set (:data:`CENTERING_QUESTIONS` questions of the packaged MATH500) is
+    subtracted and the difference renormalised before the cosine. On the default model the raw KV
+    cosines all lie within 0.01-0.06 and one memory can take most retrievals
+    (``benchmarks/key_quality.py``); centring spreads them. Not in the paper; an option.
+
 ``lora`` and ``prefix`` memories have no soft prompt: their memory side is built from the memory's
 question instead (paper, LoRA ablation: "keys are obtained by passing the input question through
 the model and extracting activations", computed once at memory creation). ``input`` is the same
@@ -39,6 +46,8 @@ it), runs under ``torch.no_grad`` and always removes its hooks.
 
 from __future__ import annotations
 
+import threading
+import weakref
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
@@ -255,3 +264,69 @@ class KVKeyBuilder:
             raise ConfigError(f"the {proj} hooks of {info.name} did not all fire; use retrieval.key=input")
         per_layer = torch.stack([p for p in pooled if p is not None], dim=1)  # (b, L, head_dim)
         return F.normalize(per_layer, dim=-1).flatten(1).cpu()
+
+
+# ---- centred KV keys ------------------------------------------------------------------------
+
+#: Key kinds stored as L concatenated unit vectors, one per layer (a merge renormalises per layer).
+LAYERWISE_KINDS = ("kv", "kv_centered")
+#: The calibration set of ``kv_centered``: the packaged MATH500's first questions in seed-0 order
+#: (what ``benchmarks/key_quality.py`` measured with), each memory side standing in as the soft prompt
+#: a memory of it starts from (``memory.init: question``, the paper's k).
+CENTERING_DATASET = "math500"
+CENTERING_QUESTIONS = 64
+CENTERING_PROMPT_TOKENS = 20
+
+# per frozen model: (query-side mean, memory-side mean), each (layers, head_dim); computed once per process
+_centres: weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
+_centres_lock = threading.Lock()
+
+
+def _recentre(keys: torch.Tensor, centre: torch.Tensor) -> torch.Tensor:
+    """(n, L*head_dim) per-layer unit keys -> the same with ``centre`` (L, head_dim) removed, per layer renormalised."""
+    per_layer = keys.view(keys.shape[0], *centre.shape) - centre
+    return F.normalize(per_layer, dim=-1).flatten(1)
+
+
+class KVCenteredKeyBuilder(KVKeyBuilder):
+    """``kv_centered``: ``kv`` keys with each side's calibration mean removed per layer (module doc)."""
+
+    kind = "kv_centered"
+
+    def query_key(self, loaded: LoadedModel, question_ids: QuestionIds) -> torch.Tensor:
+        raw = super().query_key(loaded, question_ids)
+        return _recentre(raw.unsqueeze(0), self.centres(loaded)[0])[0]
+
+    def memory_keys(
+        self,
+        loaded: LoadedModel,
+        soft_prompts: Sequence[torch.Tensor],
+        question_ids: Sequence[QuestionIds] | None = None,
+    ) -> torch.Tensor:
+        raw = super().memory_keys(loaded, soft_prompts, question_ids)
+        return raw if raw.shape[0] == 0 else _recentre(raw, self.centres(loaded)[1])
+
+    def centres(self, loaded: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's (query, memory) per-layer means over the calibration set: the same in every
+        process that loads the same model, so keys built by a learner and queries built by the answerer
+        agree. About 2 x 64 short forward passes, once per process and model."""
+        with _centres_lock:
+            found = _centres.get(loaded.model)
+            if found is None:
+                found = self._calibrate(loaded)
+                _centres[loaded.model] = found
+            return found
+
+    def _calibrate(self, loaded: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
+        # imported here: the evaluation data and the retriever's tokenizer helper import this module
+        from elm_memory.eval.datasets import load_problems
+        from elm_memory.retrieval.retriever import tokenize_question
+        from elm_memory.training.initialization import question_init
+
+        questions = [p.question for p in load_problems(CENTERING_DATASET, limit=CENTERING_QUESTIONS, seed=0)]
+        plain = KVKeyBuilder()
+        queries = torch.stack([plain.query_key(loaded, tokenize_question(loaded.tokenizer, q)) for q in questions])
+        prompts = [question_init(loaded, q, CENTERING_PROMPT_TOKENS, "question", 0) for q in questions]
+        memories = plain.memory_keys(loaded, prompts)
+        shape = (len(questions), loaded.info.num_layers, loaded.info.head_dim)
+        return queries.view(shape).mean(dim=0), memories.view(shape).mean(dim=0)

@@ -30,6 +30,7 @@ import torch
 
 from elm_memory.errors import IncompatibleMemoryError, MemoryKindError, StoreError
 from elm_memory.memory import LatentMemory, MemoryMeta, TrainingStats
+from elm_memory.retrieval.keys import LAYERWISE_KINDS
 from elm_memory.store.names import question_hash
 
 if TYPE_CHECKING:
@@ -135,13 +136,13 @@ def find_clusters(
 
 def combine_keys(kind: str, keys: Sequence[torch.Tensor]) -> torch.Tensor:
     """The merged memory's key of ``kind`` from its members' keys: their mean, renormalised as the key
-    builder would. ``kv`` keys are concatenated unit vectors, one per layer (norm sqrt(L)): the mean is
-    cut into the same L blocks and each is scaled back to unit norm. ``input`` and ``soft_prompt_mean``
-    keys are plain means (the builders do not normalise; ``soft_prompt_mean`` of an averaged prompt is
-    exactly this mean)."""
+    builder would. ``kv`` and ``kv_centered`` keys are concatenated unit vectors, one per layer (norm
+    sqrt(L)): the mean is cut into the same L blocks and each is scaled back to unit norm. ``input`` and
+    ``soft_prompt_mean`` keys are plain means (the builders do not normalise; ``soft_prompt_mean`` of an
+    averaged prompt is exactly this mean)."""
     stacked = torch.stack([k.detach().to(torch.float32).reshape(-1) for k in keys])
     mean = stacked.mean(dim=0)
-    if kind == "kv":
+    if kind in LAYERWISE_KINDS:
         layers = round(float(stacked[0].norm()) ** 2)
         if layers >= 1 and mean.numel() % layers == 0:
             blocks = mean.view(layers, -1)

@@ -182,3 +182,7 @@ def elm_input(runtime: EvalRuntime) -> ELMMethod:
 
 def elm_kv(runtime: EvalRuntime) -> ELMMethod:
     return ELMMethod(runtime, key="kv", name="elm_kv")
+
+
+def elm_kv_centered(runtime: EvalRuntime) -> ELMMethod:
+    return ELMMethod(runtime, key="kv_centered", name="elm_kv_centered")
