@@ -307,9 +307,10 @@ class KVCenteredKeyBuilder(KVKeyBuilder):
         return raw if raw.shape[0] == 0 else _recentre(raw, self.centres(loaded)[1])
 
     def centres(self, loaded: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
-        """The model's (query, memory) per-layer means over the calibration set: the same in every
-        process that loads the same model, so keys built by a learner and queries built by the answerer
-        agree. About 2 x 64 short forward passes, once per process and model."""
+        """The model's (query, memory) per-layer means over the calibration set. Every process that
+        loads the same model in the same dtype on the same kind of device computes the same means, so
+        keys built by a learner and queries built by the answerer agree (across devices, up to their
+        rounding). About 2 x 64 short forward passes, once per process and model."""
         with _centres_lock:
             found = _centres.get(loaded.model)
             if found is None:
@@ -318,7 +319,7 @@ class KVCenteredKeyBuilder(KVKeyBuilder):
             return found
 
     def _calibrate(self, loaded: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
-        # imported here: the evaluation data and the retriever's tokenizer helper import this module
+        # imported here: the retriever imports this module, and only calibration needs the packaged data
         from elm_memory.eval.datasets import load_problems
         from elm_memory.retrieval.retriever import tokenize_question
         from elm_memory.training.initialization import question_init
