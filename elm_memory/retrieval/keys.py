@@ -1,6 +1,7 @@
 """Retrieval keys: the vectors a memory is filed under and a new question is looked up by.
 
-Three builders, all from the paper (Sec. "Memory Key Construction / Memory Retrieval"):
+Four builders: the first three from the paper (Sec. "Memory Key Construction / Memory Retrieval"),
+``kv_centered`` a variant of its ``kv``:
 
 ``input``
     query = mean over the question's tokens of the input embeddings, ``mean_t E(x)``;
