@@ -1,0 +1,201 @@
+"""GPU check: what learning a memory and answering cost at the paper's settings on a CUDA device.
+
+The GPU machines lent to this project cannot hold the packaged weights (they travel as files of at
+most 64 MiB), so this runs the default model's *architecture* (its ``config.json`` and tokenizer)
+with **random weights**, through the library's own loader, backend and trainer:
+
+- ``learn``: :func:`learn_memory` with the paper's recipe (k=20, G=8, Dr.GRPO, lr 1e-4, beta 0.01,
+  temperature 0.8) at a given S and completion cap, faithful (every group back-propagated, no early
+  stop). Random weights never write ``\\boxed{}`` or stop, so every rollout runs to the cap: the
+  times are the worst case for that cap, and the rewards (all 0) mean nothing.
+- ``answer``: ELM's dual generation, the zero-shot and the memory-conditioned prompt decoded
+  greedily in one batch, to the same cap.
+
+    python benchmarks/gpu_check.py --config-dir DIR --runs 10x256,1x2048 --out results.json
+    python benchmarks/gpu_check.py --config-dir DIR --device cpu --runs 1x8   # plumbing, any machine
+
+``DIR`` holds the default model's ``config.json`` and tokenizer files (no weights). The CUDA tests
+(``tests/test_cuda.py``) check that these paths compute what the CPU computes; this script only times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+QUESTION = "Natalia sold clips to 48 of her friends in April, and then she sold half as many clips in May. How many clips did Natalia sell altogether in April and May?"  # noqa: E501
+MODEL_FILES = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
+
+
+def _random_model_folder(config_dir: Path, dtype: str) -> Path:
+    """The architecture in ``config_dir`` with random weights, saved as a model folder."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.from_pretrained(str(config_dir))
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    folder = Path(tempfile.mkdtemp(prefix="elm-gpu-check-"))
+    model.save_pretrained(folder)
+    for name in MODEL_FILES:  # config.json comes with the weights
+        if (config_dir / name).is_file():
+            shutil.copy(config_dir / name, folder / name)
+    return folder
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _peak_gib() -> float | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return None
+    return round(torch.cuda.max_memory_allocated() / 2**30, 2)
+
+
+def _learn(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, Any]:
+    import torch
+
+    from elm_memory.training.learn import learn_memory
+
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    _sync()
+    t0 = time.perf_counter()
+    memory = learn_memory(QUESTION, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
+    _sync()
+    seconds = time.perf_counter() - t0
+    s = memory.meta.stats
+    tokens = s.completion_tokens
+    return {
+        "steps": cfg.training.steps,
+        "num_generations": cfg.training.num_generations,
+        "max_completion_length": cfg.training.max_completion_length,
+        "seconds": round(seconds, 2),
+        "seconds_per_step": round(seconds / max(1, cfg.training.steps), 2),
+        "generation_seconds": round(s.generation_seconds, 2),
+        "backward_seconds": round(s.backward_seconds, 2),
+        "completion_tokens": tokens,
+        "rollout_tokens_per_second": round(tokens / s.generation_seconds, 1) if s.generation_seconds else None,
+        "skipped_backward": s.skipped_backward,
+        "finite": bool(torch.isfinite(memory.soft_prompt).all()),
+        "peak_gpu_gib": _peak_gib(),
+    }
+
+
+def _answer(cfg: Any, loaded: Any, backend: Any, prompts: Any, max_new_tokens: int) -> dict[str, Any]:
+    """ELM's two candidates in one greedy batch: zero-shot, and with a question-initialised memory."""
+    from elm_memory.backends.base import PromptInput, SamplingParams
+    from elm_memory.training.initialization import question_init
+
+    k = cfg.memory.num_tokens
+    plain = prompts.answer_prompt(QUESTION, memory_tokens=0)
+    with_memory = prompts.answer_prompt(QUESTION, memory_tokens=k)
+    soft = question_init(loaded, QUESTION, k, cfg.memory.init, 0).cpu()  # a stored memory lives on the CPU
+    batch = [
+        PromptInput(tuple(plain.token_ids)),
+        PromptInput(tuple(with_memory.token_ids), soft_prompt=soft, soft_prompt_at=with_memory.memory_at),
+    ]
+    params = SamplingParams(max_new_tokens=max_new_tokens)
+    _sync()
+    t0 = time.perf_counter()
+    out = backend.generate(batch, params)
+    _sync()
+    seconds = time.perf_counter() - t0
+    tokens = sum(len(g.token_ids) for gens in out for g in gens)
+    return {
+        "max_new_tokens": max_new_tokens,
+        "seconds": round(seconds, 2),
+        "tokens": tokens,
+        "tokens_per_second": round(tokens / seconds, 1),
+    }
+
+
+def _runs(text: str) -> list[tuple[int, int]]:
+    try:
+        return [(int(s), int(n)) for s, n in (part.split("x") for part in text.split(","))]
+    except ValueError:
+        raise SystemExit(f"--runs takes STEPSxLENGTH pairs, comma-separated (10x256,1x2048), not {text!r}") from None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config-dir", type=Path, required=True, help="the model's config.json and tokenizer files")
+    ap.add_argument("--runs", type=_runs, default=_runs("10x256,1x2048"), help="STEPSxLENGTH,... (S steps, cap)")
+    ap.add_argument("--device", default="auto", help="auto (the GPU when there is one) or cpu")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = ap.parse_args()
+    if not (args.config_dir / "config.json").is_file():
+        raise SystemExit(f"{args.config_dir} has no config.json")
+
+    import torch
+    import transformers
+
+    from elm_memory.backends.hf import HFBackend
+    from elm_memory.config import ELMConfig
+    from elm_memory.hardware import resolve_placement
+    from elm_memory.models.loading import load_model
+    from elm_memory.models.prompting import PromptBuilder
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    model_cfg = {"device": args.device, "dtype": args.dtype}
+    placement = resolve_placement(ELMConfig.load(overrides={"model": model_cfg}).model)
+    t0 = time.perf_counter()
+    folder = _random_model_folder(args.config_dir, placement.dtype)
+    loaded = load_model(ELMConfig.load(overrides={"model": {**model_cfg, "name_or_path": str(folder)}}).model)
+    setup_s = time.perf_counter() - t0
+    backend = HFBackend(loaded)
+    gpu = torch.cuda.get_device_name(0) if loaded.info.device.startswith("cuda") else None
+    result: dict[str, Any] = {
+        "what": "the default model's architecture with random weights; rollouts and answers run to the cap",
+        "device": gpu or "cpu",
+        "placement": placement.to_dict(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "transformers": transformers.__version__,
+        "platform": platform.platform(),
+        "architecture": {k: getattr(loaded.info, k) for k in ("model_type", "hidden_size", "num_layers", "vocab_size")},
+        "setup_seconds": round(setup_s, 1),
+        "learn": [],
+        "answer": [],
+    }
+    print(json.dumps({k: v for k, v in result.items() if k not in ("learn", "answer")}), flush=True)
+
+    for steps, length in args.runs:
+        cfg = ELMConfig.load(
+            overrides={
+                "model": model_cfg,
+                "training": {"steps": steps, "max_completion_length": length, "skip_uniform_rewards": False},
+            }
+        )
+        prompts = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)
+        if not result["learn"]:  # warm-up: kernels and allocator, not timed
+            short = cfg.training.model_copy(update={"steps": 1, "max_completion_length": 8})
+            warm = cfg.model_copy(update={"training": short})
+            _learn(warm, loaded, backend, prompts)
+        learned = _learn(cfg, loaded, backend, prompts)
+        result["learn"].append(learned)
+        print(json.dumps({"learn": learned}), flush=True)
+        answered = _answer(cfg, loaded, backend, prompts, length)
+        result["answer"].append(answered)
+        print(json.dumps({"answer": answered}), flush=True)
+        if args.out:  # after every run: a run cut off by a time limit keeps what finished
+            args.out.write_text(json.dumps(result, indent=2) + "\n")
+    shutil.rmtree(folder, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
