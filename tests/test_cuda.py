@@ -180,9 +180,19 @@ def test_a_memory_trained_on_the_gpu_equals_the_cpus_and_reloads(on_cuda, on_cpu
     gpu, cpu = train(on_cuda), train(on_cpu)
     gpu_tensors, cpu_tensors = gpu.params, cpu.params
     assert gpu_tensors.keys() == cpu_tensors.keys() and gpu_tensors
+    lr, steps = cfg.training.learning_rate, cfg.training.steps
     for name, tensor in gpu_tensors.items():
         assert tensor.device.type == "cpu" and torch.isfinite(tensor).all(), name
-        assert torch.allclose(tensor, cpu_tensors[name], atol=1e-4, rtol=1e-3), name
+        apart = ~torch.isclose(tensor, cpu_tensors[name], atol=1e-4, rtol=1e-3)
+        if kind != "lora":
+            assert not apart.any(), name
+            continue
+        # AdamW moves every element by about lr per step whatever its gradient's size, so an element
+        # whose gradient is rounding noise moves either way on the two devices. LoRA has such
+        # elements (B starts at zero, and A's first gradient comes from B's first step): allow a
+        # few, parted by no more than AdamW can move an element in S steps.
+        assert apart.float().mean().item() <= 0.01, f"{name}: {apart.float().mean().item():.4f} of elements apart"
+        assert (tensor - cpu_tensors[name]).abs().max().item() <= 4 * lr * steps, name
     assert gpu.meta.stats.answers == cpu.meta.stats.answers
     assert not all(gpu.meta.stats.skipped_backward)  # the scripted rewards differ: it really trained
 
