@@ -8,12 +8,29 @@ import json
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from elm_memory.backends.base import Generation, PromptInput, SamplingParams
 from elm_memory.memory import LatentMemory, TrainingStats
 from elm_memory.models.loading import ModelInfo
+
+
+def tiny_qwen2_config(vocab_size: int, max_position_embeddings: int, **extra: Any) -> Any:
+    """A 2-layer Qwen2 with grouped-query attention (4 heads, 2 KV heads, hidden 64), for random weights."""
+    from transformers import Qwen2Config
+
+    return Qwen2Config(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        **extra,
+    )
 
 
 def fake_model_info(hidden: int = 8, fingerprint: str = "0123456789abcdef", name: str = "fake") -> ModelInfo:

@@ -20,7 +20,7 @@ from typing import Literal
 
 import pytest
 import torch
-from _fakes import ScriptedRollouts
+from _fakes import ScriptedRollouts, tiny_qwen2_config
 
 from elm_memory.backends.base import PromptInput, SamplingParams
 from elm_memory.backends.hf import HFBackend
@@ -58,19 +58,14 @@ def model_dir(tmp_path_factory) -> Path:
     """A random 2-layer Qwen2 in float32 with the default model's tokenizer, as a model folder."""
     import shutil
 
-    from transformers import AutoTokenizer, Qwen2Config, Qwen2ForCausalLM
+    from transformers import AutoTokenizer, Qwen2ForCausalLM
 
     source = _tokenizer_dir()
     tok = AutoTokenizer.from_pretrained(str(source))
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=len(tok),
-        max_position_embeddings=1024,
+    cfg = tiny_qwen2_config(
+        len(tok),
+        1024,
         eos_token_id=tok.eos_token_id,
         pad_token_id=tok.pad_token_id,
         tie_word_embeddings=True,

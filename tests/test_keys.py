@@ -8,6 +8,7 @@ import weakref
 import pytest
 import torch
 import torch.nn.functional as F
+from _fakes import tiny_qwen2_config
 
 from elm_memory.errors import ConfigError, MemoryFormatError
 from elm_memory.models.fingerprint import embedding_fingerprint
@@ -28,18 +29,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 def random_tiny_model(seed: int = 0) -> LoadedModel:
     """A randomly initialised 2-layer Qwen2 with grouped-query attention (4 heads, 2 KV heads)."""
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(seed)
-    cfg = Qwen2Config(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=100,
-        max_position_embeddings=256,
-    )
+    cfg = tiny_qwen2_config(100, 256)
     model = Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
     info = ModelInfo(
         name="tiny-qwen2",
