@@ -95,19 +95,27 @@ def _learn(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, Any]:
     }
 
 
-def _answer(cfg: Any, loaded: Any, backend: Any, prompts: Any, max_new_tokens: int) -> dict[str, Any]:
-    """ELM's two candidates in one greedy batch: zero-shot, and with a question-initialised memory."""
-    from elm_memory.backends.base import PromptInput, SamplingParams
+def answer_pair(cfg: Any, loaded: Any, prompts: Any) -> list[Any]:
+    """ELM's two answer prompts: zero-shot, and with a question-initialised memory (on the CPU, as a
+    stored memory is)."""
+    from elm_memory.backends.base import PromptInput
     from elm_memory.training.initialization import question_init
 
     k = cfg.memory.num_tokens
     plain = prompts.answer_prompt(QUESTION, memory_tokens=0)
     with_memory = prompts.answer_prompt(QUESTION, memory_tokens=k)
-    soft = question_init(loaded, QUESTION, k, cfg.memory.init, 0).cpu()  # a stored memory lives on the CPU
-    batch = [
+    soft = question_init(loaded, QUESTION, k, cfg.memory.init, 0).cpu()
+    return [
         PromptInput(tuple(plain.token_ids)),
         PromptInput(tuple(with_memory.token_ids), soft_prompt=soft, soft_prompt_at=with_memory.memory_at),
     ]
+
+
+def _answer(cfg: Any, loaded: Any, backend: Any, prompts: Any, max_new_tokens: int) -> dict[str, Any]:
+    """ELM's two candidates in one greedy batch: zero-shot, and with a question-initialised memory."""
+    from elm_memory.backends.base import SamplingParams
+
+    batch = answer_pair(cfg, loaded, prompts)
     params = SamplingParams(max_new_tokens=max_new_tokens)
     _sync()
     t0 = time.perf_counter()
@@ -141,6 +149,7 @@ def main() -> None:
     if not (args.config_dir / "config.json").is_file():
         raise SystemExit(f"{args.config_dir} has no config.json")
 
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")  # before transformers reads it at import
     import torch
     import transformers
 
@@ -150,7 +159,6 @@ def main() -> None:
     from elm_memory.models.loading import load_model
     from elm_memory.models.prompting import PromptBuilder
 
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     model_cfg = {"device": args.device, "dtype": args.dtype}
     placement = resolve_placement(ELMConfig.load(overrides={"model": model_cfg}).model)
     t0 = time.perf_counter()

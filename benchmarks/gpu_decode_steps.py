@@ -16,29 +16,25 @@ kernel (``torch.backends.cuda.enable_cudnn_sdp(False)``), leaving flash and memo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
 from typing import Any
 
-from gpu_check import QUESTION, _random_model_folder, _sync
+from gpu_check import _random_model_folder, _sync, answer_pair
 
 
 def _cases(loaded: Any, length: int) -> dict[str, tuple[list[Any], Any]]:
     from elm_memory.backends.base import PromptInput, SamplingParams
     from elm_memory.config import ELMConfig
     from elm_memory.models.prompting import PromptBuilder
-    from elm_memory.training.initialization import question_init
 
     cfg = ELMConfig()
     prompts = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)
-    plain = prompts.answer_prompt(QUESTION, memory_tokens=0)
-    with_memory = prompts.answer_prompt(QUESTION, memory_tokens=cfg.memory.num_tokens)
-    soft = question_init(loaded, QUESTION, cfg.memory.num_tokens, cfg.memory.init, 0).cpu()
-    p0 = PromptInput(tuple(plain.token_ids))
-    shorter = PromptInput(tuple(plain.token_ids[:-3]))
-    p1 = PromptInput(tuple(with_memory.token_ids), soft_prompt=soft, soft_prompt_at=with_memory.memory_at)
-    seeded = PromptInput(p1.token_ids, soft_prompt=soft, soft_prompt_at=with_memory.memory_at, seed=1)
+    p0, p1 = answer_pair(cfg, loaded, prompts)
+    seeded = dataclasses.replace(p1, seed=1)
+    shorter = PromptInput(p0.token_ids[:-3])
     greedy = SamplingParams(max_new_tokens=length)
     return {
         "greedy, 1 prompt": ([p0], greedy),

@@ -120,14 +120,14 @@ def test_a_cpu_soft_prompt_scores_on_the_gpu_as_on_the_cpu(on_cuda, on_cpu):
     """A memory loaded from the store lives on the CPU; the GPU backend must move it, not fail."""
     ids, at = _prompt(on_cpu, k=5)
     soft = _soft_prompt(on_cpu)
-    cpu = HFBackend(on_cpu)
+    cpu, gpu = HFBackend(on_cpu), HFBackend(on_cuda)
     prompt = PromptInput(ids, soft_prompt=soft, soft_prompt_at=at)
     [[greedy]] = cpu.generate([prompt], SamplingParams(max_new_tokens=12))
     assert len(greedy.token_ids) > 0
-    [on_gpu] = HFBackend(on_cuda).token_logprobs(prompt, [greedy.token_ids])
+    [on_gpu] = gpu.token_logprobs(prompt, [greedy.token_ids])
     [reference] = cpu.token_logprobs(prompt, [greedy.token_ids])
     assert torch.allclose(torch.tensor(on_gpu), torch.tensor(reference), atol=1e-4)
-    [bare] = HFBackend(on_cuda).token_logprobs(PromptInput(ids), [greedy.token_ids])
+    [bare] = gpu.token_logprobs(PromptInput(ids), [greedy.token_ids])
     assert not torch.allclose(torch.tensor(bare), torch.tensor(on_gpu), atol=1e-3)  # the soft prompt was used
 
 
@@ -186,7 +186,8 @@ def test_a_memory_trained_on_the_gpu_equals_the_cpus_and_reloads(on_cuda, on_cpu
         # whose gradient is rounding noise moves either way on the two devices. LoRA has such
         # elements (B starts at zero, and A's first gradient comes from B's first step): allow a
         # few, parted by no more than AdamW can move an element in S steps.
-        assert apart.float().mean().item() <= 0.01, f"{name}: {apart.float().mean().item():.4f} of elements apart"
+        share = apart.float().mean().item()
+        assert share <= 0.01, f"{name}: {share:.4f} of elements apart"
         assert (tensor - cpu_tensors[name]).abs().max().item() <= 4 * lr * steps, name
     assert gpu.meta.stats.answers == cpu.meta.stats.answers
     assert not all(gpu.meta.stats.skipped_backward)  # the scripted rewards differ: it really trained
