@@ -145,6 +145,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto", help="auto (the GPU when there is one) or cpu")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    ap.add_argument("--decode-graphs", default="auto", help="backend.decode_graphs: auto, on, off or static")
     args = ap.parse_args()
     if not (args.config_dir / "config.json").is_file():
         raise SystemExit(f"{args.config_dir} has no config.json")
@@ -165,7 +166,7 @@ def main() -> None:
     folder = _random_model_folder(args.config_dir, placement.dtype)
     loaded = load_model(ELMConfig.load(overrides={"model": {**model_cfg, "name_or_path": str(folder)}}).model)
     setup_s = time.perf_counter() - t0
-    backend = HFBackend(loaded)
+    backend = HFBackend(loaded, decode_graphs=args.decode_graphs)
     gpu = torch.cuda.get_device_name(0) if loaded.info.device.startswith("cuda") else None
     result: dict[str, Any] = {
         "what": "the default model's architecture with random weights; rollouts and answers run to the cap",
@@ -177,6 +178,7 @@ def main() -> None:
         "platform": platform.platform(),
         "architecture": {k: getattr(loaded.info, k) for k in ("model_type", "hidden_size", "num_layers", "vocab_size")},
         "setup_seconds": round(setup_s, 1),
+        "decode_graphs": args.decode_graphs,
         "learn": [],
         "answer": [],
     }
@@ -190,10 +192,12 @@ def main() -> None:
             }
         )
         prompts = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)
-        if not result["learn"]:  # warm-up: kernels and allocator, not timed
-            short = cfg.training.model_copy(update={"steps": 1, "max_completion_length": 8})
-            warm = cfg.model_copy(update={"training": short})
-            _learn(warm, loaded, backend, prompts)
+        # warm-up, not timed: kernels, the allocator and (captured steps) each shape bucket this run meets
+        short = cfg.training.model_copy(update={"steps": 1})
+        warm_s = time.perf_counter()
+        _learn(cfg.model_copy(update={"training": short}), loaded, backend, prompts)
+        _answer(cfg, loaded, backend, prompts, length)
+        result.setdefault("warm_up_seconds", []).append(round(time.perf_counter() - warm_s, 1))
         learned = _learn(cfg, loaded, backend, prompts)
         result["learn"].append(learned)
         print(json.dumps({"learn": learned}), flush=True)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 import pytest
 import torch
@@ -213,3 +213,61 @@ def test_real_rollouts_train_a_memory_on_the_gpu(on_cuda):
     memory = learn_memory(QUESTION, config=cfg, loaded=on_cuda, backend=HFBackend(on_cuda), prompts=prompts)
     assert memory.soft_prompt.device.type == "cpu" and torch.isfinite(memory.soft_prompt).all()
     assert memory.meta.stats.completion_tokens > 0
+
+
+@pytest.fixture(scope="module")
+def on_cuda_fp32(model_dir) -> LoadedModel:
+    return _load(model_dir, "cuda")
+
+
+def _tokens(out: list[list[Any]]) -> list[list[list[int]]]:
+    return [[list(g.token_ids) for g in gens] for gens in out]
+
+
+def test_captured_steps_give_the_plain_loops_tokens_through_the_backend(on_cuda_fp32):
+    """CUDA graphs (backend.decode_graphs=on) against the plain loop in float32: ELM's greedy answer pair
+    (zero-shot + soft prompt, stop at the boxed answer) and 8 seeded rollouts, each twice (the second
+    call replays what the first captured)."""
+    loaded = on_cuda_fp32
+    ids, at = _prompt(loaded, k=5)
+    prompts = [PromptInput(_prompt(loaded)[0]), PromptInput(ids, soft_prompt=_soft_prompt(loaded), soft_prompt_at=at)]
+    plain, graphs = HFBackend(loaded, decode_graphs="off"), HFBackend(loaded, decode_graphs="on")
+    for params in (
+        SamplingParams(max_new_tokens=40, stop_at_answer=True),
+        SamplingParams(max_new_tokens=40, temperature=0.8, n=8, seed=5, stop_at_answer=True),
+    ):
+        for _ in range(2):
+            assert _tokens(graphs.generate(prompts, params)) == _tokens(plain.generate(prompts, params))
+    assert graphs._captured is not None and graphs._captured.compiled and graphs._captured.buckets_seen
+
+
+def test_captured_steps_keep_seeded_draws_while_rows_finish_in_place_and_with_a_prefix(on_cuda_fp32):
+    """Rows stop at different steps (finished rows stay masked in their bucket, live ones move to a
+    smaller one) and a prefix memory starts the cache: the same tokens as the plain loop."""
+    from elm_memory.backends.captured import CapturedSteps
+    from elm_memory.backends.decode import DecodeOptions, sample
+    from elm_memory.memories.prefix import question_prefix
+
+    loaded = on_cuda_fp32
+    ids, _ = _prompt(loaded)
+    input_ids = torch.tensor([ids], device="cuda")
+    mask = torch.ones_like(input_ids)
+    lengths = [2, 30, 3, 5, 2, 9, 4, 30]
+    steps = CapturedSteps(loaded.model, compile=True, max_rows=8, max_cache_len=1024)
+
+    def run(captured: CapturedSteps | None, memory: Any = None) -> list[tuple[list[int], str]]:
+        return sample(
+            loaded.model,
+            mask,
+            DecodeOptions(30, temperature=0.8, n=8),
+            input_ids=input_ids,
+            generators=[torch.Generator(device="cuda").manual_seed(7)],
+            should_stop=lambda row, tokens, tok: len(tokens) >= lengths[row],
+            captured=captured,
+            memory=memory,
+        )
+
+    assert run(steps) == run(None)
+    assert [b for b, _ in steps.buckets_seen] == [8, 2]
+    prefix = question_prefix(loaded, ids, 4)
+    assert run(steps, prefix) == run(None, prefix)

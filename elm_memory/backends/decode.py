@@ -40,6 +40,7 @@ from elm_memory.memories.base import AppliedMemory
 from elm_memory.models.logits import last_positions
 
 if TYPE_CHECKING:
+    from elm_memory.backends.captured import CapturedSteps
     from elm_memory.memories.base import MemoryAdapter
 
 
@@ -68,6 +69,7 @@ def sample(
     memory: MemoryAdapter | None = None,
     prompt_tokens: Sequence[Sequence[int]] | None = None,
     earlier_outputs: Sequence[Sequence[Sequence[int]]] = (),
+    captured: CapturedSteps | None = None,
 ) -> list[tuple[list[int], str]]:
     """Generate ``options.n`` continuations of each left-padded prompt in the batch.
 
@@ -86,6 +88,10 @@ def sample(
     ``earlier_outputs[i]`` (outputs generated before for that prompt) seed the lookup.
     Greedy rows keep their tokens (up to bf16 rounding: a forward of several tokens rounds
     differently); sampled rows keep their distribution, not their draws.
+
+    ``captured``: decode steps on a static KV cache, compiled once per shape bucket
+    (:mod:`elm_memory.backends.captured`); the prefill and every token choice stay the ones here.
+    A LoRA memory (forward hooks) or lookup drafts take this loop instead.
     """
     inputs = input_ids if input_ids is not None else inputs_embeds
     assert inputs is not None, "pass input_ids or inputs_embeds"
@@ -107,6 +113,7 @@ def sample(
             should_stop,
             prompt_tokens,
             earlier_outputs,
+            captured if memory is None or memory.kind != "lora" else None,
         )
 
 
@@ -122,6 +129,7 @@ def _sample(
     should_stop: Callable[[int, list[int], int], bool] | None,
     prompt_tokens: Sequence[Sequence[int]] | None = None,
     earlier_outputs: Sequence[Sequence[Sequence[int]]] = (),
+    captured: CapturedSteps | None = None,
 ) -> list[tuple[list[int], str]]:
     """:func:`sample` under an applied memory (whose cache, if any, already holds a prefix)."""
     inputs = input_ids if input_ids is not None else inputs_embeds
@@ -166,6 +174,10 @@ def _sample(
         return _decode_lookup(
             model, cache, logits, mask, positions, row_prompt, per_prompt, drafter, eos, generators, should_stop
         )
+    if captured is not None:
+        done = captured.decode(cache, logits, mask, positions, row_prompt, per_prompt, eos, generators, should_stop)
+        if done is not None:  # None: no bucket fits this call (logged once); the plain loop below decodes it
+            return done
     rows = len(row_prompt)
     limit = [per_prompt[p].max_new_tokens for p in row_prompt]
     eos_set = set(eos.tolist())
@@ -386,7 +398,8 @@ def _pick_rows(
         probs = _nucleus(probs, options.top_p)
     if generators is None:
         return torch.multinomial(probs, 1).squeeze(1)
-    u = torch.zeros(probs.shape[0], dtype=torch.float64)
+    # the draws stay on the logits' device: a copy to the host per prompt would wait for the GPU each step
+    u = torch.zeros(probs.shape[0], dtype=torch.float64, device=probs.device)
     by_prompt: dict[int, list[int]] = {}
     for b, row in enumerate(live):
         if alive[b]:
@@ -394,7 +407,12 @@ def _pick_rows(
     for prompt, batch_rows in by_prompt.items():
         gen = generators[prompt]
         device = gen.device if gen is not None else "cpu"
-        u[batch_rows] = torch.rand(len(batch_rows), generator=gen, dtype=torch.float64, device=device).cpu()
+        draws = torch.rand(len(batch_rows), generator=gen, dtype=torch.float64, device=device).to(u.device)
+        first, last = batch_rows[0], batch_rows[-1]
+        if last - first + 1 == len(batch_rows):  # a prompt's live rows sit together unless some finished in place
+            u[first : last + 1] = draws
+        else:
+            u[torch.tensor(batch_rows, device=u.device)] = draws
     return _inverse_cdf(probs, u)
 
 

@@ -21,6 +21,7 @@ global generator is used.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from typing import Any
 
@@ -36,12 +37,16 @@ from elm_memory.backends.base import (
     sampling_seed,
     to_prompt_input,
 )
+from elm_memory.backends.captured import CapturedSteps, unsupported_reason
 from elm_memory.backends.decode import DecodeOptions
 from elm_memory.backends.lookup import RecentOutputs
 from elm_memory.backends.postprocess import answer_closed_after, eos_ids_of, finish_generation
 from elm_memory.errors import ConfigError
 from elm_memory.models.loading import LoadedModel
 from elm_memory.models.teacher_forcing import completion_logprobs
+
+
+log = logging.getLogger(__name__)
 
 
 class _StopAtAnswer:
@@ -81,7 +86,10 @@ class HFBackend:
         share_prompt_kv: bool = True,
         drop_finished: bool = True,
         lookup_draft_tokens: int = 0,
+        decode_graphs: str = "auto",
     ):
+        if decode_graphs not in ("auto", "on", "off", "static"):
+            raise ValueError(f"decode_graphs must be auto, on, off or static, not {decode_graphs!r}")
         if decode_loop == "generate" and lookup_draft_tokens > 0:
             raise ValueError("lookup_draft_tokens needs decode_loop='elm'; transformers' generate has no lookup drafts")
         self.loaded = loaded
@@ -98,6 +106,9 @@ class HFBackend:
         self.device = torch.device(loaded.info.device)
         self.eos_ids: list[int] = eos_ids_of(self.model.generation_config.eos_token_id, self.tokenizer)
         self.pad_id: int = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_ids[0]
+        self.decode_graphs = decode_graphs
+        self._captured: CapturedSteps | None = None
+        self._captured_mode = self._resolve_graphs(decode_graphs)
 
     @classmethod
     def from_config(cls, cfg: Any, loaded: LoadedModel | None = None) -> HFBackend:
@@ -111,6 +122,7 @@ class HFBackend:
             share_prompt_kv=b.share_prompt_kv,
             drop_finished=b.drop_finished,
             lookup_draft_tokens=b.lookup_draft_tokens,
+            decode_graphs=b.decode_graphs,
         )
 
     # -- public --------------------------------------------------------------------
@@ -276,7 +288,7 @@ class HFBackend:
         """:func:`decode.sample` on ``batch`` (``rows[i]`` rows for prompt i); with lookup drafts, seeded
         with what was generated before for the same prompt texts, and remembering what it generates."""
         if not self.lookup_draft_tokens:
-            return decode.sample(self.model, mask, options, **kwargs)
+            return decode.sample(self.model, mask, options, captured=self._captured_steps(), **kwargs)
         prompts = [p.token_ids for p in batch]
         decoded = decode.sample(
             self.model, mask, options, prompt_tokens=prompts, earlier_outputs=self.recent.get(prompts), **kwargs
@@ -286,6 +298,35 @@ class HFBackend:
             self.recent.add(prompt, [tokens for tokens, _ in decoded[row : row + n]])
             row += n
         return decoded
+
+    def _resolve_graphs(self, setting: str) -> str:
+        """``compile``, ``static`` or ``off``: what ``backend.decode_graphs`` means for this model and device."""
+        mode = {"on": "compile", "static": "static", "off": "off"}.get(setting)
+        if mode is None:  # auto: CUDA graphs pay on a GPU; on a CPU no measurement has shown a gain yet
+            mode = "compile" if self.device.type == "cuda" else "off"
+        if mode == "off" or self.decode_loop != "elm":
+            return "off"
+        if self.lookup_draft_tokens:
+            log.info("backend.decode_graphs: lookup drafts decode several tokens a step; using the plain loop")
+            return "off"
+        reason = unsupported_reason(self.model)
+        if reason is not None:
+            log.info("backend.decode_graphs: %s; using the plain loop", reason)
+            return "off"
+        return mode
+
+    def _captured_steps(self) -> CapturedSteps | None:
+        """The captured decode steps, made on first use (compiling happens per bucket, on its first call)."""
+        if self._captured_mode == "off":
+            return None
+        if self._captured is None:
+            self._captured = CapturedSteps(
+                self.model,
+                compile=self._captured_mode == "compile",
+                max_rows=self.batch_size,
+                max_cache_len=self.info.max_context,
+            )
+        return self._captured
 
     def _decode_options(self, params: SamplingParams) -> DecodeOptions:
         return DecodeOptions(

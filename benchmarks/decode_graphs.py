@@ -1,0 +1,154 @@
+"""Decode steps of the HF backend: the plain loop against captured steps, in milliseconds per step.
+
+The default model's architecture with random weights (as ``gpu_check``: the packaged weights cannot
+travel to a lent GPU), so every row decodes to its cap. Cases, each through ``HFBackend.generate``
+with what the answer and rollout paths use (a soft prompt, per-prompt seeds, stop-at-answer):
+
+- ``rollouts x8``: one prompt with a 20-vector soft prompt, 8 seeded samples (a GRPO group);
+- ``rollouts x64``: eight such prompts, 8 samples each;
+- ``answer pair``: ELM's greedy zero-shot + memory prompts.
+
+A step's cost is ``(t(steps + 8) - t(8)) / steps``: prefill and per-call work cancel out. The first
+call per case and path is timed apart (``first_call_s``: it compiles each bucket on the captured path).
+
+    python -m benchmarks.decode_graphs --config-dir DIR --out decode_graphs.json
+    python -m benchmarks.decode_graphs --config-dir DIR --paths off,static --device cpu --steps 16  # any machine
+
+``DIR`` holds the model's ``config.json`` and tokenizer files. Run it on a GPU beside
+``hf_decode_limits.py`` (the reference rows) in the same process run of the machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Any
+
+PROMPT_TOKENS = 128
+SOFT_TOKENS = 20
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _cases(loaded: Any, steps: int) -> dict[str, tuple[list[Any], Any]]:
+    import torch
+
+    from elm_memory.backends.base import PromptInput, SamplingParams
+
+    g = torch.Generator().manual_seed(0)
+    hidden = loaded.info.hidden_size
+    embed = loaded.model.get_input_embeddings().weight
+
+    def prompt(i: int) -> Any:
+        ids = torch.randint(100, min(loaded.info.vocab_size, 30000), (PROMPT_TOKENS,), generator=g).tolist()
+        soft = (torch.randn(SOFT_TOKENS, hidden, generator=g) * float(embed.float().std())).to(embed.dtype)
+        return PromptInput(tuple(ids), soft_prompt=soft, soft_prompt_at=8, seed=100 + i)
+
+    sampled = SamplingParams(max_new_tokens=steps, temperature=0.8, n=8, seed=1, stop_at_answer=True)
+    greedy = SamplingParams(max_new_tokens=steps, stop_at_answer=True)
+    plain = PromptInput(tuple(prompt(99).token_ids))
+    return {
+        "rollouts x8": ([prompt(0)], sampled),
+        "rollouts x64": ([prompt(i) for i in range(8)], sampled),
+        "answer pair": ([plain, prompt(1)], greedy),
+    }
+
+
+def _timed(backend: Any, prompts: list[Any], params: Any) -> float:
+    _sync()
+    t0 = time.perf_counter()
+    backend.generate(prompts, params)
+    _sync()
+    return time.perf_counter() - t0
+
+
+def _measure(backend: Any, prompts: list[Any], params: Any, steps: int, repeats: int) -> dict[str, Any]:
+    import dataclasses
+
+    long = dataclasses.replace(params, max_new_tokens=steps + 8)
+    short = dataclasses.replace(params, max_new_tokens=8)
+    first = _timed(backend, prompts, long)  # compiles the captured path's buckets for this case
+    _timed(backend, prompts, short)
+    per_step = []
+    for _ in range(repeats):
+        t_long, t_short = _timed(backend, prompts, long), _timed(backend, prompts, short)
+        per_step.append(round(1000 * (t_long - t_short) / steps, 3))
+    return {"ms_per_step": min(per_step), "all_ms_per_step": per_step, "first_call_s": round(first, 2)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config-dir", type=Path, required=True, help="the model's config.json and tokenizer files")
+    ap.add_argument("--paths", default="off,on", help="backend.decode_graphs values to compare (off,on,static)")
+    ap.add_argument("--cases", default="rollouts x8,rollouts x64,answer pair")
+    ap.add_argument("--steps", type=int, default=128, help="decode steps timed per call")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--dtype", default="auto")
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    paths = args.paths.split(",")
+    if bad := [p for p in paths if p not in ("off", "on", "static", "auto")]:
+        raise SystemExit(f"--paths: unknown {bad}; choose from off, on, static, auto")
+    if not (args.config_dir / "config.json").is_file():
+        raise SystemExit(f"{args.config_dir} has no config.json")
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    import torch
+    import transformers
+
+    from benchmarks.gpu_check import _random_model_folder
+    from elm_memory.backends.hf import HFBackend
+    from elm_memory.config import ELMConfig
+    from elm_memory.hardware import resolve_placement
+    from elm_memory.models.loading import load_model
+
+    model_cfg = {"device": args.device, "dtype": args.dtype}
+    placement = resolve_placement(ELMConfig.load(overrides={"model": model_cfg}).model)
+    folder = _random_model_folder(args.config_dir, placement.dtype)
+    loaded = load_model(ELMConfig.load(overrides={"model": {**model_cfg, "name_or_path": str(folder)}}).model)
+    cases = _cases(loaded, args.steps)
+    wanted = args.cases.split(",")
+    if bad := [c for c in wanted if c not in cases]:
+        raise SystemExit(f"--cases: unknown {bad}; choose from {', '.join(cases)}")
+    result: dict[str, Any] = {
+        "what": "ms per decode step through HFBackend.generate; random weights, every row runs to the cap",
+        "device": torch.cuda.get_device_name(0) if loaded.info.device.startswith("cuda") else platform.processor(),
+        "placement": placement.to_dict(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "steps": args.steps,
+        "prompt_tokens": PROMPT_TOKENS,
+        "soft_prompt_tokens": SOFT_TOKENS,
+        "cases": {},
+    }
+    for path in paths:
+        backend = HFBackend(loaded, decode_graphs=path)
+        for name in wanted:
+            prompts, params = cases[name]
+            row = _measure(backend, prompts, params, args.steps, args.repeats)
+            if backend._captured is not None:
+                row["buckets"] = backend._captured.buckets_seen
+            result["cases"].setdefault(name, {})[path] = row
+            print(json.dumps({"case": name, "path": path, **row}), flush=True)
+            if args.out:
+                args.out.write_text(json.dumps(result, indent=2) + "\n")
+    for name, by_path in result["cases"].items():
+        if "off" in by_path and "on" in by_path:
+            by_path["speedup_on_vs_off"] = round(by_path["off"]["ms_per_step"] / by_path["on"]["ms_per_step"], 2)
+    print(json.dumps(result["cases"]), flush=True)
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,223 @@
+"""Captured decode steps: a static KV cache and one compiled step per shape bucket.
+
+A 0.5B model's decode step is a few hundred small kernels. The plain loop
+(:mod:`elm_memory.backends.decode`) issues them one by one from Python, so on a GPU a step costs
+what the host takes to launch them, far above what the GPU takes to run them. Here the step runs
+on a static KV cache (``transformers.StaticCache``: fixed shapes, fixed addresses) through
+``torch.compile``; on CUDA with ``mode="reduce-overhead"``, so each step replays a captured CUDA
+graph. On a CPU the same compiled step only fuses kernels (no graphs).
+
+What stays the plain loop's: the prefill (soft prompts, a prefix memory's cache, one prefill per
+prompt shared by its rows), every token choice (:func:`decode._pick`, the same per-prompt
+generators drawing the same numbers), stop-at-answer and EOS. What changes:
+
+- **Buckets.** A compiled step exists per (batch rows, cache length) pair. Rows are padded up to
+  a power of two (at most ``max_rows``) and the cache length up to a power of two of at least 256
+  tokens, so a stream compiles a handful of shapes per process, not one per call. A call that fits
+  no bucket (longer than ``max_cache_len``) is decoded by the plain loop, with one log line.
+- **Finished rows stay in place, masked**, instead of leaving the batch (a shape change would mean
+  another compiled step); once the live rows fit a bucket a quarter of the size, they move to it.
+- **The attention mask is built here**, one boolean row per sequence over the whole cache, and
+  given to the model ready-made, so no mask logic runs inside the compiled step.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+if TYPE_CHECKING:
+    from elm_memory.backends.decode import DecodeOptions
+
+log = logging.getLogger(__name__)
+
+MIN_CACHE_LEN = 256
+SHRINK_FACTOR = 4  # move live rows to a smaller bucket once they fit one this many times smaller
+
+
+def _bucket(n: int, smallest: int = 1) -> int:
+    size = smallest
+    while size < n:
+        size *= 2
+    return size
+
+
+def unsupported_reason(model: torch.nn.Module) -> str | None:
+    """Why this model cannot take captured steps (None: it can)."""
+    config = getattr(model, "config", None)
+    if config is None:
+        return "the model has no config"
+    impl = getattr(config, "_attn_implementation", None)
+    if impl not in ("sdpa", "eager"):
+        return f"attention implementation {impl!r} (captured steps build masks for sdpa and eager)"
+    if any(t != "full_attention" for t in getattr(config, "layer_types", None) or ["full_attention"]):
+        return "the model has sliding-window layers"
+    try:
+        from transformers import StaticCache
+        from transformers.cache_utils import StaticLayer
+    except ImportError:  # pragma: no cover - transformers without a static cache
+        return "this transformers version has no StaticCache"
+    if not hasattr(StaticLayer, "lazy_initialization"):
+        return "this transformers version's StaticLayer has no lazy_initialization"
+    del StaticCache
+    return None
+
+
+class CapturedSteps:
+    """Decode steps for one model on static caches, compiled once per shape bucket.
+
+    ``compile``: run the step through ``torch.compile`` (``reduce-overhead``: CUDA graphs on a GPU;
+    inductor kernels on a CPU). Without it the step runs eagerly on the same static cache, the
+    same buckets and masks: what the tests compare against the plain loop on any machine.
+    """
+
+    def __init__(self, model: torch.nn.Module, *, compile: bool, max_rows: int, max_cache_len: int):
+        reason = unsupported_reason(model)
+        if reason is not None:
+            raise ValueError(f"captured decode steps cannot run this model: {reason}")
+        self.model = model
+        self.max_rows = _bucket(max_rows)
+        self.max_cache_len = max_cache_len
+        self.compiled = compile
+        self._additive = model.config._attn_implementation == "eager"  # type: ignore[union-attr]
+        self._caches: dict[tuple[int, int], Any] = {}
+        self._logged: set[str] = set()
+        self.buckets_seen: list[tuple[int, int]] = []  # (rows, cache length) of each bucket met, in order
+        self._step: Callable[..., torch.Tensor] = self._forward
+        if compile:
+            import torch._dynamo
+
+            # one compiled step per bucket: allow every bucket this runner can meet
+            buckets = (self.max_rows.bit_length()) * (max(1, (max_cache_len // MIN_CACHE_LEN)).bit_length() + 1)
+            limit = max(int(getattr(torch._dynamo.config, "recompile_limit", 8)), buckets + 8)
+            torch._dynamo.config.recompile_limit = limit
+            on_gpu = next(model.parameters()).device.type == "cuda"
+            self._step = torch.compile(
+                self._forward, mode="reduce-overhead" if on_gpu else None, fullgraph=True, dynamic=False
+            )
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        if self._additive:  # the eager attention adds its mask; sdpa takes the boolean one as it is
+            dtype = next(self.model.parameters()).dtype
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+                ~mask, torch.finfo(dtype).min
+            )
+        out = self.model(
+            input_ids=ids,
+            position_ids=positions,
+            attention_mask=mask,  # 4D: transformers takes a ready mask as it is
+            past_key_values=cache,
+            use_cache=True,
+        )
+        return out.logits[:, -1, :]
+
+    def _log_once(self, message: str) -> None:
+        if message not in self._logged:
+            self._logged.add(message)
+            log.info(message)
+
+    def _cache(self, rows: int, length: int, like: Any) -> Any:
+        """The static cache of a bucket, made once (its tensors' addresses are what a captured graph reads)."""
+        from transformers import StaticCache
+
+        key = (rows, length)
+        cache = self._caches.get(key)
+        if cache is None:
+            cache = StaticCache(config=self.model.config, max_cache_len=length)
+            for static, dynamic in zip(cache.layers, like.layers, strict=True):
+                k, v = dynamic.keys, dynamic.values
+                static.lazy_initialization(
+                    k.new_zeros(rows, k.shape[1], 1, k.shape[3]), v.new_zeros(rows, v.shape[1], 1, v.shape[3])
+                )
+            self._caches[key] = cache
+            self.buckets_seen.append(key)
+            if self.compiled:
+                self._log_once(f"captured decode: compiling the step for {rows} rows x {length} cache positions")
+        return cache
+
+    @staticmethod
+    def _fill(cache: Any, source: Any, rows: torch.Tensor | None, length: int) -> None:
+        """Copy the first ``length`` positions of ``source``'s layers (rows ``rows``, all if None) into ``cache``."""
+        for static, layer in zip(cache.layers, source.layers, strict=True):
+            k = layer.keys if rows is None else layer.keys.index_select(0, rows)
+            v = layer.values if rows is None else layer.values.index_select(0, rows)
+            static.keys[: k.shape[0], :, :length].copy_(k[:, :, :length])
+            static.values[: v.shape[0], :, :length].copy_(v[:, :, :length])
+            static.cumulative_length.fill_(length)
+
+    def decode(
+        self,
+        prefilled: Any,
+        logits: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        row_prompt: list[int],
+        per_prompt: list[DecodeOptions],
+        eos: torch.Tensor,
+        generators: Sequence[torch.Generator | None] | None,
+        should_stop: Callable[[int, list[int], int], bool] | None,
+    ) -> list[tuple[list[int], str]] | None:
+        """The decode loop after a prefill (``prefilled``: its dynamic cache, one row per output row;
+        ``logits``: the prefill's last-position logits; ``mask`` (rows, T0) and ``positions`` as the
+        plain loop holds them). None when no bucket fits: the caller decodes with the plain loop."""
+        from elm_memory.backends.decode import _append, _pick
+
+        rows, prompt_len = mask.shape
+        limit = [per_prompt[p].max_new_tokens for p in row_prompt]
+        length = _bucket(prompt_len + max(limit), MIN_CACHE_LEN)
+        if rows > self.max_rows or length > self.max_cache_len:
+            self._log_once(
+                f"captured decode: {rows} rows x {prompt_len + max(limit)} positions fit no bucket "
+                f"(at most {self.max_rows} rows x {self.max_cache_len}); decoding this call with the plain loop"
+            )
+            return None
+        device = logits.device
+        width = _bucket(rows)
+        cache = self._cache(width, length, prefilled)
+        self._fill(cache, prefilled, None, prompt_len)
+        attend = torch.zeros(width, 1, 1, length, dtype=torch.bool, device=device)
+        attend[:rows, 0, 0, :prompt_len] = mask.bool()
+        attend[rows:, 0, 0, 0] = True  # padding rows attend to one position: no row is all masked
+        next_pos = torch.zeros(width, 1, dtype=torch.long, device=device)
+        next_pos[:rows, 0] = positions[:, -1] + 1
+        ids = torch.zeros(width, 1, dtype=torch.long, device=device)
+
+        eos_set = set(eos.tolist())
+        options = per_prompt[0]
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        reasons = ["length"] * rows
+        live = list(range(rows))  # the output row at each batch position (padding rows excluded)
+        alive = [True] * rows
+        written = prompt_len  # cache positions written so far (the next step writes here)
+        for _ in range(max(limit)):
+            picked = _pick(logits[: len(live)], live, alive, row_prompt, per_prompt, generators)
+            for b, tok in enumerate(picked.tolist()):
+                if alive[b]:
+                    alive[b] = _append(live[b], tok, tokens, reasons, limit, eos_set, should_stop)
+            if not any(alive):
+                break
+            if options.drop_finished and width > 1:
+                smaller = _bucket(sum(alive))
+                if smaller * SHRINK_FACTOR <= width:  # move the live rows to a smaller bucket
+                    keep = torch.tensor([b for b, a in enumerate(alive) if a], device=device)
+                    old = cache
+                    cache = self._cache(smaller, length, prefilled)
+                    self._fill(cache, old, keep, written)
+                    pad = smaller - len(keep)
+                    attend = torch.cat([attend.index_select(0, keep), attend.new_zeros(pad, 1, 1, length)], 0)
+                    attend[len(keep) :, 0, 0, 0] = True
+                    next_pos = torch.cat([next_pos.index_select(0, keep), next_pos.new_zeros(pad, 1)], 0)
+                    picked = picked.index_select(0, keep)
+                    live, alive, width = [live[b] for b in keep.tolist()], [True] * len(keep), smaller
+                    ids = torch.zeros(width, 1, dtype=torch.long, device=device)
+            ids[: picked.shape[0], 0] = picked
+            attend[:, 0, 0, written] = True
+            if self.compiled and device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = self._step(ids, next_pos, attend, cache)
+            next_pos += 1
+            written += 1
+        return list(zip(tokens, reasons, strict=True))

@@ -1,0 +1,161 @@
+"""Captured decode steps (elm_memory/backends/captured.py) give the plain loop's tokens.
+
+On real SmolLM2 fp32 weights, the static cache, buckets and masks run uncompiled here
+(``compile=False``): the same code the compiled step runs, minus the compiler. One slow test compiles
+the step with inductor on the CPU; ``tests/test_cuda.py`` compiles it to CUDA graphs on a GPU.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+from elm_memory.backends.base import PromptInput, SamplingParams
+from elm_memory.backends.captured import CapturedSteps
+from elm_memory.backends.decode import DecodeOptions, sample
+from elm_memory.backends.hf import HFBackend
+from elm_memory.memories.lora import LoraAdapter, target_linears
+from elm_memory.memories.prefix import question_prefix
+from elm_memory.models.prompting import PromptBuilder
+
+pytestmark = pytest.mark.model
+QUESTIONS = ("What is 2+3?", "Tom has 3 apples and buys 4 more. How many apples does he have now?")
+
+
+@pytest.fixture(scope="module")
+def batch(smol):
+    pb = PromptBuilder(smol.tokenizer)
+    ids = [list(pb.build(q).token_ids) for q in QUESTIONS]
+    width = max(map(len, ids))
+    input_ids = torch.tensor([[0] * (width - len(x)) + x for x in ids])  # left-padded: rows differ in length
+    mask = torch.tensor([[0] * (width - len(x)) + [1] * len(x) for x in ids])
+    return ids, input_ids, mask
+
+
+def _steps(loaded, **kw):
+    return CapturedSteps(loaded.model, compile=False, max_rows=kw.pop("max_rows", 64), max_cache_len=kw.pop("L", 2048))
+
+
+def _stop_after(lengths):
+    """Row r stops (reason "answer") after lengths[r] tokens: rows end at different steps."""
+    return lambda row, tokens, tok: len(tokens) >= lengths[row]
+
+
+def _both(loaded, mask, options, captured, seeds=None, **kw):
+    """The plain loop's rows and the captured steps' rows for the same call (fresh generators each)."""
+    out = []
+    for steps in (None, captured):
+        if seeds is not None:
+            kw["generators"] = [torch.Generator().manual_seed(s) for s in seeds]
+        out.append(sample(loaded.model, mask, options, captured=steps, **kw))
+    return out[0], out[1]
+
+
+@pytest.mark.parametrize("share, drop", [(True, True), (False, False), (True, False)])
+def test_greedy_tokens_equal_the_plain_loops(smol, batch, share, drop):
+    _, input_ids, mask = batch
+    captured = _steps(smol)
+    plain, fast = _both(
+        smol, mask, DecodeOptions(20, share_prompt_kv=share, drop_finished=drop), captured, input_ids=input_ids
+    )
+    assert fast == plain and all(len(t) == 20 for t, _ in fast)
+    assert captured.buckets_seen == [(2, 256)]  # 2 rows; prompt + 20 tokens fit the smallest cache
+
+
+def test_seeded_samples_equal_the_plain_loops_while_rows_finish_and_move_to_smaller_buckets(smol, batch):
+    """8 sampled rows per prompt (16 rows); rows stop at different steps, finished rows stay masked in
+    place and the live ones move down to a bucket four times smaller: every draw is the plain loop's."""
+    _, input_ids, mask = batch
+    lengths = [3, 30, 5, 7, 2, 9, 4, 6, 30, 3, 8, 2, 5, 4, 6, 3]
+    captured = _steps(smol)
+    plain, fast = _both(
+        smol,
+        mask,
+        DecodeOptions(30, temperature=0.8, n=8),
+        captured,
+        input_ids=input_ids,
+        seeds=(11, 12),
+        should_stop=_stop_after(lengths),
+    )
+    assert fast == plain
+    assert [len(t) for t, _ in fast] == lengths and {r for _, r in fast} == {"answer"}
+    assert [b for b, _ in captured.buckets_seen] == [16, 4]  # 16 rows; once 4 are live, a bucket of 4
+
+
+def test_a_soft_prompt_in_the_prefill_decodes_as_in_the_plain_loop(smol, batch):
+    ids, _, mask = batch
+    embed = smol.model.get_input_embeddings()
+    torch.manual_seed(0)
+    soft = torch.randn(5, embed.weight.shape[1]) * embed.weight.std()
+    rows = [torch.cat([soft, embed(torch.tensor(x))]) for x in ids]
+    width = max(r.shape[0] for r in rows)
+    embeds = torch.zeros(len(rows), width, soft.shape[1])
+    full_mask = torch.zeros(len(rows), width, dtype=torch.long)
+    for i, r in enumerate(rows):
+        embeds[i, width - r.shape[0] :] = r
+        full_mask[i, width - r.shape[0] :] = 1
+    with torch.no_grad():
+        plain, fast = _both(smol, full_mask, DecodeOptions(16), _steps(smol), inputs_embeds=embeds)
+    assert fast == plain
+
+
+def test_a_prefix_memory_decodes_as_in_the_plain_loop_and_lora_takes_the_plain_loop(smol, batch):
+    ids, input_ids, mask = batch
+    prefix = question_prefix(smol, ids[0], 4)
+    captured = _steps(smol)
+    plain, fast = _both(smol, mask, DecodeOptions(12), captured, input_ids=input_ids, memory=prefix)
+    assert fast == plain and captured.buckets_seen
+
+    linears = target_linears(smol.model)
+    torch.manual_seed(1)
+    lora = LoraAdapter(
+        {n: (torch.randn(2, m.in_features) * 0.01, torch.randn(m.out_features, 2) * 0.01) for n, m in linears.items()},
+        alpha=4.0,
+    )
+    untouched = _steps(smol)
+    plain, fast = _both(smol, mask, DecodeOptions(12), untouched, input_ids=input_ids, memory=lora)
+    assert fast == plain and untouched.buckets_seen == []  # hooks run every forward: never captured
+
+
+def test_a_call_no_bucket_fits_is_decoded_by_the_plain_loop_with_one_log_line(smol, batch, caplog):
+    _, input_ids, mask = batch
+    captured = _steps(smol, L=128)  # no cache bucket is that short
+    with caplog.at_level(logging.INFO, logger="elm_memory.backends.captured"):
+        for _ in range(2):
+            out = sample(smol.model, mask, DecodeOptions(3), input_ids=input_ids, captured=captured)
+    assert captured.buckets_seen == [] and len(out) == 2
+    lines = [r for r in caplog.records if "fit no bucket" in r.getMessage()]
+    assert len(lines) == 1, "logged once per process, not per call"
+
+
+def test_the_backend_switch_resolves_per_device_and_refuses_unknown_values(smol):
+    assert HFBackend(smol)._captured_mode == "off"  # auto on a CPU
+    assert HFBackend(smol, decode_graphs="static")._captured_mode == "static"
+    assert HFBackend(smol, decode_graphs="on", lookup_draft_tokens=2)._captured_mode == "off"
+    with pytest.raises(ValueError, match="decode_graphs"):
+        HFBackend(smol, decode_graphs="yes")
+
+
+def test_the_backend_answers_and_rolls_out_the_same_through_captured_steps(smol):
+    """ELM's two paths end to end: a greedy answer pair (stop at the boxed answer) and 4 seeded rollouts."""
+    pb = PromptBuilder(smol.tokenizer)
+    prompt = PromptInput(pb.build(QUESTIONS[1]).token_ids)
+    plain, fast = HFBackend(smol, decode_graphs="off"), HFBackend(smol, decode_graphs="static")
+    for params in (
+        SamplingParams(max_new_tokens=24, stop_at_answer=True),
+        SamplingParams(max_new_tokens=24, temperature=0.8, n=4, seed=3, stop_at_answer=True),
+    ):
+        a, b = plain.generate([prompt, prompt], params), fast.generate([prompt, prompt], params)
+        assert [[g.token_ids for g in gens] for gens in a] == [[g.token_ids for g in gens] for gens in b]
+    assert fast._captured is not None and fast._captured.buckets_seen
+
+
+@pytest.mark.slow
+def test_the_step_compiled_with_inductor_on_the_cpu_keeps_greedy_tokens(smol, batch):
+    _, input_ids, mask = batch
+    captured = CapturedSteps(smol.model, compile=True, max_rows=8, max_cache_len=2048)
+    for _ in range(2):  # the second call replays what the first compiled
+        plain, fast = _both(smol, mask, DecodeOptions(12), captured, input_ids=input_ids)
+        assert fast == plain
