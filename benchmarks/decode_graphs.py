@@ -137,12 +137,12 @@ def main() -> None:
             prompts, params = cases[name]
             row = _measure(backend, prompts, params, args.steps, args.repeats)
             if backend._captured is not None:
-                row["buckets"] = backend._captured.buckets_seen
+                row["buckets_so_far"] = list(backend._captured.buckets_seen)  # this backend's, all cases so far
             result["cases"].setdefault(name, {})[path] = row
             print(json.dumps({"case": name, "path": path, **row}), flush=True)
             if args.out:
                 args.out.write_text(json.dumps(result, indent=2) + "\n")
-    for name, by_path in result["cases"].items():
+    for by_path in result["cases"].values():
         if "off" in by_path and "on" in by_path:
             by_path["speedup_on_vs_off"] = round(by_path["off"]["ms_per_step"] / by_path["on"]["ms_per_step"], 2)
     print(json.dumps(result["cases"]), flush=True)

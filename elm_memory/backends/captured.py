@@ -102,9 +102,7 @@ class CapturedSteps:
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
         if self._additive:  # the eager attention adds its mask; sdpa takes the boolean one as it is
             dtype = next(self.model.parameters()).dtype
-            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
-                ~mask, torch.finfo(dtype).min
-            )
+            mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
         out = self.model(
             input_ids=ids,
             position_ids=positions,

@@ -45,7 +45,6 @@ from elm_memory.errors import ConfigError
 from elm_memory.models.loading import LoadedModel
 from elm_memory.models.teacher_forcing import completion_logprobs
 
-
 log = logging.getLogger(__name__)
 
 
