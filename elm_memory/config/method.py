@@ -129,8 +129,8 @@ class TrainingConfig(ConfigSection):
         default="native",
         description=(
             "`native`: this library's loop (several memories train as one batch); `trl`: TRL's GRPOTrainer + "
-            "PEFT prompt tuning, the paper's implementation (same loss and hyperparameters, see the README); "
-            "or a plugin engine registered under `elm_memory.training_engines`."
+            "PEFT prompt tuning, the paper's implementation (same loss and hyperparameters); "
+            "or a plugin engine registered under `elm_memory.training_engines`. See docs/configuration.md."
         ),
     )
 
@@ -313,10 +313,8 @@ class VerifierConfig(ConfigSection):
             "retrieved, instead of in a call of their own after a disagreement. On a backend that batches calls "
             "(`hf`) extra rows cost little per decode step, so a disagreement needs no decode of its own; the "
             "rows are wasted when the answers agree. Drawn ahead, a sample is cut at the answers' budget "
-            "(`generation.max_new_tokens`, if shorter). Measured on `elm demo` (8 questions, 5 disagreements, "
-            "2-core AMX Xeon; benchmarks/results/consistency_presample.json): 1.26x self_certainty's wall time "
-            "with it, 1.57x without. Backends that do not batch calls (vLLM) sample after a disagreement "
-            "either way."
+            "(`generation.max_new_tokens`, if shorter). Backends that do not batch calls (vLLM) sample after "
+            "a disagreement either way. Measured cost: docs/results/synth60-self-certainty.md."
         ),
     )
     consistency_tie_samples: int = Field(
@@ -325,14 +323,9 @@ class VerifierConfig(ConfigSection):
         description=(
             "`consistency`: when both answers score the same (a tie keeps zero-shot whatever the memory answered), "
             "draw this many more samples in one call (seed + 1, up to `consistency_max_new_tokens`) and score on "
-            "all of them (adaptive consistency); 0: off. Only ties pay for it. Replayed with 8 on the three "
-            "60-question synth-arith consistency runs (benchmarks/results/tie_replay_synth60_cons.json): 41 of "
-            "their 98 disagreements tied; of the 16 ties where one answer was right, 13 were broken towards it, "
-            "3 stayed tied and none was broken towards the wrong one (ELM 58.9% -> 62.2%, +9/-1 -> +15/-1 "
-            "against zero-shot's 54.4%), but the rule was designed on those runs: on three held-out seeds "
-            "(5, 101, 202; tie_replay_synth60_cons_s5.json, tie_replay_synth60_cons_heldout.json) it broke "
-            "none towards the right answer and one towards the wrong one. Default 0: it did not hold up out "
-            "of sample, and each tie costs a sampling call (about 40 s on a 2-core CPU)."
+            "all of them (adaptive consistency); 0: off. Only ties pay for it: one sampling call each. Not "
+            "recommended: it helped on the runs it was designed on and not on held-out seeds "
+            "(docs/results/synth60-consistency.md)."
         ),
     )
     consistency_temperature: float = Field(
