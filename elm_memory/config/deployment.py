@@ -232,7 +232,7 @@ class BackendConfig(ConfigSection):
             "(elm_memory/backends/lookup.py). Greedy rows keep "
             "their tokens up to bf16 rounding, sampled rows their distribution (not their draws). Pays where a "
             "forward of a few tokens per row costs little more than one, as on a CPU (benchmarks/verify_cost.py). "
-            "Default 0 = off. The vLLM backends do not use it and say so."
+            "Default 0 = off. The vLLM backends do not use it and say so. See docs/performance.md."
         ),
     )
     max_batch_rows: int = Field(

@@ -84,7 +84,8 @@ class MemoryConfig(ConfigSection):
             "lr 1e-4; 40-42M parameters on the 7-8B models, 8.8M on the default 0.5B) or `prefix` (prefix tuning, "
             "paper appendix: per-layer key/value prefix of k positions initialised from the question's key/value "
             "activations, lr 1e-3). The paper found soft prompts better and lighter than both. `lora` and `prefix` "
-            "train with the native engine and serve from the `hf` backend (`lora` also from vLLM)."
+            "train with the native engine and serve from the `hf` backend (`lora` also from vLLM). "
+            "See docs/memory-kinds.md."
         ),
     )
     num_tokens: int = Field(
@@ -215,7 +216,7 @@ class RetrievalConfig(ConfigSection):
             "Key builder: `input` (mean input embedding; paper's default), `soft_prompt_mean`, `kv` "
             "(per-layer Q/K, the paper's variant that wins on some benchmarks), or `kv_centered` (`kv` with "
             "each side's mean direction over 64 MATH500 questions removed per layer; not in the paper, tells "
-            "questions apart better on the default model: benchmarks/key_quality.py)."
+            "questions apart better on the default model). See docs/results/synth60-self-certainty.md."
         ),
     )
     top_k: int = Field(default=1, ge=1, description="Memories retrieved per question (paper: top-1).")
@@ -232,7 +233,7 @@ class RetrievalConfig(ConfigSection):
             "Never retrieve memories whose training vote was weak: the share of the last GRPO step's rollouts "
             "that gave the majority answer (`stats.majority_share`) is below this. Default 0.0 = off, as in the "
             "paper, which uses every memory. 0.5 keeps only memories learned from a strict majority: a weak vote "
-            "means the rewards mostly taught agreement with a near-random answer."
+            "means the rewards mostly taught agreement with a near-random answer. See docs/configuration.md."
         ),
     )
     min_utility: float | None = Field(
@@ -243,7 +244,7 @@ class RetrievalConfig(ConfigSection):
             "Never retrieve memories whose measured utility is below this: (won + agreed) / (won + agreed + lost), "
             "counted on the answer path (`elm memories stats`), once a memory has `min_utility_observations` of "
             "them. Default None = off, as in the paper. A memory below 0.5 lost more verifier decisions than it "
-            "won or agreed on; the gate's decision is `low_utility`."
+            "won or agreed on; the gate's decision is `low_utility`. See docs/using.md."
         ),
     )
     min_utility_observations: int = Field(
