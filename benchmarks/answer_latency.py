@@ -5,8 +5,8 @@ Memories are created untrained (S=0, initialised from the question, as every mem
 starts): latency does not depend on what a memory learned, only on its shape. The
 verifier's cost is reported separately (it runs only when the two answers disagree).
 
-    .venv/bin/python benchmarks/answer_latency.py              # default model, 6 GSM8K questions
-    .venv/bin/python benchmarks/answer_latency.py --quick      # SmolLM2, 3 questions
+    .venv/bin/python -m benchmarks.answer_latency              # default model, 6 GSM8K questions
+    .venv/bin/python -m benchmarks.answer_latency --quick      # SmolLM2, 3 questions
 
 Writes ``benchmarks/results/answer_latency.json``.
 """

@@ -14,7 +14,7 @@ best median), so a drift in machine speed hits both alike:
 Also how far apart the two kernels' logits are on the same inputs (largest and mean difference, and
 how often their argmax agrees): bf16 rounding, not a different model.
 
-    .venv/bin/python benchmarks/attention_kernel.py --out benchmarks/results/attention_kernel.json
+    .venv/bin/python -m benchmarks.attention_kernel --out benchmarks/results/attention_kernel.json
 """
 
 from __future__ import annotations
@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from demo_settings import write_report  # benchmarks/ is the script's folder
 from transformers import DynamicCache
 
+from benchmarks.demo_settings import write_report
 from elm_memory.config import ELMConfig
 from elm_memory.models.loading import load_model
 

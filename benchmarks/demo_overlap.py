@@ -5,7 +5,7 @@ after the other on the same machine: ``learner.overlap_answering=false`` (answer
 ``true`` (the default: the memory answer's decode and the first training step's rollouts share one
 batch). Writes the wall times, their ratio, per-question seconds and both runs' accuracies.
 
-    python benchmarks/demo_overlap.py --out benchmarks/results/demo_overlap.json
+    python -m benchmarks.demo_overlap --out benchmarks/results/demo_overlap.json
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import json
 import tempfile
 from pathlib import Path
 
-from demo_settings import run_demo, write_report  # benchmarks/ is the script's folder
+from benchmarks.demo_settings import run_demo, write_report
 
 
 def run_overlap(out: Path, overlap: bool, limit: int) -> dict:

@@ -5,7 +5,7 @@ fresh run directory with its own ``--set`` overrides, one after the other, so th
 one machine in one sitting. Writes per variant: wall seconds, ELM's and zero-shot's right answers,
 routes, answers, per-question answer and learn seconds, and the verifier's candidate scores.
 
-    python benchmarks/demo_settings.py --out benchmarks/results/consistency_presample.json \\
+    python -m benchmarks.demo_settings --out benchmarks/results/consistency_presample.json \\
         --variant self_certainty= \\
         --variant consistency=verifier.name=consistency,verifier.consistency_presample=false \\
         --variant consistency_presample=verifier.name=consistency,verifier.consistency_presample=true
@@ -13,7 +13,7 @@ routes, answers, per-question answer and learn seconds, and the verifier's candi
 ``NAME@REV=...`` runs that variant on the code of git revision ``REV`` (checked out in a temporary
 worktree put first on ``PYTHONPATH``), so a change compares against the code before it in one sitting:
 
-    python benchmarks/demo_settings.py --out benchmarks/results/demo_ride_along.json \\
+    python -m benchmarks.demo_settings --out benchmarks/results/demo_ride_along.json \\
         --variant before@49b1cca= --variant after=
 """
 

@@ -7,7 +7,7 @@ falls below a gate, the answer becomes ELM's own zero-shot candidate (route ``ze
 This is a lower bound on what the gate does online: the real gate moves on to the next-best
 memory that passes (``top_k`` > 1) or answers zero-shot, and memories are still learned either way.
 
-    python benchmarks/gate_counterfactual.py benchmarks/results/online_synth60_s17 [--out FILE]
+    python -m benchmarks.gate_counterfactual benchmarks/results/online_synth60_s17 [--out FILE]
 """
 
 from __future__ import annotations

@@ -11,8 +11,8 @@ with **random weights**, through the library's own loader, backend and trainer:
 - ``answer``: ELM's dual generation, the zero-shot and the memory-conditioned prompt decoded
   greedily in one batch, to the same cap.
 
-    python benchmarks/gpu_check.py --config-dir DIR --runs 10x256,1x2048 --out results.json
-    python benchmarks/gpu_check.py --config-dir DIR --device cpu --runs 1x8   # plumbing, any machine
+    python -m benchmarks.gpu_check --config-dir DIR --runs 10x256,1x2048 --out results.json
+    python -m benchmarks.gpu_check --config-dir DIR --device cpu --runs 1x8   # plumbing, any machine
 
 ``DIR`` holds the default model's ``config.json`` and tokenizer files (no weights). The CUDA tests
 (``tests/test_cuda.py``) check that these paths compute what the CPU computes; this script only times.

@@ -6,8 +6,8 @@ GPU), so every case runs to its cap. Each case is decoded twice with identical i
 the first time its shapes (batch rows x KV length) are seen in the process, ``repeat`` the same call
 again. A large gap between them is per-shape set-up work (kernel plans, autotuning), not decoding.
 
-    python benchmarks/gpu_decode_steps.py --config-dir DIR --out results.json
-    python benchmarks/gpu_decode_steps.py --config-dir DIR --sdpa no-cudnn   # cuDNN attention off
+    python -m benchmarks.gpu_decode_steps --config-dir DIR --out results.json
+    python -m benchmarks.gpu_decode_steps --config-dir DIR --sdpa no-cudnn   # cuDNN attention off
 
 ``--sdpa``: ``auto`` leaves PyTorch's choice of attention kernel; ``no-cudnn`` disables its cuDNN
 kernel (``torch.backends.cuda.enable_cudnn_sdp(False)``), leaving flash and memory-efficient.
@@ -22,7 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gpu_check import _random_model_folder, _sync, answer_pair
+from benchmarks.gpu_check import _random_model_folder, _sync, answer_pair
 
 
 def _cases(loaded: Any, length: int) -> dict[str, tuple[list[Any], Any]]:

@@ -16,7 +16,7 @@ each side's per-layer mean removed before the per-layer cosine, the means taken 
 the packaged MATH500 (none of the evaluated ones). Before it was an option this benchmark computed
 the same thing itself, as ``kv centered (diagnostic)``.
 
-    .venv/bin/python benchmarks/key_quality.py --out benchmarks/results/key_quality.json
+    .venv/bin/python -m benchmarks.key_quality --out benchmarks/results/key_quality.json
 """
 
 from __future__ import annotations

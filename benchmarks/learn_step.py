@@ -11,8 +11,8 @@ on the same model, dtype, question, seed, G and completion length:
 - ``floor``: one batched generation of the G rollouts + one forward/backward on them
   (the least a step can cost with this backend)
 
-    .venv/bin/python benchmarks/learn_step.py                    # default model, G=4, 160 tokens, 2 steps
-    .venv/bin/python benchmarks/learn_step.py --quick            # SmolLM2 plumbing run
+    .venv/bin/python -m benchmarks.learn_step                    # default model, G=4, 160 tokens, 2 steps
+    .venv/bin/python -m benchmarks.learn_step --quick            # SmolLM2 plumbing run
 
 Writes ``benchmarks/results/learn_step.json``.
 """
@@ -119,7 +119,17 @@ def worker(name: str, args: argparse.Namespace) -> dict:
 
 def _run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
     """One variant in its own subprocess: its result row, or its last error line."""
-    cmd = [sys.executable, __file__, "--worker", name, "--model", args.model, "--dtype", args.dtype]
+    cmd = [
+        sys.executable,
+        "-m",
+        "benchmarks.learn_step",
+        "--worker",
+        name,
+        "--model",
+        args.model,
+        "--dtype",
+        args.dtype,
+    ]
     cmd += ["--generations", str(args.generations), "--max-len", str(args.max_len), "--steps", str(args.steps)]
     print(f"running {name} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)

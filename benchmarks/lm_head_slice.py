@@ -15,7 +15,7 @@ Measured here, in one process, alternating the two ways (median of ``--repeats``
 
 Also the largest absolute difference between the two ways' logits (they compute the same products).
 
-    .venv/bin/python benchmarks/lm_head_slice.py --out benchmarks/results/lm_head_slice.json
+    .venv/bin/python -m benchmarks.lm_head_slice --out benchmarks/results/lm_head_slice.json
 """
 
 from __future__ import annotations

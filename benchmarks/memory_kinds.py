@@ -10,8 +10,8 @@ back-propagates (``skip_uniform_rewards`` off) and rollouts run to the length ca
 lengths still differ between kinds (each samples its own completions): the JSON keeps the completion
 tokens, and the per-token times, next to the per-step ones.
 
-    .venv/bin/python benchmarks/memory_kinds.py                          # default model, G=4, 64 tokens, 3 steps
-    .venv/bin/python benchmarks/memory_kinds.py --model packaged:smollm2-135m --generations 2 --max-len 8 --steps 1
+    .venv/bin/python -m benchmarks.memory_kinds                          # default model, G=4, 64 tokens, 3 steps
+    .venv/bin/python -m benchmarks.memory_kinds --model packaged:smollm2-135m --generations 2 --max-len 8 --steps 1
 
 Writes ``benchmarks/results/memory_kinds.json`` (``--out`` to change).
 """

@@ -1,7 +1,7 @@
 """Merging on the offline protocol (#16 item 4): unmerged pool vs ``average``- vs ``train``-merged pools.
 
-    python benchmarks/merge_offline.py                    # cpu-demo preset, 3 near-duplicate pairs + 2 singles
-    python benchmarks/merge_offline.py --pairs 1 --singles 1 --out /tmp/m   # a quick look
+    python -m benchmarks.merge_offline                    # cpu-demo preset, 3 near-duplicate pairs + 2 singles
+    python -m benchmarks.merge_offline --pairs 1 --singles 1 --out /tmp/m   # a quick look
 
 Questions: synth-arith (the toy stream, ``elm_memory/eval/synth.py``). Among its first 60 questions,
 ``--pairs`` clusters of two whose input keys reach ``--threshold`` on the default model (same
@@ -21,25 +21,23 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from elm_memory.answers import equivalent, extract_answer
+from elm_memory.backends.base import SamplingParams, answer_budget
+from elm_memory.config import ELMConfig
+from elm_memory.elm import ELM
+from elm_memory.eval.synth import generate
+from elm_memory.memory import LatentMemory
+from elm_memory.store.chroma import ChromaMemoryStore
+from elm_memory.store.merge import average_memory, cluster_keys, find_clusters, merge_clusters
+from elm_memory.training.merging import train_merged
 
-from elm_memory.answers import equivalent, extract_answer  # noqa: E402
-from elm_memory.backends.base import SamplingParams, answer_budget  # noqa: E402
-from elm_memory.config import ELMConfig  # noqa: E402
-from elm_memory.elm import ELM  # noqa: E402
-from elm_memory.eval.synth import generate  # noqa: E402
-from elm_memory.memory import LatentMemory  # noqa: E402
-from elm_memory.store.chroma import ChromaMemoryStore  # noqa: E402
-from elm_memory.store.merge import average_memory, cluster_keys, find_clusters, merge_clusters  # noqa: E402
-from elm_memory.training.merging import train_merged  # noqa: E402
+ROOT = Path(__file__).resolve().parents[1]
 
 NAMESPACE = "offline"
 

@@ -1,12 +1,12 @@
 """Pool size benchmark (#16 Performance): retrieval latency and bytes on disk of an embedded store with
 10,000 memories, then after eviction to 1,000.
 
-    python benchmarks/pool_scale.py                     # 10k -> 1k, lru, 200 queries
-    python benchmarks/pool_scale.py --memories 2000 --keep 200 --out /tmp/p.json   # a quick look
+    python -m benchmarks.pool_scale                     # 10k -> 1k, lru, 200 queries
+    python -m benchmarks.pool_scale --memories 2000 --keep 200 --out /tmp/p.json   # a quick look
 
 Memories have the default model's shapes (Qwen2.5-Coder-0.5B: k=20 soft-prompt vectors of 896
 floats, an ``input`` key of 896 floats) with random soft prompts and synthetic input keys
-calibrated to real ones (``benchmarks/retrieval.py``'s ``InputKeys``); no model is loaded. They
+calibrated to real ones (``benchmarks.retrieval``'s ``InputKeys``); no model is loaded. They
 go through the store's own write path (``put_many``: blob, fsync, rename, rows) in batches.
 
 Before eviction, a random fifth of the pool is counted as used (``record_usage``), so ``lru``
@@ -26,13 +26,12 @@ from __future__ import annotations
 
 import os
 
-os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see benchmarks/retrieval.py
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")  # see benchmarks.retrieval
 
 import argparse
 import json
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -41,14 +40,11 @@ from typing import Any
 import numpy as np
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-from retrieval import InputKeys, fake_model, percentiles, reopen_chroma  # noqa: E402
-
+from benchmarks.retrieval import InputKeys, fake_model, percentiles, reopen_chroma  # noqa: E402
 from elm_memory.memory import LatentMemory, TrainingStats  # noqa: E402
 from elm_memory.store.chroma import ChromaMemoryStore  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NAMESPACE = "bench"
 K = 20

@@ -1,8 +1,8 @@
 """Retrieval benchmark: query latency (p50/p95), recall@1 against exact brute force, and insert
 throughput of the Chroma memory store, for both key kinds, at 1k / 10k / 100k memories.
 
-    python benchmarks/retrieval.py --quick                          # 1k + 10k, all profiles and kinds
-    python benchmarks/retrieval.py --sizes 100000 --profiles 7b --kinds kv   # one 100k cell (split runs)
+    python -m benchmarks.retrieval --quick                          # 1k + 10k, all profiles and kinds
+    python -m benchmarks.retrieval --sizes 100000 --profiles 7b --kinds kv   # one 100k cell (split runs)
 
 Every run merges its cells into ``benchmarks/results/retrieval.json`` (keyed by
 profile/kind/size), so the 100k cells can be produced by separate invocations, each
@@ -39,7 +39,6 @@ import argparse
 import json
 import platform
 import shutil
-import sys
 import tempfile
 import time
 from dataclasses import dataclass
@@ -48,11 +47,10 @@ from typing import Any
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
 from elm_memory.models.loading import ModelInfo  # noqa: E402
 from elm_memory.store.chroma import DEFAULT_HNSW, KIND_HNSW, ChromaMemoryStore  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROFILES = {
     "packaged": {"model": "Qwen2.5-Coder-0.5B", "hidden": 896, "layers": 24, "head_dim": 64},

@@ -19,7 +19,7 @@ This is a replay, not an online run: memories were trained with the run's placem
 ``cpu-demo`` moves a soft prompt only slightly from its initialisation, so the placement mostly
 moves the question-embedding initialisation) and retrieval is not repeated.
 
-    python benchmarks/route_replay.py benchmarks/results/online_synth60_s42 \
+    python -m benchmarks.route_replay benchmarks/results/online_synth60_s42 \
         --positions prefix,user_turn --verifiers self_certainty,logprob --out FILE.json
 """
 

@@ -3,7 +3,7 @@ per family, from a finished ``elm stream`` run directory (no model is loaded her
 
     nice -n 19 .venv/bin/elm stream --dataset synth-arith --limit 60 --seed 17 -m zero_shot \\
         --preset cpu-demo --no-plots --out /tmp/synth-cal
-    .venv/bin/python benchmarks/synth_arith_calibration.py /tmp/synth-cal
+    .venv/bin/python -m benchmarks.synth_arith_calibration /tmp/synth-cal
 
 Writes ``benchmarks/results/synth_arith_calibration.json``. The target band is 55-80%: high enough
 that the model has signal, low enough that memories have something to fix.

@@ -11,7 +11,7 @@ question's own memory, then
 - routes each verifier-decided disagreement to the candidate equal to the vote (when exactly one
   is), keeping the run's choice otherwise; every other route keeps the run's outcome.
 
-    python benchmarks/training_vote_replay.py benchmarks/results/online_synth60_s{42,78} \\
+    python -m benchmarks.training_vote_replay benchmarks/results/online_synth60_s{42,78} \\
         --out benchmarks/results/training_vote_replay_synth60.json
 """
 

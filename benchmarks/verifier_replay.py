@@ -15,7 +15,7 @@ sampled; the count of the others (both wrong) is reported. Unlike ``route_replay
 regenerated, so the memories' candidates are the run's own; self-certainty and logprob need the
 responses' text, which a run does not record, and are replayed by ``route_replay.py`` instead.
 
-    python benchmarks/verifier_replay.py benchmarks/results/online_synth60_s{17,42,78} \\
+    python -m benchmarks.verifier_replay benchmarks/results/online_synth60_s{17,42,78} \\
         --out benchmarks/results/verifier_replay_synth60.json
 
 ``--tie-samples N`` replays ``verifier.consistency_tie_samples`` on runs that already routed with
@@ -23,7 +23,7 @@ responses' text, which a run does not record, and are replayed by ``route_replay
 where they tie are N more samples drawn (the verifier's own tie call: seed + 1) and counted with them.
 That is the online escalation on the run's own first samples, so nothing but the ties is redrawn.
 
-    python benchmarks/verifier_replay.py benchmarks/results/online_synth60_cons_s{17,42,78} \\
+    python -m benchmarks.verifier_replay benchmarks/results/online_synth60_cons_s{17,42,78} \\
         --tie-samples 8 --out benchmarks/results/tie_replay_synth60_cons.json
 """
 

@@ -8,7 +8,7 @@ that ratio on whatever machine runs it, for batches like the main job's (1 answe
 rollouts; 1 answer + 8), with a KV cache of P tokens. Each setting is timed twice, interleaved, best
 median kept, so a drift in machine speed hits all settings alike.
 
-    .venv/bin/python benchmarks/verify_cost.py --out benchmarks/results/verify_cost.json
+    .venv/bin/python -m benchmarks.verify_cost --out benchmarks/results/verify_cost.json
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from demo_settings import write_report  # benchmarks/ is the script's folder
 from transformers import DynamicCache
 
+from benchmarks.demo_settings import write_report
 from elm_memory.config import ELMConfig
 from elm_memory.models.loading import load_model
 

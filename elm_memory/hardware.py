@@ -1,8 +1,7 @@
 """What this machine can do, and the one place that turns it into device, dtype and threads.
 
-Why it matters: on CPUs without AMX or AVX512-BF16 (AVX2-only AMD EPYC, older Intel),
-PyTorch runs bf16 matmuls in its reference kernel, measured 10-60x slower than fp32
-(62x for a 1024x896 @ 896x4864 product, one thread). On CPUs that have them, bf16 is
+Why it matters: on CPUs without AMX or AVX512-BF16 (AVX2 only), PyTorch runs bf16 matmuls in
+its reference kernel, measured 10-60x slower than fp32 (docs/performance.md). On CPUs that have them, bf16 is
 several times *faster* than fp32. So ``model.dtype: auto`` (the default) asks the
 hardware, and every loader (transformers, vLLM, the PRM) calls :func:`resolve_placement`
 instead of reading ``model.dtype`` itself.
@@ -39,7 +38,7 @@ REPORTED_CPU_FLAGS = (
     "sve",
     "bf16",
 )
-#: Measured on an AVX2-only AMD EPYC (one thread): the slowdown of bf16 against fp32.
+#: The slowdown of bf16 against fp32 measured on an AVX2-only CPU (docs/performance.md).
 BF16_FALLBACK_SLOWDOWN = "10-60x"
 
 
@@ -160,10 +159,9 @@ def resolve_placement(model_cfg: Any, hardware: Hardware | None = None, *, warn:
 
 
 def _resolve_attention(device: str, cpu: CPUInfo) -> tuple[str, str]:
-    """transformers' attention kernel for ``device``, and why. Measured per CPU kind, one-token decode
-    steps of the default model in bf16 (``benchmarks/attention_kernel.py``): on a 2-core AMD EPYC with
-    AVX512-BF16, SDPA was 1.5-1.9x *slower* than eager at batch 32; on a 2-core Xeon with AMX it was
-    1.05-1.5x *faster* (batch 1-32) and ``elm demo`` took 0.86x the time. Other CPUs keep eager."""
+    """transformers' attention kernel for ``device``, and why. Measured per CPU kind with
+    ``python -m benchmarks.attention_kernel`` (docs/performance.md): SDPA is faster than eager on CPUs
+    with AMX and slower on one with AVX512-BF16 but no AMX. Other CPUs keep eager."""
     if device.startswith("cuda"):
         return "sdpa", "CUDA"
     if "amx_bf16" in cpu.flags:

@@ -1,7 +1,7 @@
 """A tool-calling agent whose math tool is ELM, with a real chat model.
 
 Start an OpenAI-compatible server with tool calling for the chat model, e.g. vLLM serving the
-packaged model (see the README's vLLM section), then:
+packaged model (see docs/vllm.md), then:
 
     .venv/bin/python examples/math_agent.py --base-url http://127.0.0.1:8000/v1 --model MODEL
     .venv/bin/python examples/math_agent.py --scripted --tiny   # no chat model: the scripted test double

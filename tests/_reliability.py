@@ -1,4 +1,4 @@
-"""Counts of the reliability tests (#18: fault injection, isolation, soak) for the README table.
+"""Counts of the reliability tests (#18: fault injection, isolation, soak) for the table in docs/testing.md.
 
 Each test adds one row: test | runs | faults injected | inputs tried | lost | duplicated |
 errors (typed / all). The rows are printed after the module (``reliability: ...`` lines) and,

@@ -2,7 +2,7 @@
 
 Skipped where no CUDA device exists (every CI machine): run them on a GPU with
 ``pytest -m cuda tests/test_cuda.py``. ``benchmarks/gpu_check.py`` times the paper's learning
-settings there (README, "On a GPU").
+settings there (docs/results/gpu-h200.md).
 
 The model is a randomly initialised 2-layer Qwen2 (grouped-query attention) with the default
 model's real tokenizer, saved to a folder and loaded by :func:`load_model`, so the loader's own

@@ -2,7 +2,7 @@
 
 The server runs the repository's ``langgraph.json`` on 127.0.0.1 with the ``cpu-tiny`` preset
 (SmolLM2, one training step) and the scripted chat model for ``math_agent`` (the packaged
-0.5B model does not write parseable tool calls; see the README); it is stopped by PID.
+0.5B model does not write parseable tool calls; see docs/agents.md); it is stopped by PID.
 """
 
 from __future__ import annotations

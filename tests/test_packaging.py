@@ -35,7 +35,7 @@ def test_wheel_has_no_top_level_graphs_or_integrations(tmp_path):
         ROOT,
         src,
         ignore=shutil.ignore_patterns(
-            ".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", "elm-runs"
+            ".venv", ".git", "build", "*.egg-info", "__pycache__", ".pytest_cache", "elm-runs", "site"
         ),
     )
     subprocess.run(
@@ -60,3 +60,5 @@ def test_wheel_has_no_top_level_graphs_or_integrations(tmp_path):
     assert tops == {"elm_memory"}
     assert "elm_memory/graphs/elm_graph.py" in names and "elm_memory/integrations/tools.py" in names
     assert "elm_memory/presets/cpu-tiny.yaml" in names and "elm_memory/eval/data/gsm8k_test.jsonl" in names
+    # PEP 561 marker: without it users' type checkers ignore the annotations
+    assert "elm_memory/py.typed" in names

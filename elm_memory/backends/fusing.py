@@ -14,9 +14,8 @@ every part still running is waiting in one too (or has finished); then all waiti
 backend's ``generate_many`` as one batch. Deterministic, no timing window: the batch forms when
 nobody else can add to it, and its calls go in the parts' order, not the order the threads reached
 it (the same rows in another order can sample differently). Batches always decode in the calling
-thread: on the 2-core Xeon the same decode ran about 25% slower in a freshly started thread than in
-the main one (``benchmarks/results/demo_overlap.json``), so the caller should pass its heaviest part
-first.
+thread: the same decode was measured slower in a freshly started thread than in the main one
+(docs/LOG.md), so the caller should pass its heaviest part first.
 Outside :meth:`run`, or from any other thread, the view calls straight through.
 
 An interrupt (Ctrl-C: ``KeyboardInterrupt``, or ``SystemExit``) reaches the calling thread only.

@@ -28,7 +28,7 @@ class ModelConfig(ConfigSection):
         description=(
             "Weight/compute dtype. `auto`: bf16 on CUDA GPUs that support it and on CPUs with AMX or "
             "AVX512-BF16, fp32 on other CPUs (where bf16 matmuls run 10-60x slower than fp32), never fp16 "
-            "on a CPU. `elm env` prints the decision; see elm_memory/hardware.py."
+            "on a CPU. `elm env` prints the decision; see docs/performance.md."
         ),
     )
     device: str = Field(
@@ -37,9 +37,9 @@ class ModelConfig(ConfigSection):
     attn_implementation: Literal["auto", "eager", "sdpa"] = Field(
         default="auto",
         description=(
-            "transformers attention kernel. `auto`: `sdpa` on CUDA and on CPUs with AMX (1.05-1.5x faster decode "
-            "steps than eager on a 2-core AMX Xeon), `eager` on other CPUs (SDPA made decode steps 1.5-1.9x slower "
-            "at batch 32 on a 2-core AVX512-BF16 EPYC); benchmarks/attention_kernel.py measures yours."
+            "transformers attention kernel. `auto`: `sdpa` on CUDA and on CPUs with AMX, `eager` on other CPUs "
+            "(the faster kernel on each CPU kind measured); `python -m benchmarks.attention_kernel` measures "
+            "yours. See docs/performance.md."
         ),
     )
     max_context: int | None = Field(
@@ -232,7 +232,7 @@ class BackendConfig(ConfigSection):
             "(elm_memory/backends/lookup.py). Greedy rows keep "
             "their tokens up to bf16 rounding, sampled rows their distribution (not their draws). Pays where a "
             "forward of a few tokens per row costs little more than one, as on a CPU (benchmarks/verify_cost.py). "
-            "Default 0 = off. The vLLM backends do not use it and say so."
+            "Default 0 = off. The vLLM backends do not use it and say so. See docs/performance.md."
         ),
     )
     decode_graphs: Literal["auto", "on", "off", "static"] = Field(
@@ -360,8 +360,8 @@ class LearnerConfig(ConfigSection):
             "Online evaluation (`elm stream`, `elm demo`) with `mode: sync`: learn question i's memory while "
             "question i is answered, the answer's decode and the first training step's rollouts in one batch "
             "(`hf` backend; other backends run them one after the other). Learning reads no answer and the "
-            "memory is stored before question i+1, so the protocol is unchanged; on a 2-core CPU a decode step "
-            "of 5 rows costs little more than one of 1. False: answer, then learn."
+            "memory is stored before question i+1, so the protocol is unchanged; on a CPU a decode step of a few "
+            "rows costs little more than one of 1. False: answer, then learn. See docs/evaluation.md."
         ),
     )
     ray: RayLearnerConfig = Field(

@@ -84,7 +84,8 @@ class MemoryConfig(ConfigSection):
             "lr 1e-4; 40-42M parameters on the 7-8B models, 8.8M on the default 0.5B) or `prefix` (prefix tuning, "
             "paper appendix: per-layer key/value prefix of k positions initialised from the question's key/value "
             "activations, lr 1e-3). The paper found soft prompts better and lighter than both. `lora` and `prefix` "
-            "train with the native engine and serve from the `hf` backend (`lora` also from vLLM)."
+            "train with the native engine and serve from the `hf` backend (`lora` also from vLLM). "
+            "See docs/memory-kinds.md."
         ),
     )
     num_tokens: int = Field(
@@ -129,8 +130,8 @@ class TrainingConfig(ConfigSection):
         default="native",
         description=(
             "`native`: this library's loop (several memories train as one batch); `trl`: TRL's GRPOTrainer + "
-            "PEFT prompt tuning, the paper's implementation (same loss and hyperparameters, see the README); "
-            "or a plugin engine registered under `elm_memory.training_engines`."
+            "PEFT prompt tuning, the paper's implementation (same loss and hyperparameters); "
+            "or a plugin engine registered under `elm_memory.training_engines`. See docs/configuration.md."
         ),
     )
 
@@ -215,7 +216,7 @@ class RetrievalConfig(ConfigSection):
             "Key builder: `input` (mean input embedding; paper's default), `soft_prompt_mean`, `kv` "
             "(per-layer Q/K, the paper's variant that wins on some benchmarks), or `kv_centered` (`kv` with "
             "each side's mean direction over 64 MATH500 questions removed per layer; not in the paper, tells "
-            "questions apart better on the default model: benchmarks/key_quality.py)."
+            "questions apart better on the default model). See docs/results/synth60-self-certainty.md."
         ),
     )
     top_k: int = Field(default=1, ge=1, description="Memories retrieved per question (paper: top-1).")
@@ -232,7 +233,7 @@ class RetrievalConfig(ConfigSection):
             "Never retrieve memories whose training vote was weak: the share of the last GRPO step's rollouts "
             "that gave the majority answer (`stats.majority_share`) is below this. Default 0.0 = off, as in the "
             "paper, which uses every memory. 0.5 keeps only memories learned from a strict majority: a weak vote "
-            "means the rewards mostly taught agreement with a near-random answer."
+            "means the rewards mostly taught agreement with a near-random answer. See docs/configuration.md."
         ),
     )
     min_utility: float | None = Field(
@@ -243,7 +244,7 @@ class RetrievalConfig(ConfigSection):
             "Never retrieve memories whose measured utility is below this: (won + agreed) / (won + agreed + lost), "
             "counted on the answer path (`elm memories stats`), once a memory has `min_utility_observations` of "
             "them. Default None = off, as in the paper. A memory below 0.5 lost more verifier decisions than it "
-            "won or agreed on; the gate's decision is `low_utility`."
+            "won or agreed on; the gate's decision is `low_utility`. See docs/using.md."
         ),
     )
     min_utility_observations: int = Field(
@@ -313,10 +314,8 @@ class VerifierConfig(ConfigSection):
             "retrieved, instead of in a call of their own after a disagreement. On a backend that batches calls "
             "(`hf`) extra rows cost little per decode step, so a disagreement needs no decode of its own; the "
             "rows are wasted when the answers agree. Drawn ahead, a sample is cut at the answers' budget "
-            "(`generation.max_new_tokens`, if shorter). Measured on `elm demo` (8 questions, 5 disagreements, "
-            "2-core AMX Xeon; benchmarks/results/consistency_presample.json): 1.26x self_certainty's wall time "
-            "with it, 1.57x without. Backends that do not batch calls (vLLM) sample after a disagreement "
-            "either way."
+            "(`generation.max_new_tokens`, if shorter). Backends that do not batch calls (vLLM) sample after "
+            "a disagreement either way. Measured cost: docs/results/synth60-self-certainty.md."
         ),
     )
     consistency_tie_samples: int = Field(
@@ -325,14 +324,9 @@ class VerifierConfig(ConfigSection):
         description=(
             "`consistency`: when both answers score the same (a tie keeps zero-shot whatever the memory answered), "
             "draw this many more samples in one call (seed + 1, up to `consistency_max_new_tokens`) and score on "
-            "all of them (adaptive consistency); 0: off. Only ties pay for it. Replayed with 8 on the three "
-            "60-question synth-arith consistency runs (benchmarks/results/tie_replay_synth60_cons.json): 41 of "
-            "their 98 disagreements tied; of the 16 ties where one answer was right, 13 were broken towards it, "
-            "3 stayed tied and none was broken towards the wrong one (ELM 58.9% -> 62.2%, +9/-1 -> +15/-1 "
-            "against zero-shot's 54.4%), but the rule was designed on those runs: on three held-out seeds "
-            "(5, 101, 202; tie_replay_synth60_cons_s5.json, tie_replay_synth60_cons_heldout.json) it broke "
-            "none towards the right answer and one towards the wrong one. Default 0: it did not hold up out "
-            "of sample, and each tie costs a sampling call (about 40 s on a 2-core CPU)."
+            "all of them (adaptive consistency); 0: off. Only ties pay for it: one sampling call each. Not "
+            "recommended: it helped on the runs it was designed on and not on held-out seeds "
+            "(docs/results/synth60-consistency.md)."
         ),
     )
     consistency_temperature: float = Field(

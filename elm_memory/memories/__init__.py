@@ -9,8 +9,9 @@ the frozen model.
   before the prompt (prefix tuning).
 
 ``lora`` and ``prefix`` memories travel as a :class:`~elm_memory.memories.base.MemoryAdapter` in
-``PromptInput.memory``; :mod:`elm_memory.memories.kinds` maps a kind name to its tensors, its
-initialisation and its checks.
+``PromptInput.memory``. The kind names and their check are in :mod:`elm_memory.memories.base`; a
+memory file's tensors per kind are read and checked by :class:`elm_memory.memory.LatentMemory`, and
+:func:`elm_memory.training.learn.initial_memory` gives each kind its initialisation.
 """
 
 from elm_memory.memories.base import KINDS, SOFT_PROMPT, AppliedMemory, MemoryAdapter, check_kind

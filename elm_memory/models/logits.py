@@ -5,9 +5,7 @@ transformers slices the last hidden states with ``logits_to_keep`` before the lm
 fold such a view into one matrix product: it expands the lm_head weight to (B, hidden, vocab) instead,
 copying the whole embedding matrix (151936 x 896 for the default model) once per row. An index tensor
 slices by advanced indexing, a small contiguous copy of the activations, and the product stays one
-``mm``. Same logits bit for bit; on the 2-core AMX Xeon a prefill of 8 prompts took 4.34 s with the count
-and 0.35 s with the index, a 4-row teacher-forced forward/backward 5.86 s and 2.66 s
-(``benchmarks/results/lm_head_slice.json``).
+``mm``. Same logits bit for bit, several times faster (measured: docs/results/learn-throughput.md).
 """
 
 from __future__ import annotations
