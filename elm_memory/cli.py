@@ -61,8 +61,8 @@ def solve(
     server_url: ServerUrlOpt = None,
 ) -> None:
     """Answer one question: retrieve a memory, dual-generate, route; then learn a memory from it."""
+    from elm_memory.backends.prompting import validate_question
     from elm_memory.elm import ELM
-    from elm_memory.models.prompting import validate_question
 
     validate_question(question)
     cfg = load_config(config, preset, namespace, set_, backend, server_url)
@@ -181,7 +181,7 @@ def demo(
     Per question it prints the route, the memory used and where it came from, both
     candidates and which was right; then the table and the plots.
     """
-    from elm_memory.eval.datasets import load_problems
+    from elm_memory.data.datasets import load_problems
     from elm_memory.eval.walkthrough import Walkthrough
 
     cfg = load_config(config, preset, None, set_, backend, server_url)
@@ -235,7 +235,7 @@ def stream(
     server_url: ServerUrlOpt = None,
 ) -> None:
     """The paper's online protocol: questions one at a time; each method answers, then learns (sync)."""
-    from elm_memory.eval.datasets import load_problems
+    from elm_memory.data.datasets import load_problems
 
     cfg = load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=seed)
@@ -410,7 +410,7 @@ def offline(
 
     ``--full-model`` runs the full-dataset baselines instead (TTRL, or GRPO with ``--reward gold``);
     ``--ablations`` runs the ablation variants side by side."""
-    from elm_memory.eval.datasets import load_problems
+    from elm_memory.data.datasets import load_problems
 
     full_model_options = {
         "--reward": reward is not None,

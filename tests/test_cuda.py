@@ -24,12 +24,12 @@ from _fakes import ScriptedRollouts, tiny_qwen2_config
 
 from elm_memory.backends.base import PromptInput, SamplingParams
 from elm_memory.backends.hf import HFBackend
+from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig, ModelConfig
 from elm_memory.hardware import resolve_placement
 from elm_memory.memory import LatentMemory
+from elm_memory.memory.keys import InputKeyBuilder, KVKeyBuilder
 from elm_memory.models.loading import LoadedModel, load_model
-from elm_memory.models.prompting import PromptBuilder
-from elm_memory.retrieval.keys import InputKeyBuilder, KVKeyBuilder
 from elm_memory.training.learn import learn_memory
 
 pytestmark = [

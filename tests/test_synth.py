@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from elm_memory.data.datasets import load_problems
 from elm_memory.errors import ConfigError, DatasetError
 from elm_memory.eval import datasets
-from elm_memory.eval.datasets import load_problems
 from elm_memory.eval.synth import FAMILIES, GENERATOR_SEED, GENERATOR_VERSION, N_PROBLEMS, generate, to_jsonl
 
 # ---- the independent solver ----------------------------------------------------------------------

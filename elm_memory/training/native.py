@@ -15,7 +15,7 @@ Several memories train together (:meth:`NativeTrainer.train_many`): one backend 
 all M x G rollouts, one forward/backward whose rows carry their own memory's soft prompt,
 and per memory everything else (optimizer, clipping, loss normaliser, skip, stats).
 
-``lora`` and ``prefix`` memories (:mod:`elm_memory.memories`; an adapter as the ``init`` of a
+``lora`` and ``prefix`` memories (:mod:`elm_memory.memory`; an adapter as the ``init`` of a
 ``train_many`` item) go through the same loop: rollouts under a snapshot of the adapter, the same
 rewards, skip and Dr.GRPO loss, AdamW on the adapter's tensors only. Their forwards cannot mix
 memories (a hook or prefix cache serves a whole forward), so their micro-batches never cross
@@ -35,12 +35,12 @@ import torch
 from tqdm.auto import tqdm
 
 from elm_memory.backends.base import Generation, GenerationBackend, PromptInput, SamplingParams
+from elm_memory.backends.teacher_forcing import completion_logprobs
 from elm_memory.config import MemoryConfig, TrainingConfig
 from elm_memory.errors import NonFiniteError
-from elm_memory.memories.base import LORA, MemoryAdapter
 from elm_memory.memory import TrainingStats
+from elm_memory.memory.kinds import LORA, MemoryAdapter
 from elm_memory.models.loading import LoadedModel
-from elm_memory.models.teacher_forcing import completion_logprobs
 from elm_memory.training.losses import advantages_from_rewards, policy_loss, sft_loss
 from elm_memory.training.rewards import GroupReward, majority_vote_rewards
 
