@@ -30,6 +30,11 @@ MOVED = {
     "elm_memory.models.prompting": "elm_memory.backends.prompting",
     "elm_memory.models.teacher_forcing": "elm_memory.backends.teacher_forcing",
     "elm_memory.models.kv_prefix": "elm_memory.backends.kv_prefix",
+    "elm_memory.cli_options": "elm_memory.cli.options",
+    "elm_memory.cli_errors": "elm_memory.cli.errors",
+    "elm_memory.store.cli": "elm_memory.cli.memories",
+    "elm_memory.store.views": "elm_memory.cli.memory_views",
+    "elm_memory.jobs.cli": "elm_memory.cli.learner",
 }
 
 

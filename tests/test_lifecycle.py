@@ -15,9 +15,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.memory import LatentMemory, TrainingStats, question_hash
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.cli import memories_app
 from elm_memory.store.utility import UtilityTable
 
 

@@ -20,10 +20,10 @@ import torch
 from _fakes import fake_memory, fake_model_info
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.errors import MemoryFormatError
 from elm_memory.memory import LatentMemory, MemoryMeta
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.cli import memories_app
 from elm_memory.store.merge import (
     cluster_keys,
     combine_keys,

@@ -13,11 +13,11 @@ import pytest
 from _fakes import fake_memory, fake_model_info
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.config import ELMConfig, StoreConfig
 from elm_memory.config.location import data_home, resolve_store_path
 from elm_memory.memory import TrainingStats
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.cli import memories_app
 
 
 @pytest.fixture

@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from elm_memory.cli_errors import handle_errors
+from elm_memory.cli import memory_views as views
+from elm_memory.cli.errors import handle_errors
 from elm_memory.errors import ConfigError, StoreError
 from elm_memory.faults import point
-from elm_memory.store import views
 
 if TYPE_CHECKING:  # torch and chromadb load only when a command runs
     from elm_memory.config import ELMConfig

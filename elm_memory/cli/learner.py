@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 import typer
 
-from elm_memory.cli_errors import handle_errors
-from elm_memory.cli_options import ConfigOpt, JsonOpt, PresetOpt, SetOpt, load_config
+from elm_memory.cli.errors import handle_errors
+from elm_memory.cli.options import ConfigOpt, JsonOpt, PresetOpt, SetOpt, load_config
 from elm_memory.errors import ConfigError
 
 learner_app = typer.Typer(help="Learning jobs: the ledger and the Ray learning service.", no_args_is_help=True)
