@@ -246,7 +246,6 @@ def test_imports_point_down_and_packages_form_no_cycle():
     assert not upward and not cycles, "\n".join(message)
 
 
-@pytest.mark.xfail(strict=True, reason="training/native.py has 538 lines (split in the next commit)")
 def test_no_module_is_over_the_line_limit():
     long = {m: n for m, p in source_files().items() if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"modules over {MAX_LINES} lines: {long}"
