@@ -42,14 +42,13 @@ class RayLearner(QueueLearner):
     def __init__(
         self, queue: QueueLike, *, config: ELMConfig, worker_factory: Any = None, start: bool = True, **kwargs: Any
     ):
+        if config.learner.ray.dispatcher == "auto" and start and worker_factory is None:
+            raise ConfigError("learner.ray.dispatcher=auto needs the actors' factory (ELM passes its class)")
         super().__init__(_not_here, queue, **kwargs)
         self.config = config
         self.supervisor: DispatcherSupervisor | None = None
         if config.learner.ray.dispatcher == "auto" and start:
             from elm_memory.jobs.ray_dispatch import DispatcherSupervisor
-
-            if worker_factory is None:
-                raise ConfigError("learner.ray.dispatcher=auto needs the actors' factory (ELM passes its class)")
 
             log_path = Path(str(self.queue.path) + ".ray-dispatch.log")
             self.supervisor = DispatcherSupervisor(
