@@ -125,22 +125,26 @@ def _warm_pool(cfg: Any, ledger: Path) -> float:
     """Create (or find) the pool's actors and wait until each has loaded the model."""
     import ray
 
+    from elm_memory.elm import ELM
     from elm_memory.jobs.ray_dispatch import Dispatcher
 
     if not ray.is_initialized():
         ray.init(address=cfg.learner.ray.address, namespace=cfg.learner.ray.namespace, log_to_driver=False)
     t0 = time.monotonic()
-    d = Dispatcher(cfg, ledger)
+    d = Dispatcher(cfg, ledger, ELM)
     ray.get([d.actor(i).info.remote() for i in range(cfg.learner.ray.num_workers)])
     d.queue.close()
     return time.monotonic() - t0
 
 
 def _run_pool(args: argparse.Namespace, cfg: Any, ledger: Path, namespace: str, workers: int) -> dict[str, Any]:
+    from elm_memory.elm import ELM
     from elm_memory.jobs import build_learner
 
     warm_s = _warm_pool(cfg, ledger)
-    learner = build_learner("ray", None, ledger, scope="bench", config=cfg, batch_size=args.batch_size)
+    learner = build_learner(
+        "ray", None, ledger, scope="bench", config=cfg, batch_size=args.batch_size, worker_factory=ELM
+    )
     try:
         t0 = time.monotonic()
         tickets = [learner.submit(q, namespace=namespace) for q in QUESTIONS[: args.jobs]]
@@ -164,11 +168,12 @@ def _run_pool(args: argparse.Namespace, cfg: Any, ledger: Path, namespace: str, 
 def _overhead(args: argparse.Namespace, cfg: Any, ledger: Path, store_url: str, blobs: Path) -> dict[str, Any]:
     """For each of ``--overhead-repeats`` questions: learned in this process, then as one Ray job on a
     warm 1-actor pool (alternating, so both see similar machine load); medians and each pair."""
+    from elm_memory.elm import ELM
     from elm_memory.jobs import build_learner
 
     elm = _in_process_elm(args, store_url, blobs)
     _warm_pool(cfg, ledger)
-    learner = build_learner("ray", None, ledger, scope="bench", config=cfg, batch_size=1)
+    learner = build_learner("ray", None, ledger, scope="bench", config=cfg, batch_size=1, worker_factory=ELM)
     pairs = []
     try:
         learner.submit("Warm-up overhead: what is 2 + 2?", namespace="overhead")  # the dispatcher starts

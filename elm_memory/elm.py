@@ -11,13 +11,13 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from elm_memory.backends.base import GenerationBackend
+from elm_memory.backends.prompting import PromptBuilder, validate_question
+from elm_memory.backends.registry import backends
 from elm_memory.config import ELMConfig, deep_merge
 from elm_memory.errors import ConfigError
 from elm_memory.memory import LatentMemory
+from elm_memory.memory.ids import validate_namespace
 from elm_memory.models.loading import LoadedModel, load_model
-from elm_memory.models.prompting import PromptBuilder, validate_question
-from elm_memory.registry import backends
-from elm_memory.store.names import validate_namespace
 
 if TYPE_CHECKING:  # built lazily (heavy imports), so named for the annotations only
     from elm_memory.graph import ELMServices
@@ -177,6 +177,7 @@ class ELM:
                     batch_size=lc.batch_size,
                     learn_many_fn=self.learn_from_jobs,
                     config=self.config,
+                    worker_factory=ELM,  # what a ray learner's actors build (jobs never imports the facade)
                 )
         return self._learner
 

@@ -54,6 +54,10 @@ class StoreError(ELMError):
     """The memory store could not read or write."""
 
 
+class MemoryNotFoundError(StoreError):
+    """No memory with that id in the store (or in the given namespace)."""
+
+
 class InvalidNamespaceError(StoreError, ValueError):
     """Empty, over-long or non-printable namespace (checked before any model work)."""
 

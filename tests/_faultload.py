@@ -51,8 +51,8 @@ class Ledger:
 
 def store_workload(root: Path, seed: int, n_ops: int = 14) -> None:
     """Random puts, re-puts, usage counts, deletes, evictions, merges, namespace deletes and CLI imports."""
+    from elm_memory.cli.memories import memories_app
     from elm_memory.store.blobs import sha256_hex
-    from elm_memory.store.cli import memories_app
 
     rng = random.Random(seed)
     info = fake_model_info()

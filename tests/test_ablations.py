@@ -10,9 +10,9 @@ import pytest
 from _fakes import one_thread
 
 from elm_memory.config import ELMConfig
+from elm_memory.data.datasets import load_problems
 from elm_memory.errors import ConfigError
 from elm_memory.eval.ablations import ABLATIONS, NOT_EXPRESSIBLE, Variant, run_ablations, variant_config
-from elm_memory.eval.datasets import load_problems
 from elm_memory.eval.report import markdown_ablations
 
 COLUMNS = (

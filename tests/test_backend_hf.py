@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from elm_memory.backends.base import GenerationBackend, PromptInput, SamplingParams
+from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.errors import IncompatibleMemoryError
-from elm_memory.models.prompting import PromptBuilder
 
 pytestmark = pytest.mark.model
 GREEDY = SamplingParams(max_new_tokens=24)

@@ -16,9 +16,9 @@ from elm_memory.backends.base import PromptInput, SamplingParams
 from elm_memory.backends.captured import CapturedSteps
 from elm_memory.backends.decode import DecodeOptions, sample
 from elm_memory.backends.hf import HFBackend
-from elm_memory.memories.lora import LoraAdapter, target_linears
-from elm_memory.memories.prefix import question_prefix
-from elm_memory.models.prompting import PromptBuilder
+from elm_memory.backends.prompting import PromptBuilder
+from elm_memory.memory.lora import LoraAdapter, target_linears
+from elm_memory.memory.prefix import question_prefix
 
 pytestmark = pytest.mark.model
 QUESTIONS = ("What is 2+3?", "Tom has 3 apples and buys 4 more. How many apples does he have now?")

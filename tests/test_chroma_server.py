@@ -18,10 +18,10 @@ from _fakes import fake_memory, fake_model_info
 from _servers import chroma_server
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.config import ELMConfig, StoreConfig
 from elm_memory.errors import ConfigError, StoreError
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.cli import memories_app
 
 TENANT, DATABASE = "elm-team", "memories"
 

@@ -24,12 +24,12 @@ from _fakes import ScriptedRollouts, tiny_qwen2_config
 
 from elm_memory.backends.base import PromptInput, SamplingParams
 from elm_memory.backends.hf import HFBackend
+from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig, ModelConfig
 from elm_memory.hardware import resolve_placement
 from elm_memory.memory import LatentMemory
+from elm_memory.memory.keys import InputKeyBuilder, KVKeyBuilder
 from elm_memory.models.loading import LoadedModel, load_model
-from elm_memory.models.prompting import PromptBuilder
-from elm_memory.retrieval.keys import InputKeyBuilder, KVKeyBuilder
 from elm_memory.training.learn import learn_memory
 
 pytestmark = [
@@ -246,7 +246,7 @@ def test_captured_steps_keep_seeded_draws_while_rows_finish_in_place_and_with_a_
     smaller one) and a prefix memory starts the cache: the same tokens as the plain loop."""
     from elm_memory.backends.captured import CapturedSteps
     from elm_memory.backends.decode import DecodeOptions, sample
-    from elm_memory.memories.prefix import question_prefix
+    from elm_memory.memory.prefix import question_prefix
 
     loaded = on_cuda_fp32
     ids, _ = _prompt(loaded)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from elm_memory.backends.decode import DecodeOptions, sample
-from elm_memory.models.prompting import PromptBuilder
+from elm_memory.backends.prompting import PromptBuilder
 
 pytestmark = pytest.mark.model
 LEVERS = [(s, d) for s in (False, True) for d in (False, True)]

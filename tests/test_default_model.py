@@ -13,7 +13,7 @@ pytestmark = pytest.mark.model
 
 
 def test_stop_at_answer_ends_right_after_the_boxed_answer(default_backend):
-    from elm_memory.models.prompting import PromptBuilder
+    from elm_memory.backends.prompting import PromptBuilder
 
     p = PromptBuilder(default_backend.tokenizer).build("What is 2+3?")
     assert "<|im_start|>user" in p.text  # the chat template is applied

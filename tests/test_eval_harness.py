@@ -15,9 +15,9 @@ import pytest
 
 from elm_memory.backends.base import Generation, PromptInput, SamplingParams
 from elm_memory.config import ELMConfig
+from elm_memory.data.datasets import load_problems
 from elm_memory.errors import ConfigError
 from elm_memory.eval.cache import GreedyCache
-from elm_memory.eval.datasets import load_problems
 from elm_memory.eval.methods.text_memory import parse_verdict
 from elm_memory.eval.records import RecordLog
 

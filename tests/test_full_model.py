@@ -17,8 +17,8 @@ from typer.testing import CliRunner
 
 from elm_memory.cli import app
 from elm_memory.config import ELMConfig
+from elm_memory.data.datasets import Problem
 from elm_memory.errors import ConfigError, TrainingError
-from elm_memory.eval.datasets import Problem
 from elm_memory.training import full_model as fm
 from elm_memory.training.full_model import FullModelSettings
 

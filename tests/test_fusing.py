@@ -12,8 +12,8 @@ from elm_memory.backends import decode
 from elm_memory.backends.base import Generation, PromptInput, SamplingParams
 from elm_memory.backends.fusing import FusedCalls
 from elm_memory.config import ELMConfig
+from elm_memory.data.datasets import load_problems
 from elm_memory.eval.cache import GreedyCache
-from elm_memory.eval.datasets import load_problems
 from elm_memory.eval.records import RecordLog
 
 GREEDY = SamplingParams(max_new_tokens=10, temperature=0.0)

@@ -49,6 +49,7 @@ from safetensors.torch import save
 from typer.testing import CliRunner
 
 import elm_memory.elm
+from elm_memory.backends.prompting import validate_question
 from elm_memory.cli import app
 from elm_memory.config import ELMConfig, parse_override, parse_overrides
 from elm_memory.elm import ELM
@@ -63,9 +64,8 @@ from elm_memory.errors import (
     StoreError,
 )
 from elm_memory.memory import MAX_HEADER_BYTES, LatentMemory, TrainingStats
-from elm_memory.models.prompting import validate_question
+from elm_memory.memory.ids import MAX_NAMESPACE_CHARS, validate_namespace
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.names import MAX_NAMESPACE_CHARS, validate_namespace
 
 HIDDEN = 8
 FP = "5a5a5a5a5a5a5a5a"
@@ -785,7 +785,7 @@ ADAPTER_FILES = ("adapter_config.json", "elm_memory.json", "adapter_model.safete
 
 
 def _export_base_adapter(folder: Path) -> dict[str, bytes]:
-    from elm_memory.store.peft_adapter import export_adapter
+    from elm_memory.memory.peft import export_adapter
 
     export_adapter(BASE, folder, position="prefix", base_model="fake")
     return {name: (folder / name).read_bytes() for name in ADAPTER_FILES}
@@ -826,7 +826,7 @@ def adapter_mutation(draw: st.DrawFn) -> dict[str, bytes | None]:
 def test_adapter_folders_are_refused_or_round_trip(examples: Budget, tmp_path: Path) -> None:
     """A PEFT adapter folder with changed, missing or junk files: AdapterError (or the memory format and
     model errors it reports), else the memory read back is the one exported."""
-    from elm_memory.store.peft_adapter import check_adapter, read_adapter
+    from elm_memory.memory.peft import check_adapter, read_adapter
 
     cfg = ELMConfig.load(overrides={"memory": {"num_tokens": BASE.meta.num_tokens}})
     folder = tmp_path / "in" / "adapter"

@@ -11,18 +11,18 @@ import torch.nn.functional as F
 from _fakes import tiny_qwen2_config
 
 from elm_memory.errors import ConfigError, MemoryFormatError
-from elm_memory.models.fingerprint import embedding_fingerprint
-from elm_memory.models.loading import LoadedModel, ModelInfo
-from elm_memory.registry import key_builders
-from elm_memory.retrieval import keys as keys_mod
-from elm_memory.retrieval.keys import (
+from elm_memory.memory.keys import (
     InputKeyBuilder,
     KeyBuilder,
     KVCenteredKeyBuilder,
     KVKeyBuilder,
     SoftPromptMeanKeyBuilder,
     attention_modules,
+    key_builders,
 )
+from elm_memory.models.fingerprint import embedding_fingerprint
+from elm_memory.models.loading import LoadedModel, ModelInfo
+from elm_memory.retrieval import keys as keys_mod
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -252,8 +252,8 @@ def test_kv_centered_removes_each_sides_mean_per_layer(tiny: LoadedModel, monkey
 def test_kv_centered_calibrates_once_per_model_on_the_packaged_questions(
     smol: LoadedModel, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from elm_memory.eval.datasets import load_problems
-    from elm_memory.training.initialization import question_init
+    from elm_memory.data.datasets import load_problems
+    from elm_memory.memory.init import question_init
 
     monkeypatch.setattr(keys_mod, "CENTERING_QUESTIONS", 4)
     monkeypatch.setattr(keys_mod, "_centres", weakref.WeakKeyDictionary())  # these 4-question means stay here

@@ -9,12 +9,12 @@ from typing import Any
 import pytest
 
 from elm_memory.backends.base import Generation, PromptInput, SamplingParams
+from elm_memory.backends.kv_prefix import KVPrefix, encode_prefix, generate_after_prefix, load_prefix, save_prefix
 from elm_memory.config import ELMConfig
+from elm_memory.data.datasets import load_problems
 from elm_memory.errors import ConfigError, IncompatibleMemoryError, MemoryFormatError
-from elm_memory.eval.datasets import load_problems
 from elm_memory.eval.methods.base import EvalRuntime, build_method
 from elm_memory.eval.records import RecordLog
-from elm_memory.models.kv_prefix import KVPrefix, encode_prefix, generate_after_prefix, load_prefix, save_prefix
 
 pytestmark = pytest.mark.model
 

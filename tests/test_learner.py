@@ -438,3 +438,23 @@ def test_running_job_heartbeats(qpath: Path):
             beat = conn.execute("SELECT heartbeat_at FROM jobs WHERE job_id = ?", (t.job_id,)).fetchone()[0]
         assert time.time() - beat < 0.2
         gate.set()
+
+
+def test_ray_dispatcher_gets_the_worker_factory_by_name(tmp_path: Path):
+    # jobs never imports the facade: the answering side passes ELM down, and the dispatcher process
+    # (a child started by the supervisor) finds it again from its MODULE:NAME on the command line
+    from elm_memory.config import ELMConfig
+    from elm_memory.elm import ELM
+    from elm_memory.jobs import build_learner
+    from elm_memory.jobs.ray_dispatch import DispatcherSupervisor
+
+    cfg = ELMConfig.load(preset="cpu-tiny", overrides={"store": {"path": str(tmp_path / "store")}})
+    sup = DispatcherSupervisor(cfg, tmp_path / "ledger.sqlite3", worker_factory=ELM)
+    try:
+        assert sup.command()[-2:] == ["--worker-factory", "elm_memory.elm:ELM"]
+    finally:
+        sup.stop()
+    auto = cfg.model_copy(update={"learner": cfg.learner.model_copy(update={"mode": "ray"})})
+    assert auto.learner.ray.dispatcher == "auto"
+    with pytest.raises(ConfigError, match="factory"):
+        build_learner("ray", None, tmp_path / "ledger.sqlite3", config=auto)

@@ -15,9 +15,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.memory import LatentMemory, TrainingStats, question_hash
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.cli import memories_app
 from elm_memory.store.utility import UtilityTable
 
 
@@ -102,7 +102,7 @@ def test_counters_exact_across_processes(tmp_path, info):
 
 
 def test_min_utility_gate_skips_a_losing_memory(tmp_path, tiny_loaded, info):
-    from elm_memory.registry import key_builders
+    from elm_memory.memory.keys import key_builders
     from elm_memory.retrieval.retriever import Retriever
 
     s = store_at(tmp_path / "store", info)

@@ -59,8 +59,8 @@ def test_teacher_forcing_hands_the_lm_head_dense_completion_positions(smol, lm_h
 
 
 def test_prefix_encoders_hand_the_lm_head_only_a_dense_last_position(smol, lm_head_inputs):
-    from elm_memory.memories.prefix import question_prefix
-    from elm_memory.models.kv_prefix import encode_prefix
+    from elm_memory.backends.kv_prefix import encode_prefix
+    from elm_memory.memory.prefix import question_prefix
 
     ids = smol.tokenizer("Anna has 3 apples and buys 4 more. How many apples does she have?")["input_ids"]
     encode_prefix(smol.model, ids)

@@ -14,6 +14,8 @@ import torch
 from _fakes import ScriptedRollouts, weights_checksum
 
 from elm_memory.backends.base import PromptInput, SamplingParams
+from elm_memory.backends.prompting import PromptBuilder
+from elm_memory.backends.teacher_forcing import completion_logits
 from elm_memory.config import ELMConfig
 from elm_memory.errors import (
     AdapterError,
@@ -22,12 +24,10 @@ from elm_memory.errors import (
     MemoryFormatError,
     MemoryKindError,
 )
-from elm_memory.memories.lora import TARGET_MODULES, LoraAdapter
-from elm_memory.memories.prefix import question_prefix
 from elm_memory.memory import LatentMemory, MemoryMeta, TrainingStats
+from elm_memory.memory.lora import TARGET_MODULES, LoraAdapter
+from elm_memory.memory.prefix import question_prefix
 from elm_memory.models.loading import LoadedModel, ModelInfo
-from elm_memory.models.prompting import PromptBuilder
-from elm_memory.models.teacher_forcing import completion_logits
 from elm_memory.training.learn import learn_memories, learn_memory
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
@@ -353,7 +353,7 @@ def test_corrupt_or_mismatched_adapter_files_are_refused(smol):
 @pytest.mark.model
 @pytest.mark.parametrize("key", ["input", "kv"])
 def test_each_kind_grows_the_pool_and_retrieval_keeps_to_its_kind(smol, tmp_path, key):
-    from elm_memory.registry import key_builders
+    from elm_memory.memory.keys import key_builders
     from elm_memory.retrieval.retriever import Retriever
     from elm_memory.store.chroma import ChromaMemoryStore
 
@@ -384,7 +384,7 @@ def test_each_kind_grows_the_pool_and_retrieval_keeps_to_its_kind(smol, tmp_path
 
 @pytest.mark.model
 def test_soft_prompt_mean_keys_refuse_adapter_memories(smol, tmp_path):
-    from elm_memory.retrieval.keys import SoftPromptMeanKeyBuilder
+    from elm_memory.memory.keys import SoftPromptMeanKeyBuilder
     from elm_memory.retrieval.retriever import Retriever
     from elm_memory.store.chroma import ChromaMemoryStore
 
@@ -404,8 +404,8 @@ def test_lora_export_loads_in_peft_with_our_logits(smol, tmp_path):
     from peft import PeftModel
 
     from elm_memory.config import ModelConfig
+    from elm_memory.memory.peft import export_adapter
     from elm_memory.models.loading import load_model
-    from elm_memory.store.peft_adapter import export_adapter
 
     memory, _ = _learn(smol, "lora", learning_rate=1e-3)
     folder = export_adapter(memory, tmp_path / "adapter", position="prefix", base_model=smol.info.path)
@@ -423,7 +423,7 @@ def test_lora_export_loads_in_peft_with_our_logits(smol, tmp_path):
 @pytest.mark.model
 def test_prefix_memories_are_not_exported_or_served_by_vllm(smol, tmp_path):
     from elm_memory.backends.vllm.lora import check_kind
-    from elm_memory.store.peft_adapter import export_adapter
+    from elm_memory.memory.peft import export_adapter
 
     memory, _ = _learn(smol, "prefix")
     with pytest.raises(AdapterError, match="prefix"):
@@ -491,7 +491,7 @@ def test_learn_memories_batches_adapter_memories(smol):
 @pytest.mark.model
 def test_offline_greedy_answers_apply_adapter_memories(smol, tiny_backend):
     """The offline protocol answers with any memory kind (a zero-B lora memory answers as zero-shot does)."""
-    from elm_memory.eval.datasets import Problem
+    from elm_memory.data.datasets import Problem
     from elm_memory.eval.offline import greedy_answers
 
     cfg = _config("lora")

@@ -20,10 +20,10 @@ import torch
 from _fakes import fake_memory, fake_model_info
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.errors import MemoryFormatError
 from elm_memory.memory import LatentMemory, MemoryMeta
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.cli import memories_app
 from elm_memory.store.merge import (
     cluster_keys,
     combine_keys,
@@ -401,9 +401,9 @@ def test_rebuild_index_after_eviction_keeps_the_live_rows(tmp_path):
 
 @pytest.mark.model
 def test_train_merge_on_cpu_tiny(tmp_path, smol, tiny_backend):
+    from elm_memory.backends.prompting import PromptBuilder
     from elm_memory.config import ELMConfig
-    from elm_memory.models.prompting import PromptBuilder
-    from elm_memory.registry import key_builders
+    from elm_memory.memory.keys import key_builders
     from elm_memory.retrieval.retriever import Retriever
     from elm_memory.training.learn import learn_memories
     from elm_memory.training.merging import initial_prompt, train_merged

@@ -12,13 +12,13 @@ import torch
 from _fakes import fake_model_info
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.config import ELMConfig
 from elm_memory.errors import AdapterError
 from elm_memory.memory import LatentMemory
+from elm_memory.memory.peft import export_adapter, read_adapter
 from elm_memory.models.loading import ModelInfo
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.cli import memories_app
-from elm_memory.store.peft_adapter import export_adapter, read_adapter
 
 K = 4
 QUESTION = "Tom has 3 apples and buys 5 more. How many apples does he have?"
@@ -119,7 +119,7 @@ def test_export_loads_in_peft_with_elms_greedy_output(tmp_path: Path, tiny_loade
 
 @pytest.mark.model
 def test_import_round_trip_rebuilds_keys(tmp_path: Path, tiny_loaded) -> None:
-    from elm_memory.retrieval.keys import KVKeyBuilder
+    from elm_memory.memory.keys import KVKeyBuilder
 
     cfg_file = _config_file(tmp_path)
     memory = _memory(tiny_loaded, seed=1)

@@ -4,9 +4,9 @@ import pytest
 import torch
 
 from elm_memory.backends.base import Generation, PromptInput, to_prompt_input
+from elm_memory.backends.prompting import PromptBuilder, validate_question
 from elm_memory.config import PromptConfig
 from elm_memory.errors import InvalidQuestionError
-from elm_memory.models.prompting import PromptBuilder, validate_question
 
 
 @pytest.mark.parametrize(
@@ -102,8 +102,8 @@ def test_graph_baselines_and_offline_protocol_answer_from_the_same_prompt(tiny_l
     """The greedy cache keys on the exact prompt: ELM's zero-shot candidate, the zero_shot baseline and the
     offline protocol must send the same one (and ELM and offline the same memory prompt)."""
     from elm_memory.config import ELMConfig
+    from elm_memory.data.datasets import Problem
     from elm_memory.elm import ELM
-    from elm_memory.eval.datasets import Problem
     from elm_memory.eval.methods.base import EvalRuntime, build_method
     from elm_memory.eval.offline import run_offline
 

@@ -104,6 +104,7 @@ def test_supervisor_releases_a_dead_dispatchers_jobs_uncounted(tmp_path: Path) -
     cfg = ELMConfig.load(preset="cpu-tiny", overrides={"store": {"path": str(tmp_path / "store")}})
     path = tmp_path / "ledger.sqlite3"
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    from elm_memory.elm import ELM
     from elm_memory.jobs.owners import HOST
 
     with JobQueue(path) as q:
@@ -114,7 +115,7 @@ def test_supervisor_releases_a_dead_dispatchers_jobs_uncounted(tmp_path: Path) -
         assert rec is not None and rec.job.attempts == 1
     child.kill()
     child.wait()
-    sup = DispatcherSupervisor(cfg, path)
+    sup = DispatcherSupervisor(cfg, path, worker_factory=ELM)
     assert sup.release_jobs_of(child.pid) == 1
     sup.stop()
     with JobQueue(path) as q:
@@ -408,6 +409,7 @@ def test_ray_cluster_unreachable_then_lost_mid_run(tmp_path: Path) -> None:
     then started again on the same port: every job ends done, once, with exactly one memory each.
     ``dispatcher: auto`` (the learner's own supervised dispatcher process). Took 111-142 s on the 2-core
     Xeon (AMX) shared with other work (load average ~8)."""
+    from elm_memory.elm import ELM
     from elm_memory.store.chroma import ChromaMemoryStore
 
     port = free_port()
@@ -437,7 +439,9 @@ def test_ray_cluster_unreachable_then_lost_mid_run(tmp_path: Path) -> None:
         )
         ledger = tmp_path / "ledger.sqlite3"
         before = set(sys.modules)
-        learner = build_learner("ray", None, ledger, scope="t", config=cfg, max_attempts=3, poll_interval=0.5)
+        learner = build_learner(
+            "ray", None, ledger, scope="t", config=cfg, max_attempts=3, poll_interval=0.5, worker_factory=ELM
+        )
         try:
             t0 = time.monotonic()
             tickets = [learner.submit(q, namespace="rel") for q in questions]

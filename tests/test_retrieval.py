@@ -16,8 +16,8 @@ import torch.nn.functional as F
 from elm_memory.config import ELMConfig
 from elm_memory.errors import IncompatibleMemoryError
 from elm_memory.memory import LatentMemory, TrainingStats
+from elm_memory.memory.keys import InputKeyBuilder, KVCenteredKeyBuilder, KVKeyBuilder, SoftPromptMeanKeyBuilder
 from elm_memory.models.loading import LoadedModel
-from elm_memory.retrieval.keys import InputKeyBuilder, KVCenteredKeyBuilder, KVKeyBuilder, SoftPromptMeanKeyBuilder
 from elm_memory.retrieval.retriever import Hit, Retriever, tokenize_question
 from elm_memory.store.chroma import ChromaMemoryStore
 

@@ -18,6 +18,7 @@ import torch
 from _fakes import fake_memory, fake_model_info, prepare_fake_model
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.config import ELMConfig, parse_override
 from elm_memory.elm import ELM as RealELM
 from elm_memory.errors import (
@@ -30,7 +31,6 @@ from elm_memory.errors import (
 from elm_memory.memory import MAX_HEADER_BYTES, MAX_QUESTION_CHARS, LatentMemory, MemoryMeta, TrainingStats
 from elm_memory.models.loading import ModelInfo
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.cli import memories_app
 
 HIDDEN = 8
 FP = "5a5a5a5a5a5a5a5a"  # the "right" fingerprint: a model prepared on this machine (see prepared_model)

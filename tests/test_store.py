@@ -13,13 +13,13 @@ from _servers import chroma_server as real_chroma_server
 from _servers import free_port
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, StoreError
 from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import ModelInfo
 from elm_memory.store.base import MemoryNotFoundError, MemoryStore
 from elm_memory.store.blobs import BlobStore, MissingBlobError
 from elm_memory.store.chroma import ChromaMemoryStore, collection_name
-from elm_memory.store.cli import memories_app
 
 HIDDEN = 8
 

@@ -1,4 +1,4 @@
-"""One store location: every command resolves ``store.path`` with the same rule (store/location.py),
+"""One store location: every command resolves ``store.path`` with the same rule (config/location.py),
 under ``$ELM_HOME`` or the user data directory, never under the current directory."""
 
 from __future__ import annotations
@@ -13,11 +13,11 @@ import pytest
 from _fakes import fake_memory, fake_model_info
 from typer.testing import CliRunner
 
+from elm_memory.cli.memories import memories_app
 from elm_memory.config import ELMConfig, StoreConfig
+from elm_memory.config.location import data_home, resolve_store_path
 from elm_memory.memory import TrainingStats
 from elm_memory.store.chroma import ChromaMemoryStore
-from elm_memory.store.cli import memories_app
-from elm_memory.store.location import data_home, resolve_store_path
 
 
 @pytest.fixture

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import pytest
 
+from elm_memory.data.datasets import load_problems
 from elm_memory.errors import ConfigError, DatasetError
 from elm_memory.eval import datasets
-from elm_memory.eval.datasets import load_problems
 from elm_memory.eval.synth import FAMILIES, GENERATOR_SEED, GENERATOR_VERSION, N_PROBLEMS, generate, to_jsonl
 
 # ---- the independent solver ----------------------------------------------------------------------
@@ -204,8 +204,8 @@ def test_every_vendored_set_passes_the_checks():
 
 
 def test_a_vendored_file_that_differs_from_its_checksum_is_refused(tmp_path, monkeypatch):
-    data = tmp_path / "data"
-    data.mkdir()
+    data = tmp_path / "eval" / "data"  # the files stay in elm_memory/eval/data; data.datasets reads them there
+    data.mkdir(parents=True)
     real = resources.files("elm_memory.eval").joinpath("data")
     (data / "SHA256SUMS").write_bytes(real.joinpath("SHA256SUMS").read_bytes())
     (data / "synth_arith.jsonl").write_bytes(real.joinpath("synth_arith.jsonl").read_bytes().replace(b'"5"', b'"6"', 1))

@@ -7,11 +7,11 @@ import torch
 from _fakes import ScriptedRollouts, weights_checksum
 
 from elm_memory.backends.base import PromptInput
+from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig, TrainingConfig
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, NonFiniteError
 from elm_memory.memory import LatentMemory
-from elm_memory.models.prompting import PromptBuilder
-from elm_memory.training.initialization import init_soft_prompt, tile_to_length
+from elm_memory.memory.init import init_soft_prompt, tile_to_length
 from elm_memory.training.learn import learn_memory
 from elm_memory.training.losses import advantages_from_rewards, policy_loss
 from elm_memory.training.native import NativeTrainer

@@ -322,7 +322,7 @@ QUESTIONS = ["What is 2 + 3?", "A train leaves at 3 pm and travels 120 km at 60 
 
 
 def test_learn_memories_equals_learn_memory_per_question(rand_loaded, rand_backend):
-    from elm_memory.models.prompting import PromptBuilder
+    from elm_memory.backends.prompting import PromptBuilder
     from elm_memory.training.learn import learn_memories, learn_memory
 
     cfg = _elm_config()

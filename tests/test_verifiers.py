@@ -12,9 +12,9 @@ import pytest
 import torch
 
 from elm_memory.backends.base import PromptInput, SamplingParams
+from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig
 from elm_memory.errors import BackendError, ConfigError, RegistryError
-from elm_memory.models.prompting import PromptBuilder
 from elm_memory.verifiers import EMPTY_SCORE, Candidate, Verifier, build_verifier
 from elm_memory.verifiers.logprob import LogprobVerifier
 from elm_memory.verifiers.prm import (
@@ -208,7 +208,8 @@ class PluginVerifier:
 
 
 def test_entry_point_plugin_is_discovered(monkeypatch):
-    from elm_memory import registry
+    from elm_memory import plugins
+    from elm_memory.verifiers.registry import verifiers
 
     ep = importlib.metadata.EntryPoint(
         name="shortest", value=f"{__name__}:PluginVerifier", group="elm_memory.verifiers"
@@ -217,10 +218,10 @@ def test_entry_point_plugin_is_discovered(monkeypatch):
     def fake_entry_points(*, group=None, **kw):
         return [ep] if group == "elm_memory.verifiers" else []
 
-    monkeypatch.setattr(registry.importlib.metadata, "entry_points", fake_entry_points)
-    monkeypatch.setattr(registry.verifiers, "_entries", dict(registry.verifiers._entries))
-    monkeypatch.setattr(registry.verifiers, "_plugins_loaded", False)
-    assert "shortest" in registry.verifiers.names()
+    monkeypatch.setattr(plugins.importlib.metadata, "entry_points", fake_entry_points)
+    monkeypatch.setattr(verifiers, "_entries", dict(verifiers._entries))
+    monkeypatch.setattr(verifiers, "_plugins_loaded", False)
+    assert "shortest" in verifiers.names()
     v = build_verifier(ELMConfig.load(overrides={"verifier": {"name": "shortest"}}), backend="sentinel")
     assert isinstance(v, PluginVerifier) and v.backend == "sentinel"
     assert v.score("q", [Candidate("long answer"), Candidate("x")]) == [-11.0, -1.0]

@@ -28,9 +28,9 @@ except Exception as exc:  # a broken install (e.g. CUDA torchvision on CPU) fail
     )
 
 from elm_memory.backends.base import GenerationBackend, PromptInput, SamplingParams
+from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig
 from elm_memory.errors import BackendError
-from elm_memory.models.prompting import PromptBuilder
 
 pytestmark = [pytest.mark.vllm, pytest.mark.model]
 
@@ -77,7 +77,7 @@ def test_importing_the_backends_does_not_import_vllm():
         "import sys, elm_memory.backends.vllm.engine, elm_memory.backends.vllm.server_backend\n"
         "import elm_memory.backends.vllm.model_side, elm_memory.backends.vllm.launcher\n"
         "import elm_memory.backends.vllm.probe, elm_memory.backends.vllm.model_runner\n"
-        "from elm_memory.registry import backends\n"
+        "from elm_memory.backends.registry import backends\n"
         "assert backends.get('vllm').__name__ == 'VLLMBackend'\n"
         "assert backends.get('vllm-server').__name__ == 'VLLMServerBackend'\n"
         "assert 'vllm' not in sys.modules, 'vllm imported eagerly'\n"
@@ -256,7 +256,7 @@ def test_a_prompt_longer_than_the_context_is_refused(vb):
 
 def test_grpo_rollouts_come_from_vllm_with_the_current_soft_prompt(vb, tiny_loaded):
     """No weight sync: each step's rollouts carry the updated soft prompt as new embeddings."""
-    from elm_memory.training.initialization import init_soft_prompt
+    from elm_memory.memory.init import init_soft_prompt
     from elm_memory.training.native import NativeTrainer
 
     class Recording:
@@ -390,7 +390,7 @@ def test_server_errors_are_typed(sb):
 
 @pytest.fixture(scope="module")
 def lora_memory(tiny_loaded):
-    from elm_memory.memories.lora import LoraAdapter
+    from elm_memory.memory.lora import LoraAdapter
 
     lora = LoraAdapter.initial(tiny_loaded.model, rank=16, alpha=32, seed=1)
     g = torch.Generator().manual_seed(2)

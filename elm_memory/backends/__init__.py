@@ -5,5 +5,5 @@
 * :mod:`~elm_memory.backends.vllm` -- vLLM through prompt embeddings (``vllm``, ``vllm-server``);
 * :mod:`~elm_memory.backends.postprocess` -- EOS ids, finish reason and answer cut, shared by all of them.
 
-Backends are picked by ``backend.name`` through :data:`elm_memory.registry.backends`.
+Backends are picked by ``backend.name`` through :data:`elm_memory.backends.registry.backends`.
 """

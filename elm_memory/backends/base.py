@@ -3,7 +3,7 @@ from an inference engine, and nothing more.
 
 A backend generates from token ids with an optional soft prompt (k x d) inserted at a
 token position, or with an optional ``lora``/``prefix`` memory applied to the model
-(``PromptInput.memory``, :mod:`elm_memory.memories`). Implementations: ``hf`` (transformers, here), ``vllm`` and
+(``PromptInput.memory``, :mod:`elm_memory.memory`). Implementations: ``hf`` (transformers, here), ``vllm`` and
 ``vllm-server`` (prompt embeddings). Selected by ``backend.name`` through the registry.
 """
 
@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol, runtime_checkable
 if TYPE_CHECKING:
     import torch
 
-    from elm_memory.memories.base import MemoryAdapter
+    from elm_memory.memory.kinds import MemoryAdapter
     from elm_memory.models.loading import ModelInfo
 
 FinishReason = Literal["stop", "length", "answer"]

@@ -36,12 +36,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elm_memory.backends.lookup import LookupDrafter
-from elm_memory.memories.base import AppliedMemory
+from elm_memory.memory.kinds import AppliedMemory
 from elm_memory.models.logits import last_positions
 
 if TYPE_CHECKING:
     from elm_memory.backends.captured import CapturedSteps
-    from elm_memory.memories.base import MemoryAdapter
+    from elm_memory.memory.kinds import MemoryAdapter
 
 
 @dataclass(frozen=True)

@@ -41,9 +41,9 @@ from elm_memory.backends.captured import CapturedSteps, unsupported_reason
 from elm_memory.backends.decode import DecodeOptions
 from elm_memory.backends.lookup import RecentOutputs
 from elm_memory.backends.postprocess import answer_closed_after, eos_ids_of, finish_generation
+from elm_memory.backends.teacher_forcing import completion_logprobs
 from elm_memory.errors import ConfigError
 from elm_memory.models.loading import LoadedModel
-from elm_memory.models.teacher_forcing import completion_logprobs
 
 log = logging.getLogger(__name__)
 

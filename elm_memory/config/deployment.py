@@ -159,7 +159,7 @@ class StoreConfig(ConfigSection):
     @field_validator("path")
     @classmethod
     def _resolve_path(cls, v: str) -> str:
-        from elm_memory.store.location import resolve_store_path  # one rule, see store/location.py
+        from elm_memory.config.location import resolve_store_path  # one rule, see config/location.py
 
         return str(resolve_store_path(v))
 

@@ -2,7 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pydantic import BaseModel, ConfigDict
+
+#: Registry name -> the names it knows (built-ins and installed plugins). Config imports no registry
+#: (they sit in higher layers): the package root sets this when it is imported, which is before any
+#: config module runs.
+_registered_names: Callable[[str], list[str]] | None = None
+
+
+def use_registered_names(lookup: Callable[[str], list[str]]) -> None:
+    global _registered_names
+    _registered_names = lookup
 
 
 class ConfigSection(BaseModel):
@@ -12,12 +24,12 @@ class ConfigSection(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-def registered_name(registry_attr: str, value: str) -> str:
+def registered_name(registry: str, value: str) -> str:
     """``value`` if the named registry knows it (built-ins and installed plugins), else a ValueError
     listing the known names: a typo fails when the config loads, not after the model has loaded."""
-    from elm_memory import registry
-
-    names = getattr(registry, registry_attr).names()
+    if _registered_names is None:  # unreachable through ``import elm_memory``; kept for type checkers
+        return value
+    names = _registered_names(registry)
     if value not in names:
         raise ValueError(f"unknown {value!r}; available: {', '.join(names)}")
     return value

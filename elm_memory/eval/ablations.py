@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from elm_memory.config import ELMConfig, deep_merge
+from elm_memory.data.datasets import Problem
 from elm_memory.errors import ConfigError
-from elm_memory.eval.datasets import Problem
 from elm_memory.eval.records import RecordLog, run_dir, write_json_atomic
 
 
@@ -199,9 +199,9 @@ class SharedBackend:
 
     def _backend(self) -> Any:
         if self._cache is None:
+            from elm_memory.backends.registry import backends
             from elm_memory.eval.cache import GreedyCache
             from elm_memory.models.loading import load_model
-            from elm_memory.registry import backends
 
             backend = self._given
             if backend is None:

@@ -30,8 +30,8 @@ from typing import Any
 
 from elm_memory.answers import equivalent
 from elm_memory.config import ELMConfig
+from elm_memory.data.datasets import Problem
 from elm_memory.errors import ConfigError
-from elm_memory.eval.datasets import Problem
 from elm_memory.eval.offline import OfflineResult, greedy_answers
 from elm_memory.eval.progress import ProgressBar
 from elm_memory.eval.records import (
@@ -153,7 +153,7 @@ class _FullModelRun:
         if not todo:
             return
         from elm_memory.backends.hf import HFBackend
-        from elm_memory.models.prompting import PromptBuilder
+        from elm_memory.backends.prompting import PromptBuilder
 
         backend = HFBackend.from_config(self.config, loaded=self.loaded)
         prompts = PromptBuilder(self.loaded.tokenizer, self.config.prompt, max_context=self.loaded.info.max_context)
@@ -169,7 +169,7 @@ class _FullModelRun:
     def _train(
         self, train_set: list[Problem], *, save_model: bool, progress: bool | None, reward: RewardFunction | None
     ) -> None:
-        from elm_memory.models.prompting import PromptBuilder
+        from elm_memory.backends.prompting import PromptBuilder
         from elm_memory.training.full_model import train_full_model
         from elm_memory.training.trl_engine import trl_prompt_text
 

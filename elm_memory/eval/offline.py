@@ -29,8 +29,8 @@ from typing import Any
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import SamplingParams, answer_budget
 from elm_memory.config import ELMConfig
+from elm_memory.data.datasets import Problem
 from elm_memory.errors import ConfigError
-from elm_memory.eval.datasets import Problem
 from elm_memory.eval.methods.base import EvalRuntime, memory_store_config, open_runtime
 from elm_memory.eval.progress import ProgressBar
 from elm_memory.eval.records import (
@@ -255,7 +255,7 @@ def _learning_elm(runtime: EvalRuntime, out: Path) -> Any:
 
 def _store(runtime: EvalRuntime, run_directory: Path) -> Any:
     """The pool of ``run_directory`` (this run's, or the one given by ``memories_from``)."""
-    from elm_memory.registry import stores
+    from elm_memory.store.registry import stores
 
     cfg = memory_store_config(runtime.config, run_dir(run_directory), "the offline protocol")
     return stores.get(cfg.store.kind).from_config(cfg.store, model=runtime.loaded.info)

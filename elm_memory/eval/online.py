@@ -21,8 +21,8 @@ from typing import Any
 
 from elm_memory.answers import equivalent
 from elm_memory.config import ELMConfig
+from elm_memory.data.datasets import Problem
 from elm_memory.errors import ConfigError
-from elm_memory.eval.datasets import Problem
 from elm_memory.eval.methods.base import EvalMethod, EvalRuntime, build_method, open_runtime
 from elm_memory.eval.progress import ProgressBar
 from elm_memory.eval.records import (
@@ -112,7 +112,7 @@ def run_stream(
 
 def _known_methods(methods: Sequence[str]) -> list[str]:
     """The methods without repeats; unknown names fail here, before any model is loaded."""
-    from elm_memory.registry import eval_methods
+    from elm_memory.eval.methods.registry import eval_methods
 
     names = list(dict.fromkeys(methods))
     if not names:

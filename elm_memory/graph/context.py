@@ -18,7 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from elm_memory.errors import ConfigError
-from elm_memory.store.names import validate_namespace
+from elm_memory.memory.ids import validate_namespace
 
 
 class ELMRunContext(BaseModel):

@@ -20,10 +20,10 @@ from langgraph.runtime import Runtime
 
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import GenerateRequest, SamplingParams, answer_budget, generate_requests
+from elm_memory.backends.prompting import validate_question
 from elm_memory.graph.context import ELMRunContext, as_run_context, resolve_namespace
 from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import CandidateState, ELMState, Fresh, FreshTimings
-from elm_memory.models.prompting import validate_question
 from elm_memory.verifiers.base import SamplingVerifier
 
 log = logging.getLogger(__name__)

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elm_memory.backends.base import GenerationBackend
+from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig
-from elm_memory.models.prompting import PromptBuilder
 
 if TYPE_CHECKING:  # annotations only: the parts are built by ELM, which imports them lazily
     from elm_memory.jobs import MemoryLearner

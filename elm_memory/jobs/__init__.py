@@ -30,7 +30,7 @@ Idempotency contract ("every memory stored once")
 -------------------------------------------------
 * **Job identity.** ``job_id = sha256("elm-learn-v1", scope, namespace,
   sha256(question.strip()))`` (see :func:`make_job_id`; the inner hash is
-  :func:`elm_memory.store.names.question_hash`). Submitting the same question in the same
+  :func:`elm_memory.memory.ids.question_hash`). Submitting the same question in the same
   namespace (and scope) again returns the existing job instead of queueing a new one:
   ``pending``/``running`` -> the same job, not queued twice; ``done`` -> never rerun,
   the ticket carries the ``memory_id`` it produced; ``failed`` -> re-queued with fresh

@@ -3,7 +3,7 @@
 A learner accepts questions (``submit``) and sees to it that a memory is learned from each:
 inline (``sync``), by a worker thread (``background``), by Ray actors on other machines (``ray``)
 or not at all (``off``). The modes
-are registered in :data:`elm_memory.registry.learners` (plugins: the entry-point group
+are registered in :data:`elm_memory.jobs.registry.learners` (plugins: the entry-point group
 ``elm_memory.learners``); :func:`build_learner` picks one by name.
 """
 
@@ -18,7 +18,7 @@ from typing import Any, Protocol, runtime_checkable
 from elm_memory.errors import ConfigError, RegistryError
 from elm_memory.jobs.queue import JobQueue
 from elm_memory.jobs.records import JobRecord, LearnJob, LearnTicket
-from elm_memory.registry import learners
+from elm_memory.jobs.registry import learners
 
 #: Learns one job's memory and returns its id (see the idempotency contract in :mod:`elm_memory.jobs`).
 LearnFn = Callable[[LearnJob], "str | None"]
@@ -65,6 +65,9 @@ class LearnerOptions:
     batch_size: int = 1
     learn_many_fn: LearnManyFn | None = None
     config: Any = None  # the ELMConfig, for learners that start processes of their own (``ray``)
+    #: what such a learner's worker processes build from the config to learn with: the facade class,
+    #: passed in by it (jobs never imports the facade); an importable ``module:qualname`` target
+    worker_factory: Any = None
 
 
 class LearnerFactory(Protocol):
@@ -85,6 +88,7 @@ def build_learner(
     batch_size: int = 1,
     learn_many_fn: LearnManyFn | None = None,
     config: Any = None,
+    worker_factory: Any = None,
 ) -> MemoryLearner:
     """The learner for ``LearnerConfig.mode``. ``queue_path`` is the SQLite file (see
     :func:`~elm_memory.jobs.records.default_queue_path`); ``scope`` is mixed into job ids (use the
@@ -94,5 +98,5 @@ def build_learner(
         factory = learners.get(mode)
     except RegistryError as exc:  # a bad mode is a config mistake, like every other config value
         raise ConfigError(str(exc)) from None
-    options = LearnerOptions(scope, max_attempts, poll_interval, batch_size, learn_many_fn, config)
+    options = LearnerOptions(scope, max_attempts, poll_interval, batch_size, learn_many_fn, config, worker_factory)
     return factory.create(learn_fn, queue_path, options)

@@ -72,7 +72,8 @@ class QueueLearner:
         """The registry's constructor (:class:`~elm_memory.jobs.learner.LearnerFactory`)."""
         if learn_fn is None or queue is None:
             raise ConfigError(f"learner mode {cls.mode!r} needs a learn_fn and a queue path")
-        kwargs = {k: v for k, v in vars(options).items() if k != "config"}  # the rest are this class's keywords
+        # the rest are this class's keywords
+        kwargs = {k: v for k, v in vars(options).items() if k not in ("config", "worker_factory")}
         return cls(learn_fn, queue, **kwargs)
 
     # -- common API --------------------------------------------------------------------

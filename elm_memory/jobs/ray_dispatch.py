@@ -41,6 +41,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
+import importlib
 import json
 import logging
 import os
@@ -50,9 +51,11 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from elm_memory.errors import MemoryNotFoundError
 from elm_memory.jobs.owners import HOST, LIVE_OWNERS, new_owner
 from elm_memory.jobs.queue import JobQueue
 from elm_memory.jobs.records import JobRecord, LearnerError, LearnJob, error_text
@@ -109,12 +112,12 @@ class LearnerWorker:
     vLLM server (``backend.name: vllm-server``, prompt embeddings; the model is frozen, so no
     weights move)."""
 
-    def __init__(self, config: dict[str, Any]):
+    def __init__(self, config: dict[str, Any], worker_factory: Callable[[ELMConfig], Any]):
         from elm_memory.config import ELMConfig
-        from elm_memory.elm import ELM
 
         config = {**config, "learner": {**config.get("learner", {}), "mode": "off"}}
-        self.elm = ELM(ELMConfig.from_dict(config))
+        # the facade, handed down by whoever started the dispatcher (jobs never imports it)
+        self.elm = worker_factory(ELMConfig.from_dict(config))
         self.elm.backend  # noqa: B018  (load the model and backend now, once)
         if self.elm.retriever is None:
             raise LearnerError("a ray learner needs a memory store (store.kind is 'none')")
@@ -123,8 +126,6 @@ class LearnerWorker:
         return {"pid": os.getpid(), "host": HOST, "fingerprint": self.elm.loaded.info.fingerprint}
 
     def _stored(self, job: LearnJob) -> bool:
-        from elm_memory.store.base import MemoryNotFoundError
-
         retriever = self.elm.retriever
         assert retriever is not None
         try:
@@ -163,8 +164,11 @@ class Dispatcher:
     ``run`` returns when ``stop`` is set (jobs in flight are released, not counted as attempts)
     and raises when the cluster goes away (the supervisor starts a fresh dispatcher)."""
 
-    def __init__(self, config: ELMConfig, queue_path: str | os.PathLike[str]):
+    def __init__(
+        self, config: ELMConfig, queue_path: str | os.PathLike[str], worker_factory: Callable[[ELMConfig], Any]
+    ):
         self.config = config
+        self.worker_factory = worker_factory
         self.rc = config.learner.ray
         self.batch_size = config.learner.batch_size
         self.poll_interval = min(config.learner.poll_interval, 1.0)
@@ -220,7 +224,7 @@ class Dispatcher:
                 max_task_retries=0,  # the ledger retries, with backoff, counting attempts
                 max_concurrency=1,
             )
-            .remote(self.config.model_dump(mode="json"))
+            .remote(self.config.model_dump(mode="json"), self.worker_factory)
         )
 
     # -- the loop ------------------------------------------------------------------------
@@ -335,8 +339,16 @@ class DispatcherSupervisor:
     60 s) and releases the jobs the dead child still held, without counting an attempt: a
     dispatcher that lost its cluster did not fail the job."""
 
-    def __init__(self, config: ELMConfig, queue_path: str | os.PathLike[str], *, log_path: Path | None = None):
+    def __init__(
+        self,
+        config: ELMConfig,
+        queue_path: str | os.PathLike[str],
+        *,
+        worker_factory: Callable[[ELMConfig], Any],
+        log_path: Path | None = None,
+    ):
         self.config = config
+        self.worker_factory = worker_factory
         self.queue_path = Path(queue_path)
         self.log_path = log_path
         self.proc: subprocess.Popen[bytes] | None = None
@@ -349,7 +361,16 @@ class DispatcherSupervisor:
         self._config_file = Path(name)
 
     def command(self) -> list[str]:
-        return [sys.executable, "-m", "elm_memory.jobs.ray_dispatch", str(self._config_file), str(self.queue_path)]
+        factory = f"{self.worker_factory.__module__}:{self.worker_factory.__qualname__}"
+        return [
+            sys.executable,
+            "-m",
+            "elm_memory.jobs.ray_dispatch",
+            str(self._config_file),
+            str(self.queue_path),
+            "--worker-factory",
+            factory,
+        ]
 
     def start(self) -> None:
         """Watch the dispatcher from a daemon thread (the answering process's ``dispatcher: auto``)."""
@@ -417,17 +438,23 @@ class DispatcherSupervisor:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m elm_memory.jobs.ray_dispatch CONFIG_JSON QUEUE``: one dispatcher (run by the supervisor)."""
+    """``python -m elm_memory.jobs.ray_dispatch CONFIG_JSON QUEUE --worker-factory MODULE:NAME``: one
+    dispatcher (run by the supervisor; the factory is what each actor builds from the config)."""
     from elm_memory.config import ELMConfig
 
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("config_json")
     parser.add_argument("queue")
+    parser.add_argument("--worker-factory", required=True, help="MODULE:NAME of the actors' factory")
     args = parser.parse_args(argv)
+    module, _, name = args.worker_factory.partition(":")
+    worker_factory: Any = importlib.import_module(module)
+    for part in name.split("."):
+        worker_factory = getattr(worker_factory, part)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s elm-ray-dispatch[%(process)d] %(message)s")
     config = ELMConfig.from_dict(json.loads(Path(args.config_json).read_text()))
-    dispatcher = Dispatcher(config, args.queue)
+    dispatcher = Dispatcher(config, args.queue, worker_factory)
     signal.signal(signal.SIGTERM, lambda *_: dispatcher.stop.set())
     rc = 0
     try:

@@ -39,7 +39,11 @@ class RayLearner(QueueLearner):
 
     mode = "ray"
 
-    def __init__(self, queue: QueueLike, *, config: ELMConfig, start: bool = True, **kwargs: Any):
+    def __init__(
+        self, queue: QueueLike, *, config: ELMConfig, worker_factory: Any = None, start: bool = True, **kwargs: Any
+    ):
+        if config.learner.ray.dispatcher == "auto" and start and worker_factory is None:
+            raise ConfigError("learner.ray.dispatcher=auto needs the actors' factory (ELM passes its class)")
         super().__init__(_not_here, queue, **kwargs)
         self.config = config
         self.supervisor: DispatcherSupervisor | None = None
@@ -47,7 +51,9 @@ class RayLearner(QueueLearner):
             from elm_memory.jobs.ray_dispatch import DispatcherSupervisor
 
             log_path = Path(str(self.queue.path) + ".ray-dispatch.log")
-            self.supervisor = DispatcherSupervisor(config, self.queue.path, log_path=log_path)
+            self.supervisor = DispatcherSupervisor(
+                config, self.queue.path, worker_factory=worker_factory, log_path=log_path
+            )
             self.supervisor.start()
 
     @classmethod
@@ -57,6 +63,7 @@ class RayLearner(QueueLearner):
         return cls(
             queue,
             config=options.config,
+            worker_factory=options.worker_factory,
             scope=options.scope,
             max_attempts=options.max_attempts,
             poll_interval=options.poll_interval,

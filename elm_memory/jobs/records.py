@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from elm_memory.errors import ELMError, InvalidQuestionError
-from elm_memory.store.names import question_hash
+from elm_memory.memory.ids import question_hash
 
 JobState = Literal["pending", "running", "done", "failed"]
 TicketStatus = Literal["pending", "running", "done", "failed", "skipped"]

@@ -1,19 +1,14 @@
-"""Memory parameterisations (``memory.kind``): what a memory's trained weights are and how they condition
-the frozen model.
+"""Deprecated: moved into :mod:`elm_memory.memory` (``memories.base`` is ``memory.kinds``; ``lora`` and
+``prefix`` are ``memory.lora`` and ``memory.prefix``). This name keeps importing for one release."""
 
-- ``soft_prompt`` (paper's choice): k vectors inserted into the input embeddings; applied by the
-  backends themselves through ``PromptInput.soft_prompt`` (no adapter object).
-- ``lora`` (:mod:`elm_memory.memories.lora`): a low-rank delta on the attention and MLP projections,
-  added by forward hooks only while the memory is applied; the shared model's weights never change.
-- ``prefix`` (:mod:`elm_memory.memories.prefix`): per-layer key/value vectors placed in the KV cache
-  before the prompt (prefix tuning).
+import warnings
 
-``lora`` and ``prefix`` memories travel as a :class:`~elm_memory.memories.base.MemoryAdapter` in
-``PromptInput.memory``. The kind names and their check are in :mod:`elm_memory.memories.base`; a
-memory file's tensors per kind are read and checked by :class:`elm_memory.memory.LatentMemory`, and
-:func:`elm_memory.training.learn.initial_memory` gives each kind its initialisation.
-"""
+from elm_memory.memory.kinds import KINDS, SOFT_PROMPT, AppliedMemory, MemoryAdapter, check_kind
 
-from elm_memory.memories.base import KINDS, SOFT_PROMPT, AppliedMemory, MemoryAdapter, check_kind
+warnings.warn(
+    "elm_memory.memories moved to elm_memory.memory; the old path goes in the next release",
+    DeprecationWarning,
+    stacklevel=2,
+)
 
 __all__ = ["KINDS", "SOFT_PROMPT", "AppliedMemory", "MemoryAdapter", "check_kind"]

@@ -1,6 +1,6 @@
 """Retrieval keys (input, soft_prompt_mean, kv, kv_centered) and the :class:`Retriever`."""
 
-from elm_memory.retrieval.keys import (
+from elm_memory.memory.keys import (
     InputKeyBuilder,
     KeyBuilder,
     KVCenteredKeyBuilder,

@@ -24,8 +24,7 @@ import torch
 
 from elm_memory.errors import ConfigError, MemoryFormatError, MemoryKindError, StoreError
 from elm_memory.memory import LatentMemory
-from elm_memory.models.prompting import validate_question
-from elm_memory.retrieval.keys import KeyBuilder, QuestionIds, memory_inputs
+from elm_memory.memory.keys import KeyBuilder, QuestionIds, memory_inputs, tokenize_question
 
 if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
@@ -147,12 +146,6 @@ def _check_utility(value: float | None) -> float | None:
     return float(value)
 
 
-def tokenize_question(tokenizer: Any, question: Any) -> list[int]:
-    """Key tokens of a question: its own text, no template or special tokens (see keys.py)."""
-    text = validate_question(question)
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
 class Retriever:
     """Query and index memories of one model with one key kind."""
 
@@ -190,7 +183,8 @@ class Retriever:
     @classmethod
     def from_config(cls, cfg: ELMConfig, loaded: LoadedModel, **store_kwargs: Any) -> Retriever:
         """Builder and store picked by name through the registries (``retrieval.key``, ``store.kind``)."""
-        from elm_memory.registry import key_builders, stores
+        from elm_memory.memory.keys import key_builders
+        from elm_memory.store.registry import stores
 
         builder = key_builders.get(cfg.retrieval.key)()
         store = stores.get(cfg.store.kind).from_config(cfg.store, model=loaded.info, **store_kwargs)

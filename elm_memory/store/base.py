@@ -19,15 +19,11 @@ from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from elm_memory.errors import ELMError, StoreError
+from elm_memory.errors import ELMError, MemoryNotFoundError
 from elm_memory.memory import LatentMemory
 
 if TYPE_CHECKING:
     from elm_memory.store.utility import Utility
-
-
-class MemoryNotFoundError(StoreError):
-    """No memory with that id in the store (or in the given namespace)."""
 
 
 @dataclass(frozen=True)

@@ -20,21 +20,44 @@ The store commits each merge crash-safely (:mod:`elm_memory.store.chroma.merges`
 
 from __future__ import annotations
 
-import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import numpy as np
-import torch
 
-from elm_memory.errors import IncompatibleMemoryError, MemoryKindError, StoreError
-from elm_memory.memory import LatentMemory, MemoryMeta, TrainingStats
-from elm_memory.retrieval.keys import LAYERWISE_KINDS
-from elm_memory.store.names import question_hash
+from elm_memory.errors import StoreError
+from elm_memory.memory import LatentMemory
+from elm_memory.memory.merge import (  # re-exported: the merge math's old home
+    average_memory,
+    build_merged,
+    combine_keys,
+    common_kinds,
+    merged_stats,
+    require_soft_prompts,
+)
 
-if TYPE_CHECKING:
-    from elm_memory.store.chroma import ChromaMemoryStore
+__all__ = [  # the merge math lives in elm_memory.memory.merge; its names stay importable from here
+    "DEFAULT_THRESHOLD",
+    "STRATEGIES",
+    "Cluster",
+    "KeyCollectionInfo",
+    "MergeBuilder",
+    "MergeOutcome",
+    "MergeableStore",
+    "average_memory",
+    "build_merged",
+    "check_threshold",
+    "cluster_keys",
+    "combine_keys",
+    "common_kinds",
+    "find_clusters",
+    "merge_clusters",
+    "merge_namespace",
+    "merged_stats",
+    "neighbours",
+    "require_soft_prompts",
+]
 
 #: Default cosine threshold. Measured on the default model's input keys (mean question embeddings) of
 #: 60 synth-arith questions: rewordings of one question (a trailing space, "Please answer: ...",
@@ -47,6 +70,27 @@ _BLOCK = 1024
 
 #: Builds the merged memory of one cluster's members (oldest first).
 MergeBuilder = Callable[[Sequence[LatentMemory]], LatentMemory]
+
+
+class KeyCollectionInfo(Protocol):
+    """What a key collection is filed under: one model, one key kind, one namespace."""
+
+    @property
+    def namespace(self) -> str: ...
+    @property
+    def fingerprint(self) -> str: ...
+    @property
+    def kind(self) -> str: ...
+
+
+class MergeableStore(Protocol):
+    """What merging needs of a store (``ChromaMemoryStore`` is one): its key collections and their
+    vectors to cluster, the members to read and a crash-safe commit of each merged memory."""
+
+    def key_collections(self, kind: str, namespace: str | None = None) -> Sequence[tuple[KeyCollectionInfo, Any]]: ...
+    def key_matrix(self, col: Any) -> tuple[list[str], list[float], np.ndarray]: ...
+    def get(self, memory_id: str, namespace: str | None = None) -> LatentMemory: ...
+    def commit_merge(self, merged: LatentMemory) -> list[str]: ...
 
 
 @dataclass(frozen=True)
@@ -118,7 +162,7 @@ def cluster_keys(matrix: np.ndarray, threshold: float) -> list[tuple[list[int], 
 
 
 def find_clusters(
-    store: ChromaMemoryStore, *, namespace: str | None = None, kind: str = "input", threshold: float = DEFAULT_THRESHOLD
+    store: MergeableStore, *, namespace: str | None = None, kind: str = "input", threshold: float = DEFAULT_THRESHOLD
 ) -> list[Cluster]:
     """Near-duplicate clusters in each collection of key ``kind`` (one namespace, or all)."""
     threshold = check_threshold(threshold)
@@ -131,130 +175,11 @@ def find_clusters(
     return out
 
 
-# ---- the merged memory ------------------------------------------------------------------------
-
-
-def combine_keys(kind: str, keys: Sequence[torch.Tensor]) -> torch.Tensor:
-    """The merged memory's key of ``kind`` from its members' keys: their mean, renormalised as the key
-    builder would. ``kv`` and ``kv_centered`` keys are concatenated unit vectors, one per layer (norm
-    sqrt(L)): the mean is cut into the same L blocks and each is scaled back to unit norm. ``input`` and
-    ``soft_prompt_mean`` keys are plain means (the builders do not normalise; ``soft_prompt_mean`` of an
-    averaged prompt is exactly this mean)."""
-    stacked = torch.stack([k.detach().to(torch.float32).reshape(-1) for k in keys])
-    mean = stacked.mean(dim=0)
-    if kind in LAYERWISE_KINDS:
-        layers = round(float(stacked[0].norm()) ** 2)
-        if layers >= 1 and mean.numel() % layers == 0:
-            blocks = mean.view(layers, -1)
-            return torch.nn.functional.normalize(blocks, dim=-1).reshape(-1)
-    return mean
-
-
-def common_kinds(members: Sequence[LatentMemory]) -> list[str]:
-    kinds = set(members[0].keys)
-    for m in members[1:]:
-        kinds &= set(m.keys)
-    return sorted(kinds)
-
-
-def merged_stats(members: Sequence[LatentMemory], trained: Sequence[TrainingStats] = ()) -> TrainingStats:
-    """Stats of a merged memory: ``trained`` (one run per member question, from a ``train`` merge)
-    averaged per step, else an untrained record (``engine`` ``merge``, 0 steps). The majority answer
-    is the members' (or the runs') common one, None when they differ; the share is their mean."""
-    runs = list(trained) or [m.meta.stats for m in members]
-    answers = {s.majority_answer for s in runs}
-    stats = TrainingStats(
-        engine=trained[0].engine if trained else "merge",
-        objective=runs[0].objective,
-        majority_answer=answers.pop() if len(answers) == 1 else None,
-        majority_share=sum(s.majority_share for s in runs) / len(runs),
-        no_consensus=all(s.no_consensus for s in runs),
-    )
-    if trained:
-        n = min(len(s.mean_reward) for s in trained) if all(s.mean_reward for s in trained) else 0
-        stats.steps = trained[0].steps
-        stats.mean_reward = [sum(s.mean_reward[i] for s in trained) / len(trained) for i in range(n)]
-        stats.loss = [sum(s.loss[i] for s in trained) / len(trained) for i in range(min(len(s.loss) for s in trained))]
-        stats.kl = [sum(s.kl[i] for s in trained) / len(trained) for i in range(min(len(s.kl) for s in trained))]
-        stats.skipped_backward = [
-            all(s.skipped_backward[i] for s in trained) for i in range(min(len(s.skipped_backward) for s in trained))
-        ]
-        stats.answers = [sum((s.answers[i] for s in trained), []) for i in range(min(len(s.answers) for s in trained))]
-        stats.seconds = max(s.seconds for s in trained)  # trained together: each run reports the batch's time
-        stats.generation_seconds = max(s.generation_seconds for s in trained)
-        stats.backward_seconds = max(s.backward_seconds for s in trained)
-        stats.completion_tokens = sum(s.completion_tokens for s in trained)
-    return stats
-
-
-def build_merged(
-    members: Sequence[LatentMemory],
-    soft_prompt: torch.Tensor,
-    strategy: str,
-    *,
-    keys: dict[str, torch.Tensor] | None = None,
-    stats: TrainingStats | None = None,
-    extra: dict[str, Any] | None = None,
-) -> LatentMemory:
-    """The merged memory of ``members`` (oldest first): a new id, the oldest member's question, the
-    youngest member's creation time, keys combined from the members' unless given, provenance."""
-    if len(members) < 2:
-        raise StoreError("a merge needs at least two memories")
-    first = members[0].meta
-    for m in members[1:]:
-        if (m.meta.model_fingerprint, m.meta.namespace, m.meta.hidden_size) != (
-            first.model_fingerprint,
-            first.namespace,
-            first.hidden_size,
-        ):
-            raise IncompatibleMemoryError(
-                f"memories {first.id[:8]} and {m.id[:8]} belong to different models or namespaces: never merged"
-            )
-    kinds = common_kinds(members)
-    if keys is None:
-        keys = {kind: combine_keys(kind, [m.keys[kind] for m in members]) for kind in kinds}
-    config = {**first.config, "merge": {"strategy": strategy, "members": len(members), **(extra or {})}}
-    meta = MemoryMeta(
-        id=uuid.uuid4().hex,
-        namespace=first.namespace,
-        question=first.question,
-        question_hash=question_hash(first.question),
-        model_name=first.model_name,
-        hidden_size=first.hidden_size,
-        model_fingerprint=first.model_fingerprint,
-        created_at=max(m.meta.created_at for m in members),
-        num_tokens=int(soft_prompt.shape[0]),
-        config=config,
-        stats=stats if stats is not None else merged_stats(members),
-        merged_from=[m.id for m in members],
-        merge_strategy=strategy,
-    )
-    return LatentMemory(soft_prompt=soft_prompt, meta=meta, keys=keys)
-
-
-def require_soft_prompts(members: Sequence[LatentMemory]) -> None:
-    """Merging averages soft prompts; a lora or prefix memory is refused (:class:`MemoryKindError`)
-    rather than averaged (a mean of LoRA factors is not the mean of their deltas)."""
-    for m in members:
-        if m.kind != "soft_prompt":
-            raise MemoryKindError(f"memory {m.id[:8]} is a {m.kind} memory: only soft-prompt memories can be merged")
-
-
-def average_memory(members: Sequence[LatentMemory]) -> LatentMemory:
-    """``average``: the mean of the members' soft prompts (all of one length k)."""
-    require_soft_prompts(members)
-    shapes = {tuple(m.soft_prompt.shape) for m in members}
-    if len(shapes) != 1:
-        raise StoreError(f"cannot average soft prompts of different shapes: {sorted(shapes)}")
-    soft = torch.stack([m.soft_prompt for m in members]).mean(dim=0)
-    return build_merged(members, soft, "average")
-
-
 # ---- running a merge --------------------------------------------------------------------------
 
 
 def merge_clusters(
-    store: ChromaMemoryStore, clusters: Sequence[Cluster], build: MergeBuilder = average_memory
+    store: MergeableStore, clusters: Sequence[Cluster], build: MergeBuilder = average_memory
 ) -> list[MergeOutcome]:
     """Build and commit one merged memory per cluster (each committed before the next is built)."""
     out: list[MergeOutcome] = []
@@ -268,7 +193,7 @@ def merge_clusters(
 
 
 def merge_namespace(
-    store: ChromaMemoryStore,
+    store: MergeableStore,
     *,
     namespace: str | None = None,
     kind: str = "input",

@@ -52,7 +52,7 @@ def prepared_models() -> dict[str, Any]:
 def export_path(out: Path, memory_id: str) -> Path:
     """``out/<id>.safetensors``, refusing an id that is not plain hex (a store written by an older
     version may hold one): an id must never name a file outside ``out``."""
-    from elm_memory.store.names import validate_memory_id
+    from elm_memory.memory.ids import validate_memory_id
 
     validate_memory_id(memory_id)
     path = out / f"{memory_id}.safetensors"
@@ -74,8 +74,8 @@ def export_files(s: ChromaMemoryStore, records: list[MemoryRecord], out: Path, s
 def export_peft(s: ChromaMemoryStore, records: list[MemoryRecord], out: Path, cfg: ELMConfig) -> list[str]:
     """One adapter folder per memory: ``out`` itself for one, ``out/<id>`` for several. Every memory is
     loaded and checked (prefix position) before the first folder is written."""
-    from elm_memory.store.names import validate_memory_id
-    from elm_memory.store.peft_adapter import export_adapter, memory_position, require_prefix
+    from elm_memory.memory.ids import validate_memory_id
+    from elm_memory.memory.peft import export_adapter, memory_position, require_prefix
 
     memories = [s.load(r) for r in records]
     for m in memories:
@@ -97,7 +97,7 @@ def read_imports(files: list[Path], cfg: ELMConfig) -> tuple[list[LatentMemory],
     Adapters get their cheap checks against the config here, before any model loads."""
     from elm_memory.errors import AdapterError
     from elm_memory.memory import LatentMemory
-    from elm_memory.store.peft_adapter import check_adapter, is_adapter_dir, read_adapter
+    from elm_memory.memory.peft import check_adapter, is_adapter_dir, read_adapter
 
     memories, adapters = [], []
     for f in files:
@@ -117,11 +117,9 @@ def rebuild_keys(adapters: list[tuple[Path, LatentMemory]], cfg: ELMConfig) -> M
     key builder (what :class:`~elm_memory.retrieval.retriever.Retriever` files new memories with)."""
     import torch
 
+    from elm_memory.memory.keys import key_builders, memory_inputs, tokenize_question
+    from elm_memory.memory.peft import check_adapter
     from elm_memory.models.loading import load_model
-    from elm_memory.registry import key_builders
-    from elm_memory.retrieval.keys import memory_inputs
-    from elm_memory.retrieval.retriever import tokenize_question
-    from elm_memory.store.peft_adapter import check_adapter
 
     builder = key_builders.get(cfg.retrieval.key)()
     loaded = load_model(cfg.model)

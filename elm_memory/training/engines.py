@@ -1,7 +1,7 @@
 """Training engines by name (``training.engine``): what an engine is, and how one is built.
 
 An engine trains soft prompts: :class:`Trainer` is its protocol. The ``training_engines``
-registry (:data:`elm_memory.registry.training_engines`; plugins: the entry-point group
+registry (:data:`elm_memory.training.registry.training_engines`; plugins: the entry-point group
 ``elm_memory.training_engines``) maps a name to a :class:`TrainerFactory`, a callable that
 builds the engine from the config, the loaded model and the generation backend. Every engine
 returns a soft prompt and :class:`~elm_memory.memory.TrainingStats`, so their memories have
@@ -18,13 +18,13 @@ from elm_memory.backends.base import GenerationBackend
 from elm_memory.config import ELMConfig
 from elm_memory.errors import ConfigError
 from elm_memory.models.loading import LoadedModel
-from elm_memory.registry import training_engines
 from elm_memory.training.native import NativeTrainer, TrainResult
+from elm_memory.training.registry import training_engines
 
 
 class Trainer(Protocol):
     """Trains memories: ``train`` one, ``train_many`` several ``(prompt_ids, init, at)`` together. ``init`` is a
-    soft prompt, or a lora/prefix adapter (:mod:`elm_memory.memories`) for engines that train those."""
+    soft prompt, or a lora/prefix adapter (:mod:`elm_memory.memory`) for engines that train those."""
 
     engine: str
 

@@ -14,15 +14,15 @@ from typing import Any
 import torch
 
 from elm_memory.backends.base import GenerationBackend
+from elm_memory.backends.prompting import PromptBuilder, validate_question
 from elm_memory.config import ELMConfig
-from elm_memory.memories.base import LORA, PREFIX, SOFT_PROMPT, MemoryAdapter
-from elm_memory.memories.lora import LoraAdapter
-from elm_memory.memories.prefix import question_prefix
 from elm_memory.memory import LatentMemory
+from elm_memory.memory.init import question_init
+from elm_memory.memory.kinds import LORA, PREFIX, SOFT_PROMPT, MemoryAdapter
+from elm_memory.memory.lora import LoraAdapter
+from elm_memory.memory.prefix import question_prefix
 from elm_memory.models.loading import LoadedModel
-from elm_memory.models.prompting import PromptBuilder, validate_question
 from elm_memory.training.engines import Trainer, build_trainer
-from elm_memory.training.initialization import question_init
 
 
 def learn_memory(

@@ -2,7 +2,7 @@
 
 Memories do not store their initial soft prompt, but it is a function of the question and the
 recipe the memory records (``config.memory.init``, ``config.training.seed``; see
-:mod:`elm_memory.training.initialization`), so each member's initial prompt is rebuilt
+:mod:`elm_memory.memory.init`), so each member's initial prompt is rebuilt
 exactly. The merged prompt starts from their mean; then each member's question trains a copy
 of it for ``steps`` GRPO steps (TTRL reward, no ground truth), all together in one
 :meth:`~elm_memory.training.native.NativeTrainer.train_many` call (the existing entry point,
@@ -20,13 +20,13 @@ from typing import Any
 import torch
 
 from elm_memory.backends.base import GenerationBackend
+from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig
 from elm_memory.memory import LatentMemory
+from elm_memory.memory.init import question_init
 from elm_memory.models.loading import LoadedModel
-from elm_memory.models.prompting import PromptBuilder
 from elm_memory.store.merge import build_merged, combine_keys, common_kinds, merged_stats, require_soft_prompts
 from elm_memory.training.engines import Trainer, build_trainer
-from elm_memory.training.initialization import question_init
 
 
 def initial_prompt(member: LatentMemory, loaded: LoadedModel, config: ELMConfig) -> torch.Tensor:
@@ -53,8 +53,7 @@ def train_merged(
     progress: bool | None = None,
 ) -> LatentMemory:
     """The merged memory of ``members`` (oldest first) by the ``train`` strategy (module docstring)."""
-    from elm_memory.registry import key_builders
-    from elm_memory.retrieval.retriever import tokenize_question
+    from elm_memory.memory.keys import key_builders, tokenize_question
 
     require_soft_prompts(members)
     for m in members:

@@ -15,7 +15,7 @@ Several memories train together (:meth:`NativeTrainer.train_many`): one backend 
 all M x G rollouts, one forward/backward whose rows carry their own memory's soft prompt,
 and per memory everything else (optimizer, clipping, loss normaliser, skip, stats).
 
-``lora`` and ``prefix`` memories (:mod:`elm_memory.memories`; an adapter as the ``init`` of a
+``lora`` and ``prefix`` memories (:mod:`elm_memory.memory`; an adapter as the ``init`` of a
 ``train_many`` item) go through the same loop: rollouts under a snapshot of the adapter, the same
 rewards, skip and Dr.GRPO loss, AdamW on the adapter's tensors only. Their forwards cannot mix
 memories (a hook or prefix cache serves a whole forward), so their micro-batches never cross
@@ -28,28 +28,20 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import cast
 
 import torch
 from tqdm.auto import tqdm
 
 from elm_memory.backends.base import Generation, GenerationBackend, PromptInput, SamplingParams
+from elm_memory.backends.teacher_forcing import completion_logprobs
 from elm_memory.config import MemoryConfig, TrainingConfig
 from elm_memory.errors import NonFiniteError
-from elm_memory.memories.base import LORA, MemoryAdapter
-from elm_memory.memory import TrainingStats
+from elm_memory.memory.kinds import LORA, MemoryAdapter
 from elm_memory.models.loading import LoadedModel
-from elm_memory.models.teacher_forcing import completion_logprobs
 from elm_memory.training.losses import advantages_from_rewards, policy_loss, sft_loss
+from elm_memory.training.native_state import MemoryRun, StepBatch, TrainResult
 from elm_memory.training.rewards import GroupReward, majority_vote_rewards
-
-
-@dataclass
-class TrainResult:
-    soft_prompt: torch.Tensor | None  # (k, hidden) float32, CPU; None for a lora/prefix memory
-    stats: TrainingStats
-    adapter: MemoryAdapter | None = None  # the trained lora/prefix memory (detached, CPU)
 
 
 class NativeTrainer:
@@ -171,7 +163,7 @@ class NativeTrainer:
         lr = (
             cfg.learning_rate if self.memory_cfg is None else self.memory_cfg.effective_learning_rate(cfg.learning_rate)
         )
-        mems = [_Memory.start(ids, init, at, cfg, lr, self.engine, objective) for ids, init, at in prompts]
+        mems = [MemoryRun.start(ids, init, at, cfg, lr, self.engine, objective) for ids, init, at in prompts]
         if not mems:
             return []
         if len({m.adapter is None for m in mems}) > 1:
@@ -190,16 +182,16 @@ class NativeTrainer:
         return [m.result(seconds, trained=cfg.steps > 0) for m in mems]
 
     # -- the steps of train_many ---------------------------------------------------------
-    def _sft_targets(self, mems: list[_Memory], step: int) -> _StepBatch:
+    def _sft_targets(self, mems: list[MemoryRun], step: int) -> StepBatch:
         """Step 1 (SFT): each memory's greedy answer, generated once at step 0, is its one target."""
         if step == 0:
             for m, (target, answer) in zip(mems, self._greedy_targets([m.prompt_ids for m in mems]), strict=True):
                 m.sft_target = target
                 m.stats.majority_answer, m.stats.majority_share = answer, 1.0 if answer is not None else 0.0
                 m.saw_answer = answer is not None
-        return _StepBatch(step, "sft", [[m.sft_target or []] for m in mems], [None] * len(mems))
+        return StepBatch(step, "sft", [[m.sft_target or []] for m in mems], [None] * len(mems))
 
-    def _rollout_groups(self, mems: list[_Memory], step: int) -> _StepBatch:
+    def _rollout_groups(self, mems: list[MemoryRun], step: int) -> StepBatch:
         """Step 1 (GRPO): G rollouts per memory, one backend call for all, and their TTRL rewards."""
         # copies: the optimizers update the memories in place, rollout inputs must not change under them
         inputs = [(m.prompt_ids, m.snapshot(), m.at) for m in mems]
@@ -211,9 +203,9 @@ class NativeTrainer:
             m.record_group(group, comps)
             completions.append(comps)
             groups.append(group)
-        return _StepBatch(step, "grpo", completions, groups)
+        return StepBatch(step, "grpo", completions, groups)
 
-    def _skip_uniform(self, mems: list[_Memory], batch: _StepBatch, gen_seconds: float) -> list[int]:
+    def _skip_uniform(self, mems: list[MemoryRun], batch: StepBatch, gen_seconds: float) -> list[int]:
         """Step 2: the memories to update. One whose rewards are all equal has zero advantage
         everywhere: it skips its backward (its optimizer is not stepped) but keeps its stats."""
         active = []
@@ -225,7 +217,7 @@ class NativeTrainer:
                 active.append(i)
         return active
 
-    def _update(self, mems: list[_Memory], active: list[int], batch: _StepBatch) -> None:
+    def _update(self, mems: list[MemoryRun], active: list[int], batch: StepBatch) -> None:
         """Step 3: one loss over the active memories' rows, then a per-memory clip and AdamW step."""
         t1 = time.perf_counter()
         for i in active:
@@ -244,7 +236,7 @@ class NativeTrainer:
             mems[i].record_update(losses[i], kls[i], seconds)
 
     def _backward(
-        self, mems: list[_Memory], active: list[int], batch: _StepBatch
+        self, mems: list[MemoryRun], active: list[int], batch: StepBatch
     ) -> tuple[dict[int, float], dict[int, float]]:
         """Backward of sum over active memories of each memory's own loss; (loss, mean KL) per memory.
 
@@ -307,7 +299,7 @@ class NativeTrainer:
         return loss_sum, {i: kl_sum[i] / max(1, kl_tokens[i]) for i in active}
 
     def _adapter_logps(
-        self, m: _Memory, comps: list[list[int]], step: int, want_ref: bool
+        self, m: MemoryRun, comps: list[list[int]], step: int, want_ref: bool
     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """Policy log-probs (with gradients into the adapter), mask and reference log-probs of one
         lora/prefix memory's rows. Reference: the initial memory; at step 0 that is the current one, and
@@ -402,105 +394,6 @@ class NativeTrainer:
         return [(g.token_ids, extract_answer(g.text)) for [g] in gens]
 
 
-@dataclass
-class _StepBatch:
-    """One step's completions per memory (G rollouts, or the one SFT target) and their rewards
-    (None under SFT)."""
-
-    step: int
-    objective: str
-    completions: list[list[list[int]]]
-    groups: list[GroupReward | None]
-
-
-@dataclass
-class _Memory:
-    """One memory's training state inside :meth:`NativeTrainer.train_many`, and its stats bookkeeping.
-
-    A soft prompt (``init``, ``soft``) or a lora/prefix ``adapter`` whose tensors are the parameters
-    (``reference``: its initial copy, the KL reference)."""
-
-    prompt_ids: list[int]
-    at: int
-    init: torch.Tensor
-    soft: torch.nn.Parameter
-    optim: torch.optim.Optimizer
-    stats: TrainingStats
-    sft_target: list[int] | None = None
-    saw_answer: bool = False
-    adapter: MemoryAdapter | None = None
-    reference: MemoryAdapter | None = None
-
-    @classmethod
-    def start(
-        cls,
-        prompt_ids: Sequence[int],
-        init: torch.Tensor | MemoryAdapter,
-        at: int,
-        cfg: TrainingConfig,
-        lr: float,
-        engine: str,
-        objective: str,
-    ) -> _Memory:
-        stats = TrainingStats(engine=engine, objective=objective)
-        if not isinstance(init, torch.Tensor):
-            adapter = init.trainable()  # type: ignore[attr-defined]  # both adapter classes have it
-            optim = torch.optim.AdamW(adapter.parameters(), lr=lr, weight_decay=cfg.weight_decay)
-            empty = torch.nn.Parameter(torch.empty(0))  # no soft prompt: the adapter is the memory
-            return cls(
-                list(prompt_ids), at, empty.detach(), empty, optim, stats, adapter=adapter, reference=init.detached()
-            )
-        init = init.detach().to(torch.float32)
-        soft = torch.nn.Parameter(init.clone())
-        # One AdamW per memory: its step count and moments move only when this memory updates.
-        optim = torch.optim.AdamW([soft], lr=lr, weight_decay=cfg.weight_decay)
-        return cls(list(prompt_ids), at, init, soft, optim, stats)
-
-    @property
-    def params(self) -> list[torch.Tensor]:
-        return self.adapter.parameters() if self.adapter is not None else [self.soft]
-
-    @property
-    def what(self) -> str:
-        return "soft prompt" if self.adapter is None else f"{self.adapter.kind} memory"
-
-    def snapshot(self) -> torch.Tensor | MemoryAdapter:
-        """The memory as it is now, unaffected by later optimizer steps (what rollouts sample under)."""
-        return self.adapter.detached() if self.adapter is not None else self.soft.detach().clone()
-
-    def record_group(self, group: GroupReward, completions: list[list[int]]) -> None:
-        """A step's rollouts: their answers, mean reward, majority and length."""
-        s = self.stats
-        self.saw_answer = self.saw_answer or any(a is not None for a in group.answers)
-        s.answers.append(group.answers)
-        s.mean_reward.append(sum(group.rewards) / len(group.rewards))
-        s.majority_answer, s.majority_share = group.vote.answer, group.vote.share
-        s.completion_tokens += sum(len(c) for c in completions)
-
-    def record_skip(self) -> None:
-        """A step without backward (uniform rewards): zero loss, the KL unchanged."""
-        s = self.stats
-        s.skipped_backward.append(True)
-        s.loss.append(0.0)
-        s.kl.append(s.kl[-1] if s.kl else 0.0)
-        s.steps += 1
-
-    def record_update(self, loss: float, kl: float, seconds: float) -> None:
-        s = self.stats
-        s.backward_seconds += seconds
-        s.skipped_backward.append(False)
-        s.loss.append(loss)
-        s.kl.append(kl)
-        s.steps += 1
-
-    def result(self, seconds: float, *, trained: bool) -> TrainResult:
-        self.stats.no_consensus = not self.saw_answer if trained else False
-        self.stats.seconds = seconds
-        if self.adapter is not None:
-            return TrainResult(soft_prompt=None, stats=self.stats, adapter=self.adapter.detached())
-        return TrainResult(soft_prompt=self.soft.detach().to("cpu", torch.float32).clone(), stats=self.stats)
-
-
 def _chunks(rows: list[tuple[int, int]], micro: int, *, per_memory: bool) -> list[list[tuple[int, int]]]:
     """Micro-batches of ``micro`` rows; with ``per_memory`` none holds rows of two memories."""
     if not per_memory:
@@ -515,7 +408,7 @@ def _which(i: int, m: int) -> str:
     return "" if m == 1 else f"memory {i + 1}/{m}: "
 
 
-def _postfix(mems: list[_Memory], active: list[int]) -> dict[str, str]:
+def _postfix(mems: list[MemoryRun], active: list[int]) -> dict[str, str]:
     """Progress-bar figures for a step: mean loss / KL over the updated memories, mean reward over all."""
     out: dict[str, str] = {}
     if active:

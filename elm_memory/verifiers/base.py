@@ -3,7 +3,7 @@ teacher-forcing helper shared by the verifiers that read the policy model.
 
 When the zero-shot and the memory-conditioned answers disagree, ELM scores both
 responses with a :class:`Verifier` and keeps the higher score. A verifier is chosen by
-``verifier.name`` through :data:`elm_memory.registry.verifiers`:
+``verifier.name`` through :data:`elm_memory.verifiers.registry.verifiers`:
 
 ``prm``
     a process reward model (Qwen2.5-Math-PRM style), its own model, loaded lazily.
@@ -125,7 +125,7 @@ def build_verifier(cfg: ELMConfig, backend: Any = None) -> Verifier:
     loads ``cfg.verifier.model`` itself, lazily, on the first ``score`` call.
     Unknown names raise :class:`~elm_memory.errors.RegistryError` listing what exists.
     """
-    from elm_memory.registry import verifiers
+    from elm_memory.verifiers.registry import verifiers
 
     name = cfg.verifier.name
     factory = verifiers.get(name)
@@ -238,7 +238,7 @@ class ZeroShotPrompts:
 
     def __call__(self, question: str) -> PromptInput:
         if self._builder is None:
-            from elm_memory.models.prompting import PromptBuilder
+            from elm_memory.backends.prompting import PromptBuilder
 
             self._builder = PromptBuilder(self.backend.tokenizer, self.prompt_config)
         return self._builder.answer_prompt(question, memory_tokens=0).zero_shot()
@@ -268,7 +268,7 @@ def response_token_scores(
     """Teacher-forced per-token scores (n,) float32 of a response; empty if nothing fits.
 
     One forward of prompt (+ soft prompt) + response through
-    :func:`~elm_memory.models.teacher_forcing.completion_logits`. The response positions'
+    :func:`~elm_memory.backends.teacher_forcing.completion_logits`. The response positions'
     logits become float32 log-probabilities ``chunk_size`` rows at a time and
     ``token_fn(logp (c, V), targets (c,)) -> (c,)`` reduces each chunk, so a long response
     over a large vocabulary never holds a float32 (n, V) copy at once.
@@ -292,7 +292,7 @@ def response_token_scores(
         ids = ids[:keep]
     if not ids:
         return torch.zeros(0)
-    from elm_memory.models.teacher_forcing import completion_logits
+    from elm_memory.backends.teacher_forcing import completion_logits
 
     n = len(ids)
     with torch.no_grad(), eval_mode(backend.model):

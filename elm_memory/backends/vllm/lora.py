@@ -3,7 +3,7 @@
 vLLM serves LoRA through its own adapter support (documented API: ``LLM(..., enable_lora=True,
 max_lora_rank=r)`` and ``llm.generate(prompts, params, lora_request=[LoRARequest(name, int_id, path)
 or None per prompt])``). A prompt's lora memory is written once as a PEFT LoRA folder
-(:func:`~elm_memory.store.peft_adapter.write_lora_adapter`, the format vLLM loads) under a temporary
+(:func:`~elm_memory.memory.peft.write_lora_adapter`, the format vLLM loads) under a temporary
 directory, named by the weights' digest, and gets a stable integer id: a memory changed by a GRPO
 step is a new adapter (vLLM caches adapters by id, so an id must never be reused for other weights).
 
@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any
 from elm_memory.errors import ConfigError
 
 if TYPE_CHECKING:
-    from elm_memory.memories.base import MemoryAdapter
+    from elm_memory.memory.kinds import MemoryAdapter
 
 
 def check_kind(kind: str, backend: str, *, lora: bool) -> None:
@@ -51,8 +51,8 @@ class LoraRequests:
     def request(self, memory: MemoryAdapter) -> Any:
         from vllm.lora.request import LoRARequest
 
-        from elm_memory.memories.lora import LoraAdapter
-        from elm_memory.store.peft_adapter import write_lora_adapter
+        from elm_memory.memory.lora import LoraAdapter
+        from elm_memory.memory.peft import write_lora_adapter
 
         check_kind(memory.kind, "vllm", lora=True)
         assert isinstance(memory, LoraAdapter)

@@ -1,6 +1,6 @@
 """Online evaluation methods: ELM and the paper's baselines, picked by name.
 
-``elm stream --method NAME`` looks names up in :data:`elm_memory.registry.eval_methods`;
+``elm stream --method NAME`` looks names up in :data:`elm_memory.eval.methods.registry.eval_methods`;
 third parties add one through the ``elm_memory.eval_methods`` entry-point group with a
 factory ``factory(runtime: EvalRuntime) -> EvalMethod``.
 """

@@ -71,9 +71,9 @@ class EvalRuntime:
     @property
     def base(self) -> ELM:
         if self._base is None:
+            from elm_memory.backends.registry import backends
             from elm_memory.eval.cache import GreedyCache
             from elm_memory.models.loading import load_model
-            from elm_memory.registry import backends
 
             cfg = self.config
             loaded, backend = self._given
@@ -148,7 +148,7 @@ def memory_store_config(config: ELMConfig, run_directory: Path, method: str) -> 
 
 
 def build_method(name: str, runtime: EvalRuntime) -> EvalMethod:
-    from elm_memory.registry import eval_methods
+    from elm_memory.eval.methods.registry import eval_methods
 
     method = eval_methods.get(name)(runtime)
     if not isinstance(method, EvalMethod):

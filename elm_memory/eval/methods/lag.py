@@ -35,11 +35,11 @@ from typing import Any
 
 from elm_memory.answers import equivalent, extract_answer, majority_vote
 from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
+from elm_memory.backends.kv_prefix import KVPrefix, encode_prefix, generate_after_prefix, load_prefix, save_prefix
 from elm_memory.backends.postprocess import eos_ids_of
 from elm_memory.errors import ConfigError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
 from elm_memory.eval.methods.text_memory import TextPool
-from elm_memory.models.kv_prefix import KVPrefix, encode_prefix, generate_after_prefix, load_prefix, save_prefix
 
 #: Marks where the assistant's text goes when the chat template's end-of-turn is looked up.
 _SENTINEL = "\u2063LOG_END\u2063"

@@ -46,7 +46,7 @@ class TextPool:
     """Append-only (question, payload) entries with an in-memory cosine index."""
 
     def __init__(self, directory: Path, runtime: EvalRuntime):
-        from elm_memory.registry import key_builders
+        from elm_memory.memory.keys import key_builders
 
         self.dir = directory
         self.log = RecordLog(directory / "entries.jsonl")  # fsynced lines; one cut by a crash is skipped
@@ -60,7 +60,7 @@ class TextPool:
     def _key(self, question: str) -> Any:
         import torch
 
-        from elm_memory.retrieval.retriever import tokenize_question
+        from elm_memory.memory.keys import tokenize_question
 
         ids = tokenize_question(self.runtime.loaded.tokenizer, question)
         key = self.key_builder.query_key(self.runtime.loaded, ids).detach().float().flatten()

@@ -16,11 +16,11 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
 from elm_memory.faults import point
+from elm_memory.memory.ids import validate_namespace
 from elm_memory.store.blobs import BlobStore
 from elm_memory.store.chroma.connection import chroma_errors
 from elm_memory.store.chroma.index import ChromaIndex, Collection
 from elm_memory.store.chroma.rows import IndexRow, MemoryKey, group_by_memory
-from elm_memory.store.names import validate_namespace
 from elm_memory.store.utility import PendingDelete, UtilityTable
 
 log = logging.getLogger(__name__)

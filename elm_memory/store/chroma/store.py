@@ -32,6 +32,7 @@ import torch
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, MemoryIdConflictError, StoreError
 from elm_memory.faults import point
 from elm_memory.memory import LatentMemory
+from elm_memory.memory.ids import validate_namespace
 from elm_memory.store.base import MemoryNotFoundError, MemoryRecord, StoreHit
 from elm_memory.store.blobs import BlobStore
 from elm_memory.store.blobs_fsspec import open_blobs
@@ -42,7 +43,6 @@ from elm_memory.store.chroma.index import Collection
 from elm_memory.store.chroma.merges import MergeSupport
 from elm_memory.store.chroma.rebuild import IndexRebuild
 from elm_memory.store.chroma.rows import CollectionInfo, IndexRow, record_from_rows, row_metadata, usage_by_kind
-from elm_memory.store.names import validate_namespace
 from elm_memory.store.utility import Utility, UtilityTable
 
 if TYPE_CHECKING:
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
 
 def check_key_dims(memory: LatentMemory, model: ModelInfo) -> None:
     """Each key of a registered kind must have the dimension its builder gives for ``model``."""
-    from elm_memory.registry import key_builders
+    from elm_memory.memory.keys import key_builders
 
     known = set(key_builders.names())
     for kind, key in memory.keys.items():
@@ -131,7 +131,7 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport, IndexReb
 
     @classmethod
     def from_config(cls, cfg: StoreConfig, model: ModelInfo | None = None, **kwargs: Any) -> ChromaMemoryStore:
-        from elm_memory.store.location import resolve_store_path  # a copy made with model_copy skips validation
+        from elm_memory.config.location import resolve_store_path  # a copy made with model_copy skips validation
 
         kwargs.setdefault("hnsw", cfg.hnsw)
         server = {
@@ -270,7 +270,7 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport, IndexReb
         Kinds checked: the memory's own, the registered ones and any seen by this process; a
         stale row of another kind is caught by ``check`` (its blob is gone after the put).
         """
-        from elm_memory.registry import key_builders
+        from elm_memory.memory.keys import key_builders
 
         seen = {info.kind for info, _ in self._cols.values()}
         rows: list[IndexRow] = []

@@ -1,7 +1,7 @@
 """``elm memories ...``: inspect and maintain a memory store without loading a model.
 
 Every command finds its store as the model-running commands do: from ``--config``, ``--preset``
-and ``--set`` (``store.path``, resolved by :mod:`elm_memory.store.location`), or ``--store PATH``.
+and ``--set`` (``store.path``, resolved by :mod:`elm_memory.config.location`), or ``--store PATH``.
 Only importing a PEFT adapter loads the configured model (to rebuild the memory's keys).
 
 Register in the main CLI with ``app.add_typer(memories_app, name="memories")``. Commands
@@ -17,10 +17,10 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 
-from elm_memory.cli_errors import handle_errors
+from elm_memory.cli import memory_views as views
+from elm_memory.cli.errors import handle_errors
 from elm_memory.errors import ConfigError, StoreError
 from elm_memory.faults import point
-from elm_memory.store import views
 
 if TYPE_CHECKING:  # torch and chromadb load only when a command runs
     from elm_memory.config import ELMConfig
@@ -58,7 +58,7 @@ def _load_config(
 
     overrides = parse_overrides(sets)
     if store is not None:
-        from elm_memory.store.location import expand_user
+        from elm_memory.config.location import expand_user
 
         overrides = deep_merge(overrides, {"store": {"path": str(expand_user(store).absolute())}})
     if url is not None:
@@ -67,8 +67,8 @@ def _load_config(
 
 
 def _open(cfg: ELMConfig, *, create: bool = False) -> ChromaMemoryStore:
+    from elm_memory.config.location import LEGACY_STORE
     from elm_memory.store.chroma import ChromaMemoryStore
-    from elm_memory.store.location import LEGACY_STORE
 
     if cfg.store.kind != "chroma":
         raise StoreError(f"`elm memories` works on a chroma store; the config's store.kind is {cfg.store.kind!r}")

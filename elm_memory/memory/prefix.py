@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError
-from elm_memory.memories.base import PREFIX, AppliedMemory, digest_tensors
+from elm_memory.memory.init import tile_to_length
+from elm_memory.memory.kinds import PREFIX, AppliedMemory, digest_tensors
 from elm_memory.models.logits import last_positions
-from elm_memory.training.initialization import tile_to_length
 
 if TYPE_CHECKING:
     from elm_memory.models.loading import LoadedModel, ModelInfo

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from elm_memory.backends.base import PromptInput, compose_embeddings
-from elm_memory.memories.base import AppliedMemory, shared_memory
+from elm_memory.memory.kinds import AppliedMemory, shared_memory
 from elm_memory.models.logits import last_positions
 
 

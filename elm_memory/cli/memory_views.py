@@ -1,7 +1,7 @@
 """What ``elm memories`` prints: one-line listings, a memory's details, the stats table, the check summary.
 
 Plain functions from store records to text or JSON-ready dicts, kept apart from the
-command wiring in :mod:`elm_memory.store.cli` so the wording of a listing is in one place.
+command wiring in :mod:`elm_memory.cli.memories` so the wording of a listing is in one place.
 Imports neither torch nor chromadb.
 """
 

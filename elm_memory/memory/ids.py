@@ -1,4 +1,4 @@
-"""The names a store files memories under: namespaces, memory ids and question hashes.
+"""The names a store files memories under: namespaces, memory ids and question hashes; the question rule.
 
 Kept free of torch and chromadb so the CLI can check its arguments before importing
 either, and so the facade, the memory format and the store apply one rule each.
@@ -10,7 +10,7 @@ import hashlib
 import re
 from typing import Any
 
-from elm_memory.errors import InvalidNamespaceError, MemoryFormatError
+from elm_memory.errors import InvalidNamespaceError, InvalidQuestionError, MemoryFormatError
 
 MAX_NAMESPACE_CHARS = 256
 #: Memory ids are uuid4 hex (32) or learner job ids (sha256 hex, 64). Lowercase hex only:
@@ -50,3 +50,23 @@ def validate_memory_id(memory_id: Any) -> str:
 def question_hash(question: str) -> str:
     """sha256 of the stripped question: a memory's ``question_hash`` and the core of a learn job's id."""
     return hashlib.sha256(question.strip().encode("utf-8")).hexdigest()
+
+
+def validate_question(question: Any) -> str:
+    """Return the question as clean text or raise :class:`InvalidQuestionError`."""
+    if isinstance(question, (bytes, bytearray)):
+        try:
+            question = bytes(question).decode("utf-8")
+        except UnicodeDecodeError as exc:
+            raise InvalidQuestionError(f"question is not valid UTF-8 (byte {exc.start})") from None
+    if not isinstance(question, str):
+        raise InvalidQuestionError(f"question must be text, got {type(question).__name__}")
+    try:
+        question.encode("utf-8")  # argv with undecodable bytes arrives as lone surrogates
+    except UnicodeEncodeError:
+        raise InvalidQuestionError("question contains bytes that are not valid UTF-8") from None
+    if "\x00" in question:
+        raise InvalidQuestionError("question contains a NUL character")
+    if not question.strip():
+        raise InvalidQuestionError("question is empty")
+    return question.strip()

@@ -86,7 +86,7 @@ def load_config(
     if server_url:
         overrides = deep_merge(overrides, {"backend": {"server_url": server_url}})
     if namespace is not None:  # "" is an error, not the default namespace
-        from elm_memory.store.names import validate_namespace
+        from elm_memory.memory.ids import validate_namespace
 
         overrides["namespace"] = validate_namespace(namespace)
     return ELMConfig.load(config, preset=preset, overrides=overrides)

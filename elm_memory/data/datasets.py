@@ -45,7 +45,7 @@ class Problem:
 
 
 def _vendored_text(name: str) -> str:
-    data = resources.files("elm_memory.eval").joinpath("data")
+    data = resources.files("elm_memory").joinpath("eval").joinpath("data")  # package data of elm_memory.eval
     filename = DATASETS[name]
     raw = data.joinpath(filename).read_bytes()
     sums = {}

@@ -2,7 +2,7 @@
 
 On disk a memory is ONE safetensors file: its weights, ``key.<kind>`` tensors (1-D), and the
 metadata as JSON under the header key ``elm_memory``. The weights depend on ``meta.kind``
-(:mod:`elm_memory.memories`): ``soft_prompt`` (k x d, float32; the default, and the only kind
+(:mod:`elm_memory.memory`): ``soft_prompt`` (k x d, float32; the default, and the only kind
 older versions wrote: such files carry no ``kind`` in their metadata and are byte-identical to
 theirs), ``lora.<module>.A`` / ``lora.<module>.B`` (``lora``), or ``prefix.<layer>.key`` /
 ``prefix.<layer>.value`` (``prefix``); ``meta.adapter`` holds a lora memory's alpha.
@@ -28,8 +28,8 @@ import torch
 
 from elm_memory.atomic import write_bytes_atomic
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, MemoryKindError
-from elm_memory.memories.base import LORA, PREFIX, SOFT_PROMPT, MemoryAdapter, check_kind
-from elm_memory.store.names import question_hash, validate_memory_id
+from elm_memory.memory.ids import question_hash, validate_memory_id
+from elm_memory.memory.kinds import LORA, PREFIX, SOFT_PROMPT, MemoryAdapter, check_kind
 
 if TYPE_CHECKING:
     from elm_memory.models.loading import ModelInfo
@@ -178,7 +178,7 @@ class LatentMemory:
 
     ``soft_prompt`` is the soft-prompt kind's one tensor; asking a ``lora`` or ``prefix`` memory for it
     raises :class:`MemoryKindError`, so such a memory can never be fed to a model as a soft prompt.
-    :meth:`adapter` gives those kinds' weights as a :class:`~elm_memory.memories.base.MemoryAdapter`.
+    :meth:`adapter` gives those kinds' weights as a :class:`~elm_memory.memory.kinds.MemoryAdapter`.
     """
 
     meta: MemoryMeta
@@ -224,9 +224,9 @@ class LatentMemory:
         return self.params["soft_prompt"]
 
     def adapter(self) -> MemoryAdapter:
-        """The weights of a ``lora`` or ``prefix`` memory, ready to apply (:mod:`elm_memory.memories`)."""
-        from elm_memory.memories.lora import LoraAdapter
-        from elm_memory.memories.prefix import PrefixAdapter
+        """The weights of a ``lora`` or ``prefix`` memory, ready to apply (:mod:`elm_memory.memory`)."""
+        from elm_memory.memory.lora import LoraAdapter
+        from elm_memory.memory.prefix import PrefixAdapter
 
         if self.kind == LORA:
             return LoraAdapter.from_tensors(self.params, alpha=self.meta.adapter.get("alpha", 0))

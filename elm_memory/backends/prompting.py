@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from elm_memory.backends.base import PromptInput
 from elm_memory.config import PromptConfig
 from elm_memory.errors import InvalidQuestionError
+from elm_memory.memory.ids import validate_question
 
 if TYPE_CHECKING:
     import torch
@@ -57,26 +58,6 @@ class AnswerPrompt:
         if memory.kind == "soft_prompt":
             return self.with_memory(memory.soft_prompt)
         return PromptInput(self.built.token_ids, memory=memory.adapter())
-
-
-def validate_question(question: Any) -> str:
-    """Return the question as clean text or raise :class:`InvalidQuestionError`."""
-    if isinstance(question, (bytes, bytearray)):
-        try:
-            question = bytes(question).decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise InvalidQuestionError(f"question is not valid UTF-8 (byte {exc.start})") from None
-    if not isinstance(question, str):
-        raise InvalidQuestionError(f"question must be text, got {type(question).__name__}")
-    try:
-        question.encode("utf-8")  # argv with undecodable bytes arrives as lone surrogates
-    except UnicodeEncodeError:
-        raise InvalidQuestionError("question contains bytes that are not valid UTF-8") from None
-    if "\x00" in question:
-        raise InvalidQuestionError("question contains a NUL character")
-    if not question.strip():
-        raise InvalidQuestionError("question is empty")
-    return question.strip()
 
 
 class PromptBuilder:

