@@ -130,6 +130,9 @@ eval_methods.register("lag_tts", "elm_memory.eval.methods.lag:lag_tts")
 eval_methods.register("elm_input", "elm_memory.eval.methods.elm_method:elm_input")
 eval_methods.register("elm_kv", "elm_memory.eval.methods.elm_method:elm_kv")
 eval_methods.register("elm_kv_centered", "elm_memory.eval.methods.elm_method:elm_kv_centered")
+eval_methods.register("elm_untrained", "elm_memory.eval.methods.elm_method:elm_untrained")
+eval_methods.register("self_consistency", "elm_memory.eval.methods.voting:SelfConsistency")
+eval_methods.register("maj_at_k", "elm_memory.eval.methods.voting:MajorityAtK")
 
 # Learner modes (`learner.mode`): when a memory is learned relative to answering (elm_memory.jobs).
 learners: Registry[LearnerFactory] = Registry("learner mode", "elm_memory.learners")
