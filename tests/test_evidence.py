@@ -257,3 +257,140 @@ def test_baselines_and_records_on_the_tiny_model(tiny_loaded, tiny_backend, tmp_
     assert {("elm_input", b) for b in ("zero_shot", "self_consistency", "maj_at_k", "elm_untrained")} <= pairs
     assert "| elm_input | self_consistency |" in result.table
     assert [c["method"] for c in comparisons["self_consistency_counterfactual"]] == ["elm_untrained", "elm_input"]
+
+
+# ---- the sweep ---------------------------------------------------------------------------------
+
+
+def test_sweep_grid_parsing_points_and_inits():
+    from elm_memory.eval.sweep import grid_points, init_point, parse_grid
+
+    grid = parse_grid(["S=0,4", "lr=1e-4,1e-2", "k=8", "min_share=0.5"])
+    assert grid == {"S": [0, 4], "lr": [0.0001, 0.01], "k": [8], "min_share": [0.5]}
+    points = grid_points(grid)
+    assert len(points) == 4 and points[3].name == "S4-lr0.01-k8-min_share0.5"
+    assert points[3].overrides == {
+        "training.steps": 4,
+        "training.learning_rate": 0.01,
+        "memory.num_tokens": 8,
+        "training.skip_below_majority_share": 0.5,
+    }
+    # the untrained init keeps what the initial memory depends on (k), nothing of the training
+    assert init_point(points[3]).overrides == {"memory.num_tokens": 8, "training.steps": 0}
+    assert init_point(points[0]).name == init_point(points[3]).name == "init-num_tokens8"
+    assert parse_grid(["training.beta=0,0.1"]) == {"training.beta": [0, 0.1]}
+    for bad, message in (
+        (["wobble=1,2"], "unknown sweep setting 'wobble'"),
+        (["S"], "not NAME=V1,V2"),
+        (["S=1", "S=2"], "given twice"),
+        ([], "grid is empty"),
+    ):
+        with pytest.raises(ConfigError, match=message):
+            parse_grid(bad)
+
+
+def test_sweep_points_with_an_unknown_config_key_fail_before_any_model():
+    from elm_memory.eval.sweep import check_points, grid_points, parse_grid
+
+    cfg = ELMConfig.load(preset="cpu-tiny")
+    with pytest.raises(ConfigError, match="training.wobble"):
+        check_points(cfg, grid_points(parse_grid(["training.wobble=1"])))
+    with pytest.raises(ConfigError, match="model section"):
+        check_points(cfg, grid_points(parse_grid(["model.name_or_path=other"])))
+    out = subprocess.run(
+        [sys.executable, "-m", "elm_memory.cli", "sweep", "--dataset", "synth-arith", "--out", "/nonexistent/x"]
+        + ["--grid", "S=1", "--grid", "wobble=2", "--preset", "cpu-tiny"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode != 0 and "unknown sweep setting 'wobble'" in out.stderr
+    assert len(out.stderr.strip().splitlines()) == 1
+
+
+def test_dev_questions_avoid_the_reported_streams_and_come_in_families():
+    from elm_memory.eval.datasets import load_problems
+    from elm_memory.eval.sweep import REPORTED_SEEDS, dev_problems
+
+    dev = dev_problems("synth-arith", 6, per_family=2)
+    reported = {p.id for s in REPORTED_SEEDS for p in load_problems("synth-arith", limit=60, seed=s)}
+    assert len(dev) == 6 and not {p.id for p in dev} & reported
+    # the first three are one per family (the memories' sources), then a second of each family
+    assert len({p.family for p in dev[:3]}) == 3 and [p.family for p in dev[3:]] == [p.family for p in dev[:3]]
+    assert dev_problems("synth-arith", 6, per_family=2) == dev  # deterministic
+
+
+def test_sweep_rows_split_own_family_and_unrelated(tmp_path):
+    from elm_memory.eval.datasets import Problem
+    from elm_memory.eval.records import RecordLog
+    from elm_memory.eval.sweep import SweepPoint, markdown_sweep, sweep_row
+
+    problems = [Problem("a1", "q", "1", family="A"), Problem("a2", "q", "2", family="A"), Problem("b1", "q", "3", "B")]
+    point, init = SweepPoint("S4", {"training.steps": 4}, {"S": 4}), SweepPoint("init", {"training.steps": 0})
+    zs = {"a1": False, "a2": True, "b1": False}
+    trained = {("a1", "a1"): True, ("a1", "a2"): True, ("a1", "b1"): True}
+    untrained = {("a1", "a1"): False, ("a1", "a2"): False, ("a1", "b1"): True}
+    for name, evals in (("S4", trained), ("init", untrained)):
+        for qid, ok in zs.items():
+            RecordLog(tmp_path / name / "zero_shot.jsonl").append({"question_id": qid, "correct": ok})
+        for (src, qid), ok in evals.items():
+            RecordLog(tmp_path / name / "evals.jsonl").append(
+                {"memory_id": "m", "source_question_id": src, "question_id": qid, "correct": ok}
+            )
+    RecordLog(tmp_path / "S4" / "memories.jsonl").append(
+        {"memory_id": "m", "question_id": "a1", "majority_share": 0.5, "skipped_backward": [False, True], "seconds": 3}
+    )
+    row = sweep_row(tmp_path, point, init, problems)
+    assert row["own"] == {
+        "n": 1,
+        "memory_correct": 1,
+        "zero_shot_correct": 0,
+        "vs_zero_shot": {"gains": 1, "losses": 0, "p": 1.0},
+        "init_n": 1,
+        "init_correct": 0,
+        "vs_init": {"gains": 1, "losses": 0, "p": 1.0},
+    }
+    assert row["family"]["n"] == 1 and row["family"]["vs_zero_shot"]["gains"] == 0  # a2: both right
+    assert row["family"]["vs_init"]["gains"] == 1
+    assert row["unrelated"]["vs_zero_shot"]["gains"] == 1 and row["unrelated"]["vs_init"]["gains"] == 0
+    assert row["updated_steps"] == 1 and row["mean_majority_share"] == 0.5
+    table = markdown_sweep([row])
+    assert "| S4 | own | 1 | 1/1 | 0/1 | 0/1 | +1/−0 (1) | +1/−0 (1) | 0.50 |" in table
+
+
+@pytest.mark.model
+def test_weak_majority_steps_skip_their_update(tiny_loaded, tiny_backend):
+    """training.skip_below_majority_share: rollouts 7, 7, 8, 9 (share 0.5) update at 0.5, not at 0.75."""
+    from _fakes import ScriptedRollouts
+
+    from elm_memory.models.prompting import PromptBuilder
+    from elm_memory.training.learn import initial_memory, learn_memory
+
+    scripted = ScriptedRollouts(tiny_backend, ["\\boxed{7}", "\\boxed{7}", "\\boxed{8}", "\\boxed{9}"])
+    for threshold, skipped in ((0.75, True), (0.5, False)):
+        cfg = ELMConfig.load(
+            preset="cpu-tiny",
+            overrides={"training": {"steps": 2, "num_generations": 4, "skip_below_majority_share": threshold}},
+        )
+        prompts = PromptBuilder(tiny_loaded.tokenizer, cfg.prompt, tiny_loaded.info.max_context)
+        memory = learn_memory(QUESTION, config=cfg, loaded=tiny_loaded, backend=scripted, prompts=prompts)
+        assert memory.meta.stats.skipped_backward == [skipped, skipped]
+        init = initial_memory(cfg, tiny_loaded, QUESTION)
+        assert torch.equal(memory.soft_prompt, init.float()) == skipped
+
+
+def test_offline_progress_lines_in_a_log(capsys, monkeypatch):
+    """Not a terminal (a log, nohup): a line per phase and at most every LINE_SECONDS, with time left."""
+    from elm_memory.eval import progress
+
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: False)
+    monkeypatch.setattr(progress, "LINE_SECONDS", 0.0)
+    with progress.ProgressBar(None, total=4, completed=1, lines=True) as bar:
+        bar.describe("learning memory 1/2 (0 done) · evaluations 0/4")
+        bar.advance()
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("[progress] learning memory 1/2 (0 done) · evaluations 0/4 · 1/4 steps")
+    assert "2/4 steps" in err[-1] and "min left" in err[-1]
+    with progress.ProgressBar(None, total=4, completed=1) as bar:  # other runs stay silent in logs
+        bar.describe("x")
+        bar.advance()
+    assert capsys.readouterr().err == ""

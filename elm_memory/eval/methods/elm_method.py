@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import Counter
 from typing import Any
 
 from elm_memory.backends.fusing import FusedCalls
 from elm_memory.elm import ELM
 from elm_memory.errors import ELMError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, memory_store_config
+from elm_memory.eval.records import training_votes
 from elm_memory.store.base import MemoryStoreBase
 
 log = logging.getLogger("elm_memory.eval")
@@ -213,16 +213,6 @@ class ELMMethod:
         """The run was interrupted: stop the learner without running its queued jobs (an interrupted job
         went back to pending; the resume forgets it and learns its question again)."""
         self.elm.close(wait=False)
-
-
-def training_votes(stats: Any) -> dict[str, Any]:
-    """Per training step, each distinct rollout answer with its count (most first; None: no box), and the
-    last step's majority share: how much agreement the reward had to learn from."""
-    steps = []
-    for answers in stats.answers:
-        counts = Counter(answers)
-        steps.append([[a, c] for a, c in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))])
-    return {"steps": steps, "majority_answer": stats.majority_answer, "majority_share": stats.majority_share}
 
 
 def elm_input(runtime: EvalRuntime) -> ELMMethod:
