@@ -199,8 +199,8 @@ MethodOpt = Annotated[
     typer.Option(
         "--method",
         "-m",
-        help="Method(s), repeatable or comma-separated: zero_shot, verifier_at_2, icl, "
-        "reasoning_bank, lag, lag_tts, elm_input, elm_kv, elm_kv_centered (or a plugin).",
+        help="Method(s), repeatable or comma-separated: zero_shot, self_consistency, maj_at_k, verifier_at_2, "
+        "icl, reasoning_bank, lag, lag_tts, elm_input, elm_untrained, elm_kv, elm_kv_centered (or a plugin).",
     ),
 ]
 

@@ -394,3 +394,52 @@ def test_offline_progress_lines_in_a_log(capsys, monkeypatch):
         bar.describe("x")
         bar.advance()
     assert capsys.readouterr().err == ""
+
+
+def test_compare_pools_the_sign_test_over_seeds_by_distinct_question(tmp_path):
+    """Two seeds that share q1: elm_input wins it in both, so it counts once; q2 is lost in one seed."""
+    from elm_memory.eval.records import RecordLog
+    from elm_memory.eval.seeds import compare_seeds, markdown_seeds
+
+    runs = {
+        17: [("q1", True, False), ("q2", True, True)],
+        42: [("q1", True, False), ("q2", False, True)],
+    }
+    dirs = []
+    for seed, rows in runs.items():
+        d = tmp_path / f"s{seed}"
+        d.mkdir()
+        (d / "run.json").write_text(
+            json.dumps({"dataset": "synth-arith", "seed": seed, "question_ids": ["q1", "q2"], "config": {}})
+        )
+        log = RecordLog(d / "records.jsonl")
+        for i, (qid, elm_ok, zs_ok) in enumerate(rows):
+            for method, ok in (("zero_shot", zs_ok), ("elm_input", elm_ok)):
+                log.append({"method": method, "index": i, "question_id": qid, "correct": ok, "route": "zero_shot"})
+        dirs.append(d)
+    comparison = compare_seeds(dirs)
+    [row] = comparison.head_to_head
+    assert (row["method"], row["baseline"], row["questions"], row["wins"], row["losses"], row["ties"]) == (
+        "elm_input",
+        "zero_shot",
+        2,
+        1,
+        1,
+        0,
+    )
+    assert "| elm_input | zero_shot | 2 | +1 | −1 | 0 | 1 |" in markdown_seeds(comparison)
+    assert comparison.to_json()["head_to_head"] == [row]
+
+
+@pytest.mark.model
+def test_verifier_at_2_samples_do_not_depend_on_the_batch(tiny_loaded, tiny_backend, tmp_path):
+    """verifier_at_2 seeded a batch by its first question; now each sample row has its own seed."""
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.methods.baselines import verifier_at_2
+
+    cfg = ELMConfig.load(preset="cpu-tiny", overrides={"generation": {"max_new_tokens": 12}})
+    method = verifier_at_2(EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend))
+    together = method.answer_batch([OTHER, QUESTION], [0, 1])
+    alone = method.answer_batch([QUESTION], [7])
+    assert together[1].response == alone[0].response and together[1].candidates == alone[0].candidates
+    assert together[0].response != together[1].response
