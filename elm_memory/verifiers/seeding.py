@@ -9,7 +9,7 @@ question then differed between a presampled batch and a call after the disagreem
 Here each sample is its own prompt row (``n = 1``) carrying its own :attr:`PromptInput.seed`, which
 the ``hf`` backend turns into a generator of that row alone. Sample j of a question is then the same
 draw in any call, batch or ``k``; only the floating-point effect of the batch on the logits remains
-(none in float32 on one device, rare token flips in bfloat16).
+(a token flip now and then, where a draw lands among the vocabulary's low-probability tail tokens).
 """
 
 from __future__ import annotations
