@@ -44,6 +44,8 @@ class AnswerResult:
     gate: dict[str, Any] | None = None  # why the retrieved memory was or was not used
     # answers of the samples a sampling verifier scored the disagreement on (None: no such verifier scored)
     verifier_sample_answers: list[str | None] | None = None
+    # answers of the samples drawn with the candidates (presample), scored or not: what a vote would see
+    presampled_answers: list[str | None] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -239,6 +241,7 @@ class ELM:
             namespace=out.get("namespace"),
             gate=out.get("gate"),
             verifier_sample_answers=out.get("verifier_sample_answers"),
+            presampled_answers=out.get("presampled_answers"),
         )
 
     def learn(

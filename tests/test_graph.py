@@ -305,8 +305,8 @@ class ScriptedBackend:
         for prompts, params in requests:
             if params.greedy:
                 texts = [["\\boxed{7}" if p.soft_prompt is not None else "\\boxed{3}"] for p in prompts]
-            else:
-                texts = [["\\boxed{7}"] * 3 + ["\\boxed{3}"] for _ in prompts]
+            else:  # one row per sample (n = 1): rows box 7, 7, 7, 3
+                texts = [[("\\boxed{7}", "\\boxed{7}", "\\boxed{7}", "\\boxed{3}")[i % 4]] for i in range(len(prompts))]
             out.append([[Generation(t, [1], "answer") for t in row] for row in texts])
         return out
 
@@ -328,10 +328,10 @@ def test_consistency_samples_join_the_answers_call_when_presampling(tiny_elm, pr
     assert r.route == "verifier" and r.answer == "7" and [c["score"] for c in r.candidates] == [0.25, 0.75]
     assert r.verifier_sample_answers == ["7", "7", "7", "3"]  # what was scored, drawn ahead or after
     if presample and batches_calls:
-        assert backend.calls == [[(2, 1), (1, 4)]]  # one call: both answers and the four samples
+        assert backend.calls == [[(2, 1), (4, 1)]]  # one call: both answers and the four sample rows
         assert backend.budgets == [[answers_budget, answers_budget]]  # cut to the answers' budget
     else:
-        assert backend.calls == [[(2, 1)], [(1, 4)]]
+        assert backend.calls == [[(2, 1)], [(4, 1)]]
         assert backend.budgets == [[answers_budget], [answers_budget + 5]]
     backend.calls.clear()
     first = tiny_elm.answer(Q1, namespace="empty", learn=False)
@@ -340,7 +340,7 @@ def test_consistency_samples_join_the_answers_call_when_presampling(tiny_elm, pr
 
 class TiedSamplesBackend(ScriptedBackend):
     """ScriptedBackend whose first samples tie the two answers (one 7, one 3, two 9s); a later sample call
-    (the tie call: another seed) boxes 7 on every sample."""
+    (the tie call: rows with the seeds of the next sample indices) boxes 7 on every sample."""
 
     def generate_many(self, requests):
         from elm_memory.backends.base import Generation
@@ -349,9 +349,9 @@ class TiedSamplesBackend(ScriptedBackend):
         for i, (prompts, params) in enumerate(requests):
             if not params.greedy:
                 texts = ["\\boxed{7}", "\\boxed{3}", "\\boxed{9}", "\\boxed{9}"]
-                if params.seed != self.first_seed:
-                    texts = ["\\boxed{7}"] * params.n
-                out[i] = [[Generation(t, [1], "answer") for t in texts] for _ in prompts]
+                if prompts[0].seed not in self.first_seeds:
+                    texts = ["\\boxed{7}"] * len(prompts)
+                out[i] = [[Generation(t, [1], "answer")] for t in texts]
         return out
 
 
@@ -365,16 +365,16 @@ def test_a_tie_draws_more_samples_and_counts_them_all(tiny_elm, tie_samples):
     tiny_elm.answer(Q1)
     services = tiny_elm.services()
     backend = TiedSamplesBackend(services.backend)
-    backend.first_seed = 5
     services.backend = backend
     services.verifier = ConsistencyVerifier(backend, samples=4, seed=5, tie_samples=tie_samples)
+    backend.first_seeds = set(services.verifier.sample_seeds(Q2))
     r = tiny_elm.answer(Q2, learn=False)
     scores = [c["score"] for c in r.candidates]
     if tie_samples:
         assert r.answer == "7" and scores == [1 / 12, 9 / 12]
-        assert backend.calls == [[(2, 1), (1, 4)], [(1, 8)]]
+        assert backend.calls == [[(2, 1), (4, 1)], [(8, 1)]]
         assert r.verifier_sample_answers == ["7", "3", "9", "9"] + ["7"] * 8  # the result shows the cost
     else:
         assert r.answer == "3" and scores == [0.25, 0.25]
-        assert backend.calls == [[(2, 1), (1, 4)]]
+        assert backend.calls == [[(2, 1), (4, 1)]]
         assert r.verifier_sample_answers == ["7", "3", "9", "9"]

@@ -372,8 +372,9 @@ class FixedSamplesBackend:
         from elm_memory.backends.base import Generation
 
         self.calls.append((list(prompts), params))
-        assert params.n == len(self.texts)
-        return [[Generation(t, [], "answer") for t in self.texts] for _ in prompts]
+        # one row per sample (n = 1, each its own seed): row j gets the j-th text
+        assert params.n == 1 and len(prompts) == len(self.texts)
+        return [[Generation(t, [], "answer")] for t in self.texts]
 
 
 def test_consistency_scores_the_share_of_samples_that_agree():
@@ -393,8 +394,10 @@ def test_consistency_scores_the_share_of_samples_that_agree():
     assert isinstance(v, Verifier) and v.name == "consistency"
     assert v.score(QUESTION, cands) == [0.75, 0.25, 0.75, 0.0, 0.0]
     [(prompts, params)] = backend.calls  # one batched call for all candidates
-    assert len(prompts) == 1 and prompts[0].token_ids == (1, 2, 3) and prompts[0].soft_prompt is None
-    assert (params.n, params.temperature, params.seed, params.max_new_tokens) == (4, 0.7, 3, 64)
+    # one row per sample, each the zero-shot prompt (soft prompt dropped) with its own seed
+    assert len(prompts) == 4 and all(p.token_ids == (1, 2, 3) and p.soft_prompt is None for p in prompts)
+    assert [p.seed for p in prompts] == v.sample_seeds(QUESTION) and len({p.seed for p in prompts}) == 4
+    assert (params.n, params.temperature, params.seed, params.max_new_tokens) == (1, 0.7, 3, 64)
     assert params.stop_at_answer
 
 
@@ -415,7 +418,7 @@ def test_consistency_ties_and_unanswerable_candidates_score_equal():
 
 
 class SeededSamplesBackend(FixedSamplesBackend):
-    """generate() returns the texts listed for the call's seed, n of them, and records each call."""
+    """generate() returns, for each row (n = 1), the text listed for that row's own seed; records each call."""
 
     def __init__(self, by_seed):
         super().__init__([])
@@ -425,22 +428,24 @@ class SeededSamplesBackend(FixedSamplesBackend):
         from elm_memory.backends.base import Generation
 
         self.calls.append((list(prompts), params))
-        texts = self.by_seed[params.seed]
-        assert params.n == len(texts)
-        return [[Generation(t, [], "answer") for t in texts] for _ in prompts]
+        assert params.n == 1
+        return [[Generation(self.by_seed[p.seed], [], "answer")] for p in prompts]
 
 
-def test_consistency_tie_draws_more_samples_with_the_next_seed():
+def test_consistency_tie_draws_more_samples_with_the_next_sample_indices():
     from elm_memory.verifiers.consistency import ConsistencyVerifier
+    from elm_memory.verifiers.seeding import sample_seeds
 
-    backend = SeededSamplesBackend(
-        {3: ["\\boxed{1}", "\\boxed{2}", "\\boxed{9}", "cut off"], 4: ["\\boxed{2}", "\\boxed{2}", "\\boxed{1}"]}
-    )
+    first_texts = ["\\boxed{1}", "\\boxed{2}", "\\boxed{9}", "cut off"]
+    tie_texts = ["\\boxed{2}", "\\boxed{2}", "\\boxed{1}"]
+    seeds = sample_seeds(3, QUESTION, 7)  # samples 0-3, then the tie's 4-6
+    backend = SeededSamplesBackend(dict(zip(seeds, first_texts + tie_texts, strict=True)))
     prompt = PromptInput((1, 2))
     v = ConsistencyVerifier(backend, samples=4, seed=3, tie_samples=3)
     assert v.score_answers(QUESTION, ["1", "2"], [Candidate("x", prompt=prompt)]) == [2 / 7, 3 / 7]
-    [(_, first), (prompts, tie)] = backend.calls
-    assert (first.n, first.seed, tie.n, tie.seed) == (4, 3, 3, 4) and prompts[0].token_ids == (1, 2)
+    [(first_rows, first), (tie_rows, tie)] = backend.calls
+    assert [p.seed for p in first_rows] == seeds[:4] and [p.seed for p in tie_rows] == seeds[4:]
+    assert tie_rows[0].token_ids == (1, 2) and first.n == tie.n == 1
     assert (tie.temperature, tie.max_new_tokens) == (first.temperature, first.max_new_tokens)
     backend.calls.clear()  # no tie: no second call
     assert v.score_answers(QUESTION, ["9", "5"], [Candidate("x", prompt=prompt)]) == [0.25, 0.0]
@@ -494,8 +499,8 @@ def test_consistency_samples_drawn_ahead_score_as_samples_drawn_on_demand():
     assert prompts[0].token_ids == (1, 2) and prompts[0].soft_prompt is None  # zero-shot: the memory dropped
     on_demand = v.score(QUESTION, [Candidate("\\boxed{5}", prompt=PromptInput((1, 2))), Candidate("\\boxed{7}")])
     [(drawn_prompts, drawn_params)] = backend.calls
-    assert drawn_params == params and drawn_prompts[0].token_ids == prompts[0].token_ids
-    [gens] = backend.generate(prompts, params)
+    assert drawn_params == params and drawn_prompts == prompts  # the same rows, the same seeds
+    gens = [g for row in backend.generate(prompts, params) for g in row]
     assert v.score_with_samples(["5", "7"], v.sample_answers_of(gens)) == on_demand == [0.25, 0.75]
     assert v.score_with_samples(["7", None], []) == [0.0, 0.0]  # no samples: nobody agrees
     assert ConsistencyVerifier(backend).presample and not ConsistencyVerifier(backend, presample=False).presample

@@ -230,9 +230,9 @@ def _decode_lookup(
     drafted ones (one forward for all), keeps the drafts the model agrees with and the model's own
     token after them. Rejected drafts stay in the KV cache, masked out, so no row waits for another.
 
-    Acceptance is the standard one for a draft that is a single token: a greedy row takes a draft
-    that is its argmax; a sampled row takes draft ``d`` with probability ``p(d)``, else samples from
-    ``p`` without ``d`` (renormalised), which draws exactly from ``p``."""
+    Acceptance: a greedy row takes a draft that is its argmax; a sampled row draws its token from ``p``
+    with one draw of its generator and keeps the draft when that token is the draft (probability
+    ``p(d)``), so its tokens and draws are those of plain sampling whatever was drafted."""
     device = mask.device
     eos_set = set(eos.tolist())
     rows = len(row_prompt)
@@ -324,14 +324,14 @@ def _verify(
     probs = torch.softmax(logits[: n + 1].float() / options.temperature, dim=-1)
     if options.top_p < 1.0:
         probs = _nucleus(probs, options.top_p)
-    probs = probs / probs.sum(dim=-1, keepdim=True)
-    device = generator.device if generator is not None else "cpu"
+    # One draw per position, inverted at the model's distribution there, keeps a draft when the drawn token
+    # is the draft (probability p(draft), as the textbook rule). Every token costs exactly one draw whatever
+    # was drafted, so a seeded row gets the tokens plain sampling gives it: drafts, which come from what the
+    # backend generated earlier, no longer change the sample (they did under accept-with-p, then resample).
     for a in range(n):
-        p_draft = float(probs[a, draft[a]])
-        if float(torch.rand((), generator=generator, dtype=torch.float64, device=device)) >= p_draft:
-            residual = probs[a].clone()
-            residual[draft[a]] = 0.0  # what is left once the draft is refused, renormalised by the draw
-            return draft[:a], _draw(residual, generator)
+        token = _draw(probs[a], generator)
+        if token != draft[a]:
+            return draft[:a], token
     return draft, _draw(probs[n], generator)
 
 

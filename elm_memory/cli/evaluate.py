@@ -65,8 +65,8 @@ MethodOpt = Annotated[
     typer.Option(
         "--method",
         "-m",
-        help="Method(s), repeatable or comma-separated: zero_shot, verifier_at_2, icl, "
-        "reasoning_bank, lag, lag_tts, elm_input, elm_kv, elm_kv_centered (or a plugin).",
+        help="Method(s), repeatable or comma-separated: zero_shot, self_consistency, maj_at_k, verifier_at_2, "
+        "icl, reasoning_bank, lag, lag_tts, elm_input, elm_untrained, elm_kv, elm_kv_centered (or a plugin).",
     ),
 ]
 
@@ -344,6 +344,45 @@ def offline(
             plots=not no_plots,
         )
     _print_run(result, json_out, files)
+
+
+@app.command()
+@handle_errors
+def sweep(
+    dataset: DatasetOpt,
+    out: Annotated[Path, typer.Option(help="Sweep folder: one offline run per grid point, sweep.md, sweep.json.")],
+    grid: Annotated[
+        list[str],
+        typer.Option(help="NAME=V1,V2 (repeatable): S, G, lr, k, cap, min_share, beta or a dotted config key."),
+    ],
+    questions: Annotated[int, typer.Option(min=1, help="Dev questions (outside the reported streams).")] = 12,
+    per_family: Annotated[int, typer.Option(min=1, help="Dev questions per family (synth-arith).")] = 2,
+    memories: Annotated[
+        int | None, typer.Option(min=1, help="Memories learned per point (default: one per family).")
+    ] = None,
+    batch_size: Annotated[int, typer.Option(min=1, help="Questions per batched greedy call.")] = 8,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Training-recipe sweep: the offline protocol at every grid point, each memory measured on its own
+    question, its family and unrelated questions against zero-shot and its untrained init."""
+    from elm_memory.eval.sweep import sweep_from_cli
+
+    cfg = load_config(config, preset, None, set_)
+    result = sweep_from_cli(
+        dataset,
+        out,
+        grid,
+        cfg,
+        questions=questions,
+        per_family=per_family,
+        memories=memories,
+        batch_size=batch_size,
+        progress=None if not json_out else False,
+    )
+    _print_run(result, json_out, "sweep.md, sweep.json, one offline run per point")
 
 
 def _check_offline_flags(

@@ -182,6 +182,16 @@ class TrainingConfig(ConfigSection):
     skip_uniform_rewards: bool = Field(
         default=True, description="Skip the backward when all rewards in the group are equal (zero advantage)."
     )
+    skip_below_majority_share: float = Field(
+        default=0.0,
+        ge=0.0,
+        le=1.0,
+        description=(
+            "Skip a step's update (as for uniform rewards) when the share of its rollouts that gave the majority "
+            "answer is below this: with four different answers in four rollouts the majority reward is noise. "
+            "0.0 = off (paper). Native engine only."
+        ),
+    )
     share_prompt_kv: bool = Field(
         default=True,
         description=(

@@ -39,6 +39,7 @@ from elm_memory.eval.records import (
     config_defaults,
     machine_facts,
     run_dir,
+    training_votes,
     write_json_atomic,
 )
 
@@ -127,7 +128,9 @@ class _OfflineRun:
         n_mem = len(memories) + len(todo_train)
         total = len(problems) * (1 + n_mem) + len(train_set)
         done = len(problems) - len(todo_zs) + len(train_set) - len(todo_train) + len(evaluated)
-        with ProgressBar(progress, total=total, completed=done) as bar:
+        self.evals_total, self.evals_done = len(problems) * n_mem, len(evaluated)
+        # lines: offline phases take many minutes each, so a log also gets a line per phase and every 30 s
+        with ProgressBar(progress, total=total, completed=done, lines=True) as bar:
             self.zero_shot(todo_zs, batch_size, bar)
             if todo_train:
                 self.learn(todo_train, memories, n_mem, bar)
@@ -150,7 +153,7 @@ class _OfflineRun:
         for batch in _chunks(todo, self.runtime.config.learner.batch_size):
             first = len(memories) + 1
             span = f"{first}" if len(batch) == 1 else f"{first}-{first + len(batch) - 1}"
-            bar.describe(f"learning memory {span}/{n_mem}")
+            bar.describe(f"learning memory {span}/{n_mem} ({first - 1} done) · evaluations 0/{self.evals_total}")
             learned_batch = elm.learn_many([p.question for p in batch], namespace=NAMESPACE, progress=False)
             for p, memory in zip(batch, learned_batch, strict=True):
                 s = memory.meta.stats
@@ -159,6 +162,9 @@ class _OfflineRun:
                     "question_id": p.id,
                     "question": p.question,
                     "majority_answer": s.majority_answer,
+                    "majority_share": s.majority_share,
+                    "votes": training_votes(s)["steps"],
+                    "skipped_backward": s.skipped_backward,
                     "mean_reward": s.mean_reward,
                     "no_consensus": s.no_consensus,
                     "seconds": s.seconds,
@@ -183,7 +189,10 @@ class _OfflineRun:
                 continue
             if store is None:
                 store = _store(self.runtime, self.source or self.out)
-            bar.describe(f"evaluating memory {i}/{len(memories)}")
+            bar.describe(
+                f"evaluating memory {i}/{len(memories)} · memories {len(memories)}/{len(memories)} learned "
+                f"· evaluations {self.evals_done}/{self.evals_total}"
+            )
             memory = store.get(mid, NAMESPACE)
             memory.check_compatible(self.runtime.backend.info)
             for chunk in _chunks(todo, batch_size):
@@ -197,6 +206,7 @@ class _OfflineRun:
                             "correct": bool(equivalent(answer, p.answer)),
                         }
                     )
+                    self.evals_done += 1
                     bar.advance()
 
 

@@ -4,9 +4,11 @@ every method answers it, is scored, then learns from it (sync), before the next 
 Output directory::
 
     run.json        what was run (dataset, seed, question order, config, methods) and on which machines
-    records.jsonl   one line per (method, question): answer, route, memory, scores, timings
+    records.jsonl   one line per (method, question): answer, route, memory, scores, timings, and what
+                    decided (the verifier's sample answers, the memory's training votes, the seeds)
     summary.json    per-method accuracy, routes, time split answer / learn, pool size on disk
-    results.md      the summary as a Markdown table
+    comparisons.json  ELM methods against the baselines (sign test), self-consistency counterfactuals
+    results.md      the summary and the comparisons as Markdown tables
     *.png           accuracy over the stream, routes, memory-pool growth
     store/, pools/  the methods' memory pools (kept: a re-run resumes from them)
 """
@@ -234,8 +236,10 @@ def _record(method: Any, index: int, problem: Problem, output: Any, t_answer: fl
 
 def finish(out: Path, methods: Sequence[str], *, plots: bool = True) -> StreamResult:
     """Summary, Markdown table and plots from the records on disk (also for a partial run)."""
+    from elm_memory.eval.counterfactual import markdown_counterfactuals, self_consistency_counterfactual
     from elm_memory.eval.metrics import summarize_online
     from elm_memory.eval.report import markdown_online, plot_online
+    from elm_memory.eval.significance import head_to_head, markdown_head_to_head
 
     records = RecordLog(out / "records.jsonl").read()
     order = {m: n for n, m in enumerate(methods)}
@@ -243,7 +247,21 @@ def finish(out: Path, methods: Sequence[str], *, plots: bool = True) -> StreamRe
     summary = summarize_online(records) if records else {}
     summary = {m: summary[m] for m in methods if m in summary}
     table = markdown_online(summary) if summary else ""
+    pairs = head_to_head([records])
+    counterfactuals = [c for m in summary if m.startswith("elm_") if (c := self_consistency_counterfactual(records, m))]
+    if pairs:
+        table += "\nHead to head over distinct questions (exact sign test, two-sided):\n\n" + markdown_head_to_head(
+            pairs
+        )
+    if counterfactuals:
+        table += (
+            "\nSelf-consistency counterfactual (greedy + the recorded verifier samples, majority, ties to greedy):\n\n"
+            + markdown_counterfactuals(counterfactuals)
+        )
     write_json_atomic(out / "summary.json", summary)
+    write_json_atomic(
+        out / "comparisons.json", {"head_to_head": pairs, "self_consistency_counterfactual": counterfactuals}
+    )
     (out / "results.md").write_text(table + "\n", encoding="utf-8")
     written = plot_online(records, out) if plots and records else []
     return StreamResult(out_dir=out, summary=summary, records=records, plots=list(written), table=table)

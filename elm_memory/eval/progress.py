@@ -7,19 +7,29 @@ and CI (stderr not a terminal) it stays silent, so records and tables are what a
 from __future__ import annotations
 
 import sys
+import time
 from typing import Any
+
+#: seconds between two plain progress lines (``lines`` mode)
+LINE_SECONDS = 30.0
 
 
 class ProgressBar:
     """A rich progress bar with ETA on a terminal; silent otherwise. A context manager:
     ``with ProgressBar(None, total=n, completed=done) as bar: bar.describe(...); bar.advance()``."""
 
-    def __init__(self, enabled: bool | None, total: int, completed: int):
-        """``enabled``: None decides by whether stderr is a terminal."""
-        self.enabled = sys.stderr.isatty() if enabled is None else enabled
+    def __init__(self, enabled: bool | None, total: int, completed: int, *, lines: bool = False):
+        """``enabled``: None decides by whether stderr is a terminal. ``lines``: where the bar would stay
+        silent only because stderr is not a terminal (a log, nohup), print a plain progress line instead on
+        each new phase and at most every ``LINE_SECONDS`` (for runs whose phases take many minutes)."""
+        tty = sys.stderr.isatty()
+        self.enabled = tty if enabled is None else enabled
+        self.lines = bool(lines) and enabled is None and not tty
         self.total, self.completed = total, completed
         self._bar: Any = None
         self._task: Any = None
+        self._started, self._start_count = time.monotonic(), completed
+        self._description, self._last_line = "starting", 0.0
 
     def __enter__(self) -> ProgressBar:
         if self.enabled:
@@ -48,10 +58,35 @@ class ProgressBar:
     def describe(self, text: str) -> None:
         if self._bar is not None:
             self._bar.update(self._task, description=text)
+        if self.lines and text != self._description:
+            self._description = text
+            self._line()
 
     def advance(self) -> None:
+        self.completed += 1
         if self._bar is not None:
             self._bar.advance(self._task)
+        if self.lines and time.monotonic() - self._last_line >= LINE_SECONDS:
+            self._line()
+
+    def eta_seconds(self) -> float | None:
+        """Time left at the pace of this session's steps (None before the first one)."""
+        done = self.completed - self._start_count
+        if done <= 0:
+            return None
+        return (time.monotonic() - self._started) / done * max(0, self.total - self.completed)
+
+    def _line(self) -> None:
+        self._last_line = time.monotonic()
+        eta = self.eta_seconds()
+        left = "unknown" if eta is None else f"{eta / 60:.1f} min"
+        elapsed = (self._last_line - self._started) / 60
+        print(
+            f"[progress] {self._description} · {self.completed}/{self.total} steps · {elapsed:.1f} min elapsed "
+            f"· about {left} left",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:

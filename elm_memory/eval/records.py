@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -150,3 +151,13 @@ def machine_facts(config: Any) -> dict[str, Any]:
         "num_threads": env["resolved"]["num_threads"],
         "torch": env["packages"].get("torch"),
     }
+
+
+def training_votes(stats: Any) -> dict[str, Any]:
+    """A memory's training votes (its ``TrainingStats``): per step, each distinct rollout answer with its
+    count (most first; None: no box), and the last step's majority: how much agreement the reward had."""
+    steps = []
+    for answers in stats.answers:
+        counts = Counter(answers)
+        steps.append([[a, c] for a, c in sorted(counts.items(), key=lambda kv: (-kv[1], str(kv[0])))])
+    return {"steps": steps, "majority_answer": stats.majority_answer, "majority_share": stats.majority_share}

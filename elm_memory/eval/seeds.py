@@ -23,6 +23,7 @@ from typing import Any
 from elm_memory.errors import ConfigError
 from elm_memory.eval.metrics import summarize_online
 from elm_memory.eval.records import RecordLog
+from elm_memory.eval.significance import head_to_head, markdown_head_to_head
 
 
 @dataclass
@@ -33,6 +34,7 @@ class SeedRun:
     questions: int
     config: dict[str, Any]
     summary: dict[str, dict[str, Any]]
+    records: list[dict[str, Any]] = field(default_factory=list)
 
 
 @dataclass
@@ -40,6 +42,7 @@ class SeedComparison:
     runs: list[SeedRun]
     methods: dict[str, dict[str, Any]]  # method -> per-seed values and aggregates
     unrecorded: list[str] = field(default_factory=list)  # config keys only some runs recorded
+    head_to_head: list[dict[str, Any]] = field(default_factory=list)  # pooled over runs, by distinct question
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -47,6 +50,7 @@ class SeedComparison:
             "dataset": self.runs[0].dataset,
             "methods": self.methods,
             "config_keys_not_recorded_by_every_run": self.unrecorded,
+            "head_to_head": self.head_to_head,
         }
 
 
@@ -77,6 +81,7 @@ def load_run(path: str | Path, first: int | None = None) -> SeedRun:
         questions=questions,
         config=manifest.get("config", {}),
         summary=summarize_online(records),
+        records=records,
     )
 
 
@@ -112,7 +117,12 @@ def compare_seeds(paths: Sequence[str | Path], *, partial: bool = False, first: 
                     f"{run.path} has {m} answers for {done} of its {run.questions} questions (still running, "
                     "or stopped): finish it by re-running its command, or compare partial runs on purpose"
                 )
-    return SeedComparison(runs=runs, methods={m: _method_row(m, runs) for m in methods}, unrecorded=unrecorded)
+    return SeedComparison(
+        runs=runs,
+        methods={m: _method_row(m, runs) for m in methods},
+        unrecorded=unrecorded,
+        head_to_head=head_to_head([r.records for r in runs]),
+    )
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -178,4 +188,10 @@ def markdown_seeds(comparison: SeedComparison) -> str:
             f"+{row['total_gains']}/−{row['total_losses']}" if "total_gains" in row and method != "zero_shot" else "",
         ]
         lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines) + "\n"
+    table = "\n".join(lines) + "\n"
+    if comparison.head_to_head:
+        table += (
+            "\nPooled over the runs, each distinct question once (exact sign test, two-sided):\n\n"
+            + markdown_head_to_head(comparison.head_to_head)
+        )
+    return table

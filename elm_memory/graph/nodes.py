@@ -137,7 +137,7 @@ class ELMNodes:
             requests.append((sample_prompts, dataclasses.replace(sample_params, max_new_tokens=budget)))
         generated = generate_requests(svc.backend, requests)
         results = generated[0]
-        samples = sampler.sample_answers_of(generated[1][0]) if sampler is not None else None
+        samples = sampler.sample_answers_of([g for gens in generated[1] for g in gens]) if sampler is not None else None
         candidates = [
             CandidateState(
                 kind=kind,

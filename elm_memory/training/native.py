@@ -207,11 +207,13 @@ class NativeTrainer:
 
     def _skip_uniform(self, mems: list[MemoryRun], batch: StepBatch, gen_seconds: float) -> list[int]:
         """Step 2: the memories to update. One whose rewards are all equal has zero advantage
-        everywhere: it skips its backward (its optimizer is not stepped) but keeps its stats."""
+        everywhere: it skips its backward (its optimizer is not stepped) but keeps its stats; so does one
+        whose rollouts' majority share is below ``skip_below_majority_share`` (too little agreement)."""
         active = []
         for i, (m, group) in enumerate(zip(mems, batch.groups, strict=True)):
             m.stats.generation_seconds += gen_seconds
-            if group is not None and self.cfg.skip_uniform_rewards and group.uniform:
+            weak = group is not None and group.vote.share < self.cfg.skip_below_majority_share
+            if weak or (group is not None and self.cfg.skip_uniform_rewards and group.uniform):
                 m.record_skip()
             else:
                 active.append(i)

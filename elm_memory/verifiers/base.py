@@ -99,7 +99,7 @@ class SamplingVerifier(Protocol):
         ...
 
     def sample_answers_of(self, generations: Sequence[Any]) -> list[str | None]:
-        """The final answers of the generations that call returned for its one prompt."""
+        """The final answers of the generations that call returned, all its rows flattened in order."""
         ...
 
     def score_with_samples(self, answers: Sequence[str | None], samples: Sequence[str | None]) -> list[float]:

@@ -12,8 +12,10 @@ Details:
   any soft prompt dropped (the graph passes the prompt it answered with), else the prompt
   built from the question with ``prompt`` config. Under a memory the samples would lean
   towards that memory's answer, and the memory may come from a merely similar question.
-* One batched ``backend.generate`` call: ``n = samples`` completions, seeded with
-  ``seed`` (reproducible), each stopping at its first closed ``\boxed{}``. A sample cut off
+* One batched ``backend.generate`` call of ``samples`` rows, one prompt row per sample with
+  ``n = 1`` and its own seed from (``seed``, question, sample index) (:mod:`.seeding`), so sample j
+  of a question is the same draw whichever call, batch or sample count draws it; each stops at its
+  first closed ``\boxed{}``. A sample cut off
   before its box has no answer and agrees with nobody; it still counts in the denominator,
   so a score is always "agreeing samples / samples drawn".
 * A candidate without an answer (no box, empty text) scores 0.0. Equal scores are equal
@@ -27,12 +29,12 @@ Details:
   that runs anyway instead of a decode of their own; the rows are wasted when the candidates agree.
 * ``tie_samples`` (adaptive consistency): when the best score is shared by two answered candidates,
   a tie the graph would settle for zero-shot whatever the memory answered, draw that many more
-  samples (one call, seed + 1 so they are new draws) and score on all of them. Only ties pay for it.
+  samples (one call, sample indices after the first ``samples``, so they are new draws) and score on
+  all of them. Only ties pay for it.
 """
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +42,7 @@ from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import GenerateRequest, Generation, PromptInput, SamplingParams, answer_budget
 from elm_memory.errors import BackendError, ConfigError
 from elm_memory.verifiers.base import Candidate, ZeroShotPrompts
+from elm_memory.verifiers.seeding import sample_seeds, seeded_rows
 
 if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
@@ -127,7 +130,7 @@ class ConsistencyVerifier:
             return list(samples or [])  # nothing to agree with: no sampling
         drawn = list(self.sample_answers(question, responses) if samples is None else samples)
         if self.tie_samples and self.is_tie(answers, self.score_with_samples(answers, drawn)):
-            drawn += self.sample_answers(question, responses, n=self.tie_samples, seed_offset=1)
+            drawn += self.sample_answers(question, responses, n=self.tie_samples, start=self.samples)
         return drawn
 
     @staticmethod
@@ -142,19 +145,22 @@ class ConsistencyVerifier:
         return [0.0 if a is None or not total else sum(equivalent(a, s) for s in samples) / total for a in answers]
 
     def sample_answers(
-        self, question: str, responses: Sequence[Candidate] = (), *, n: int | None = None, seed_offset: int = 0
+        self, question: str, responses: Sequence[Candidate] = (), *, n: int | None = None, start: int = 0
     ) -> list[str | None]:
         """The zero-shot answers of one batched, seeded generate call (None: no box): ``samples`` of them,
-        or ``n``; ``seed_offset`` shifts the seed so a second call draws other samples than the first."""
-        prompts, params = self.sample_request(question, self._sampling_prompt(question, responses))
-        if n is not None or seed_offset:
-            seed = None if params.seed is None else params.seed + seed_offset
-            params = dataclasses.replace(params, n=self.samples if n is None else n, seed=seed)
-        [gens] = self.backend.generate(prompts, params)
-        return self.sample_answers_of(gens)
+        or ``n``, being samples ``start ..`` of the question (a later start draws other samples)."""
+        prompts, params = self.sample_request(question, self._sampling_prompt(question, responses), n=n, start=start)
+        return self.sample_answers_of([g for gens in self.backend.generate(prompts, params) for g in gens])
 
-    def sample_request(self, question: str, prompt: PromptInput | None = None) -> GenerateRequest:
-        """The seeded call that draws the samples from ``prompt`` (default: the question's zero-shot prompt)."""
+    def sample_seeds(self, question: str, n: int | None = None, start: int = 0) -> list[int | None]:
+        """The seeds of samples ``start .. start + n - 1`` of ``question`` (None where the run is unseeded)."""
+        return sample_seeds(self.seed, question, self.samples if n is None else n, start)
+
+    def sample_request(
+        self, question: str, prompt: PromptInput | None = None, *, n: int | None = None, start: int = 0
+    ) -> GenerateRequest:
+        """The seeded call that draws the samples from ``prompt`` (default: the question's zero-shot prompt):
+        one prompt row per sample, each with its own seed (see :mod:`elm_memory.verifiers.seeding`)."""
         prompt = self._zero_shot(question) if prompt is None else PromptInput(prompt.token_ids)
         max_context = getattr(getattr(self.backend, "info", None), "max_context", None)
         budget = (
@@ -166,13 +172,14 @@ class ConsistencyVerifier:
             max_new_tokens=budget,
             temperature=self.temperature,
             top_p=self.top_p,
-            n=self.samples,
-            seed=self.seed,
+            n=1,
+            seed=self.seed,  # a backend that ignores the rows' own seeds falls back to it
             stop_at_answer=True,  # only the first box is read; the rest would be wasted tokens
         )
-        return [prompt], params
+        return seeded_rows(prompt, self.sample_seeds(question, n, start)), params
 
     def sample_answers_of(self, generations: Sequence[Generation]) -> list[str | None]:
+        """The answers of the sample rows' generations, flattened in row order."""
         return [extract_answer(g.text) for g in generations]
 
     def _sampling_prompt(self, question: str, responses: Sequence[Candidate]) -> PromptInput:

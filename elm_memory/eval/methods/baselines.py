@@ -113,24 +113,32 @@ class VerifierAtK(_Memoryless):
         self.name = f"verifier_at_{k}"
 
     def answer_batch(self, questions: list[str], indices: list[int]) -> list[MethodOutput]:
-        """One sampled call for the batch, seeded by its first question: a batch's samples are
-        reproducible, though a question's samples depend on the batch it is in."""
+        """One sampled call for the batch; each sample is its own row seeded from (run seed, question, sample
+        index), so a question's samples are the same whichever batch it is in (see verifiers/seeding.py)."""
+        from elm_memory.verifiers.seeding import sample_seeds, seeded_rows
+
         rt = self.runtime
         cfg = rt.config
         g = cfg.generation
         prompts = [rt.prompts.answer_prompt(q, memory_tokens=0).zero_shot() for q in questions]
-        gens_by_q = _generate_grouped(
+        # a key of their own: these samples (at the rollout temperature) are not the consistency verifier's
+        rows = [
+            seeded_rows(p, sample_seeds(cfg.training.seed, f"{self.name}\x00{q}", self.k))
+            for q, p in zip(questions, prompts, strict=True)
+        ]
+        flat = _generate_grouped(
             rt,
-            prompts,
+            [row for per_question in rows for row in per_question],
             lambda max_new: SamplingParams(
                 max_new_tokens=max_new,
                 temperature=cfg.training.effective_temperature(rt.backend.info.model_type),
                 top_p=g.top_p,
-                n=self.k,
-                seed=rt.seed_for(indices[0]),
+                n=1,
+                seed=cfg.training.seed,
                 stop_at_answer=g.stop_at_answer,
             ),
         )
+        gens_by_q = [[gens[0] for gens in flat[i * self.k : (i + 1) * self.k]] for i in range(len(questions))]
         return [self._route(q, p, gens) for q, p, gens in zip(questions, prompts, gens_by_q, strict=True)]
 
     def _route(self, question: str, prompt: PromptInput, gens: list) -> MethodOutput:

@@ -17,16 +17,21 @@ from elm_memory.backends.fusing import FusedCalls
 from elm_memory.elm import ELM
 from elm_memory.errors import ELMError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, memory_store_config
+from elm_memory.eval.records import training_votes
 from elm_memory.store.base import MemoryStoreBase
 
 log = logging.getLogger("elm_memory.eval")
 
 
 class ELMMethod:
-    def __init__(self, runtime: EvalRuntime, key: str, name: str):
+    def __init__(self, runtime: EvalRuntime, key: str, name: str, *, steps: int | None = None):
+        """``steps``: S for this method's memories (None: ``training.steps``); 0 stores each memory's
+        initial soft prompt untrained (``elm_untrained``)."""
         self.name = name
         self.runtime = runtime
         cfg = memory_store_config(runtime.config, runtime.out_dir, name)
+        if steps is not None:
+            cfg = cfg.model_copy(update={"training": cfg.training.model_copy(update={"steps": steps})})
         store_dir = runtime.out_dir / "store"
         self.config = cfg.model_copy(
             update={
@@ -97,7 +102,7 @@ class ELMMethod:
                 {"kind": c.get("kind"), "answer": c.get("answer"), "score": c.get("score")} for c in r.candidates
             ],
             warnings=r.warnings,
-            extra=self._extra(r),
+            extra={**self._extra(r), **self._decided_by(question, r)},
         )
 
     @staticmethod
@@ -109,6 +114,38 @@ class ELMMethod:
         if r.verifier_sample_answers is not None:
             extra["verifier_samples"] = len(r.verifier_sample_answers)
         return extra
+
+    def _decided_by(self, question: str, r: Any) -> dict[str, Any]:
+        """What decided the answer, for counterfactuals read from the record: the verifier's sample answers
+        (scored, or drawn ahead and unused) with their seeds, the retrieved memory's training votes, and
+        the seeds of the greedy answers and the rollouts."""
+        out: dict[str, Any] = {"seeds": self._seeds()}
+        samples = r.verifier_sample_answers if r.verifier_sample_answers is not None else r.presampled_answers
+        if samples is not None:
+            out["verifier_sample_answers"] = list(samples)
+            out["verifier_samples_scored"] = r.verifier_sample_answers is not None
+            seeds_of = getattr(self.elm.verifier, "sample_seeds", None)
+            if callable(seeds_of):
+                out["seeds"]["verifier_samples"] = seeds_of(question, len(samples))
+        if r.memory_id:
+            out["memory_votes"] = self._votes_of(r.memory_id)
+        return out
+
+    def _seeds(self) -> dict[str, Any]:
+        t = self.config.training
+        rollouts = None if t.seed is None else [t.seed + step for step in range(t.steps)]
+        return {"run": t.seed, "rollout_steps": rollouts}
+
+    def _votes_of(self, memory_id: str) -> dict[str, Any] | None:
+        """A memory's training votes: per step, each rollout answer and how many rollouts gave it."""
+        retriever = self.elm.retriever
+        if retriever is None:
+            return None
+        try:
+            stats = retriever.store.get(memory_id, self.name).meta.stats
+        except ELMError:  # gone or unreadable: the record says so instead of failing the run
+            return None
+        return training_votes(stats)
 
     def learn(self, question: str, question_id: str, output: MethodOutput) -> None:
         self._note_ticket(output, self.elm.learner.submit(question, self.name))
@@ -135,6 +172,8 @@ class ELMMethod:
 
     def _note_ticket(self, output: MethodOutput, ticket: Any) -> None:
         output.extra["learn_job"] = {"job_id": ticket.job_id, "status": ticket.status, "memory_id": ticket.memory_id}
+        if ticket.memory_id:
+            output.extra["learned_votes"] = self._votes_of(ticket.memory_id)
         if ticket.status not in ("done", "skipped"):
             output.warnings.append(f"learning the memory ended with status {ticket.status!r}")
 
@@ -186,3 +225,9 @@ def elm_kv(runtime: EvalRuntime) -> ELMMethod:
 
 def elm_kv_centered(runtime: EvalRuntime) -> ELMMethod:
     return ELMMethod(runtime, key="kv_centered", name="elm_kv_centered")
+
+
+def elm_untrained(runtime: EvalRuntime) -> ELMMethod:
+    """``elm_input`` whose memories are their initial soft prompts (S = 0): the same retrieval, route and
+    verifier, so its difference to ``elm_input`` is what training adds."""
+    return ELMMethod(runtime, key="input", name="elm_untrained", steps=0)
