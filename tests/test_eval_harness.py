@@ -515,3 +515,25 @@ def test_records_and_walkthrough_show_how_many_samples_the_verifier_drew():
     del record["extra"]["verifier_samples"]
     line = next(x for x in walk.describe(zero, record).splitlines() if "candidates:" in x)
     assert "samples" not in line
+
+
+def test_the_walkthrough_waits_for_every_method_and_shows_self_consistencys_votes():
+    from elm_memory.eval.walkthrough import Walkthrough
+
+    base = {"index": 0, "question_id": "q0", "question": "What is 3+4?", "gold": "7", "timings": {}, "candidates": []}
+    zero = {**base, "method": "zero_shot", "answer": "3", "correct": False, "route": "zero_shot", "extra": {}}
+    vote = {**base, "method": "self_consistency", "answer": "7", "correct": True, "route": "vote",
+            "extra": {"votes": [["3", 1], ["7", 3]]}}  # fmt: skip
+    elm = {**base, "method": "elm_input", "answer": "3", "correct": False, "route": "agree", "memory_id": None,
+           "extra": {}}  # fmt: skip
+    printed: list[str] = []
+    walk = Walkthrough(1, printed.append, others=["self_consistency"])
+    walk(zero)
+    walk(elm)
+    assert printed == []  # self-consistency's record is not in yet
+    walk(vote)
+    [text] = printed
+    lines = text.splitlines()
+    sc = next(x for x in lines if x.strip().startswith("self-cons."))
+    assert "7 ✓" in sc and "votes 3 x1, 7 x3" in sc
+    assert lines.index(sc) < next(i for i, x in enumerate(lines) if x.strip().startswith("ELM"))

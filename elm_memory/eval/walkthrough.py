@@ -1,6 +1,7 @@
 """The main job's per-question printout: ELM next to zero-shot, and why ELM answered as it did.
 
-For each question, once both methods' records are in: the gold answer, zero-shot's answer,
+For each question, once every method's record is in: the gold answer, zero-shot's answer, the
+compute-matched baselines' answers (``others``, e.g. self-consistency with its votes),
 ELM's route, the memory it used (the stream question it was learned from, similarity,
 training majority share) or the gate that kept a memory out, both of ELM's candidate
 answers, and which were right.
@@ -8,7 +9,7 @@ answers, and which were right.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 MARK = {True: "✓", False: "✗"}
@@ -18,10 +19,16 @@ class Walkthrough:
     """``on_record`` callback for :func:`elm_memory.eval.online.run_stream` (writes with ``echo``)."""
 
     def __init__(
-        self, total: int, echo: Callable[[str], None], *, baseline: str = "zero_shot", method: str = "elm_input"
+        self,
+        total: int,
+        echo: Callable[[str], None],
+        *,
+        baseline: str = "zero_shot",
+        method: str = "elm_input",
+        others: Sequence[str] = (),
     ):
         self.total, self.echo = total, echo
-        self.baseline, self.method = baseline, method
+        self.baseline, self.method, self.others = baseline, method, tuple(others)
         self._pending: dict[int, dict[str, dict[str, Any]]] = {}
         self._learned_from: dict[str, dict[str, Any]] = {}  # memory id -> record of its question
 
@@ -32,16 +39,23 @@ class Walkthrough:
                 self._learned_from[job["memory_id"]] = record
         row = self._pending.setdefault(record["index"], {})
         row[record["method"]] = record
-        if self.baseline in row and self.method in row:
-            self.echo(self.describe(row[self.baseline], row[self.method]))
+        if all(m in row for m in (self.baseline, self.method, *self.others)):
+            self.echo(self.describe(row[self.baseline], row[self.method], [row[m] for m in self.others]))
             del self._pending[record["index"]]
 
-    def describe(self, zero: dict[str, Any], elm: dict[str, Any]) -> str:
+    def describe(self, zero: dict[str, Any], elm: dict[str, Any], others: Sequence[dict[str, Any]] = ()) -> str:
         question = " ".join(elm["question"].split())
         lines = [
             f"[{elm['index'] + 1}/{self.total}] {elm['question_id']}  gold {elm['gold']}",
             f"    {_short(question, 110)}",
             f"    zero-shot {elm_answer(zero):>10} {MARK[zero['correct']]}",
+        ]
+        for other in others:  # a voting baseline: its answer and the votes that chose it
+            votes = (other.get("extra") or {}).get("votes") or []
+            shown = ", ".join(f"{a} x{n}" for a, n in votes) or "no boxed answer"
+            label = {"self_consistency": "self-cons.", "maj_at_k": "maj@k"}.get(other["method"], other["method"])
+            lines.append(f"    {label:<10}{elm_answer(other):>10} {MARK[other['correct']]}  votes {shown}")
+        lines += [
             f"    ELM       {elm_answer(elm):>10} {MARK[elm['correct']]}  route {elm['route']}",
         ]
         lines.append("              " + self._memory_line(elm))
