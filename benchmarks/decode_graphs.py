@@ -85,6 +85,29 @@ def _measure(backend: Any, prompts: list[Any], params: Any, steps: int, repeats:
     return {"ms_per_step": min(per_step), "all_ms_per_step": per_step, "first_call_s": round(first, 2)}
 
 
+def _profile(backend: Any, prompts: list[Any], params: Any, out: Path) -> None:
+    """Top operators by self CPU and by device time over one 40-token call, as a text table."""
+    import dataclasses
+
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU]
+    import torch
+
+    if torch.cuda.is_available():
+        activities.append(ProfilerActivity.CUDA)
+    call = dataclasses.replace(params, max_new_tokens=40)
+    _timed(backend, prompts, call)
+    with profile(activities=activities) as prof:
+        _timed(backend, prompts, call)
+    table = prof.key_averages()
+    text = table.table(sort_by="self_cpu_time_total", row_limit=25)
+    if torch.cuda.is_available():
+        text += "\n" + table.table(sort_by="self_device_time_total", row_limit=15)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(text)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config-dir", type=Path, required=True, help="the model's config.json and tokenizer files")
@@ -95,6 +118,7 @@ def main() -> None:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--profile", type=Path, default=None, help="after the timings, profile one call per path here")
     args = ap.parse_args()
     paths = args.paths.split(",")
     if bad := [p for p in paths if p not in ("off", "on", "static", "auto")]:
@@ -142,6 +166,9 @@ def main() -> None:
             print(json.dumps({"case": name, "path": path, **row}), flush=True)
             if args.out:
                 args.out.write_text(json.dumps(result, indent=2) + "\n")
+        if args.profile:  # where a step's time goes: the first case, short, after its buckets are compiled
+            prompts, params = cases[wanted[0]]
+            _profile(backend, prompts, params, args.profile / f"profile_{path}.txt")
     for by_path in result["cases"].values():
         if "off" in by_path and "on" in by_path:
             by_path["speedup_on_vs_off"] = round(by_path["off"]["ms_per_step"] / by_path["on"]["ms_per_step"], 2)
