@@ -130,6 +130,17 @@ def test_a_call_no_bucket_fits_is_decoded_by_the_plain_loop_with_one_log_line(sm
     assert len(lines) == 1, "logged once per process, not per call"
 
 
+def test_a_call_while_another_holds_the_caches_takes_the_plain_loop(smol, batch):
+    """A background learner's rollouts beside the answer path: the second call never shares a static cache."""
+    _, input_ids, mask = batch
+    captured = _steps(smol)
+    with captured._busy:  # another call is decoding
+        busy = sample(smol.model, mask, DecodeOptions(6), input_ids=input_ids, captured=captured)
+    assert captured.buckets_seen == []
+    assert busy == sample(smol.model, mask, DecodeOptions(6), input_ids=input_ids, captured=captured)
+    assert captured.buckets_seen == [(2, 256)] and not captured._busy.locked()
+
+
 def test_the_backend_switch_resolves_per_device_and_refuses_unknown_values(smol):
     assert HFBackend(smol)._captured_mode == "off"  # auto on a CPU
     assert HFBackend(smol, decode_graphs="static")._captured_mode == "static"

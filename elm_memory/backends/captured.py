@@ -17,6 +17,8 @@ generators drawing the same numbers), stop-at-answer and EOS. What changes:
   no bucket (longer than ``max_cache_len``) is decoded by the plain loop, with one log line.
 - **Finished rows stay in place, masked**, instead of leaving the batch (a shape change would mean
   another compiled step); once the live rows fit a bucket a quarter of the size, they move to it.
+- **One call at a time** owns the static caches; a call from another thread meanwhile takes the plain
+  loop.
 - **The attention mask is built here**, one boolean row per sequence over the whole cache, and
   given to the model ready-made, so no mask logic runs inside the compiled step.
 """
@@ -24,6 +26,7 @@ generators drawing the same numbers), stop-at-answer and EOS. What changes:
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -85,6 +88,9 @@ class CapturedSteps:
         self._additive = model.config._attn_implementation == "eager"  # type: ignore[union-attr]
         self._caches: dict[tuple[int, int], Any] = {}
         self._logged: set[str] = set()
+        # one decode at a time owns the static caches; a call from another thread meanwhile (a background
+        # learner beside the answer path) takes the plain loop instead of waiting or sharing a cache
+        self._busy = threading.Lock()
         self.buckets_seen: list[tuple[int, int]] = []  # (rows, cache length) of each bucket met, in order
         self._step: Callable[..., torch.Tensor] = self._forward
         if compile:
@@ -160,7 +166,30 @@ class CapturedSteps:
     ) -> list[tuple[list[int], str]] | None:
         """The decode loop after a prefill (``prefilled``: its dynamic cache, one row per output row;
         ``logits``: the prefill's last-position logits; ``mask`` (rows, T0) and ``positions`` as the
-        plain loop holds them). None when no bucket fits: the caller decodes with the plain loop."""
+        plain loop holds them). None when no bucket fits or another call holds the caches: the caller
+        decodes with the plain loop."""
+        if not self._busy.acquire(blocking=False):
+            self._log_once("captured decode: busy with another call; decoding this one with the plain loop")
+            return None
+        try:
+            return self._decode(
+                prefilled, logits, mask, positions, row_prompt, per_prompt, eos, generators, should_stop
+            )
+        finally:
+            self._busy.release()
+
+    def _decode(
+        self,
+        prefilled: Any,
+        logits: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        row_prompt: list[int],
+        per_prompt: list[DecodeOptions],
+        eos: torch.Tensor,
+        generators: Sequence[torch.Generator | None] | None,
+        should_stop: Callable[[int, list[int], int], bool] | None,
+    ) -> list[tuple[list[int], str]] | None:
         from elm_memory.backends.decode import _append, _pick
 
         rows, prompt_len = mask.shape
