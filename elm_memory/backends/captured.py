@@ -28,7 +28,7 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -130,13 +130,13 @@ class CapturedSteps:
         key = (rows, length)
         cache = self._caches.get(key)
         if cache is None:
-            cache = StaticCache(config=self.model.config, max_cache_len=length)
-            for static, dynamic in zip(cache.layers, like.layers, strict=True):
+            made: Any = StaticCache(config=cast(Any, self.model).config, max_cache_len=length)
+            for static, dynamic in zip(made.layers, like.layers, strict=True):
                 k, v = dynamic.keys, dynamic.values
                 static.lazy_initialization(
                     k.new_zeros(rows, k.shape[1], 1, k.shape[3]), v.new_zeros(rows, v.shape[1], 1, v.shape[3])
                 )
-            self._caches[key] = cache
+            self._caches[key] = cache = made
             self.buckets_seen.append(key)
             if self.compiled:
                 self._log_once(f"captured decode: compiling the step for {rows} rows x {length} cache positions")
