@@ -31,9 +31,9 @@ from pathlib import Path
 from typing import Any
 
 from elm_memory.config import ELMConfig
+from elm_memory.data.datasets import Problem, load_problems
 from elm_memory.errors import ConfigError
 from elm_memory.eval.ablations import SharedBackend, Variant, variant_config
-from elm_memory.data.datasets import Problem, load_problems
 from elm_memory.eval.records import RecordLog, run_dir, write_json_atomic
 from elm_memory.eval.significance import sign_test
 
