@@ -75,7 +75,7 @@ def test_over_long_question_is_refused_by_the_cli():
 
 
 @pytest.mark.model
-def test_demo_shows_both_methods_per_question_on_cpu_tiny(tmp_path):
+def test_demo_shows_every_method_per_question_on_cpu_tiny(tmp_path):
     out = tmp_path / "demo"  # given relative: the run, its memory pool included, lives under the working directory
     args = [
         "demo",
@@ -101,19 +101,22 @@ def test_demo_shows_both_methods_per_question_on_cpu_tiny(tmp_path):
     assert (out / "store" / "chroma").is_dir() and any((out / "store" / "blobs").rglob("*"))  # not under $ELM_HOME
     first, second = r.stderr.split("[2/2] ")[0].split("[1/2] ")[1], r.stderr.split("[2/2] ")[1]
     assert "zero-shot" in first and "route zero_shot" in first and "no memory yet (empty pool)" in first
+    assert "self-cons." in first and "votes " in first  # the voting baseline that spends ELM's samples, no memory
     # the second question retrieves the first one's memory, says where it came from, shows both candidates
     assert "memory " in second and "from Q1 (synth" in second and "similarity 0." in second
     assert "candidates: zero-shot" in second and "|  memory" in second
     # answered and learned side by side (learner.overlap_answering): the timing line says so
     assert "(memory learned alongside), then learning" in second
-    assert "| zero_shot " in r.stdout and "| elm_input " in r.stdout  # the table has both methods
+    assert all(f"| {m} " in r.stdout for m in ("zero_shot", "self_consistency", "elm_input"))  # the table has all three
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert sorted((rec["method"], rec["index"]) for rec in records) == [
         ("elm_input", 0),
         ("elm_input", 1),
+        ("self_consistency", 0),
+        ("self_consistency", 1),
         ("zero_shot", 0),
         ("zero_shot", 1),
     ]
-    assert records[-1]["extra"]["gate"]["decision"] in {"used", "empty_pool"}
+    assert [r for r in records if r["method"] == "elm_input"][-1]["extra"]["gate"]["decision"] in {"used", "empty_pool"}
     again = elm(*args, cwd=tmp_path)  # a finished run is printed again, nothing recomputed
     assert again.returncode == 0 and "[1/2]" not in again.stderr and again.stdout == r.stdout
