@@ -84,6 +84,21 @@ def test_seeded_samples_equal_the_plain_loops_while_rows_finish_and_move_to_smal
     assert [b for b, _ in captured.buckets_seen] == [16, 4]  # 16 rows; once 4 are live, a bucket of 4
 
 
+def test_the_eager_attention_takes_an_additive_mask_and_keeps_the_tokens(smol, batch):
+    """sdpa takes the boolean mask as it is; the eager attention adds it, so it gets 0 / dtype-min."""
+    _, input_ids, mask = batch
+    config = smol.model.config
+    before = config._attn_implementation
+    config._attn_implementation = "eager"
+    try:
+        captured = _steps(smol)
+        assert captured._additive
+        plain, fast = _both(smol, mask, DecodeOptions(10), captured, input_ids=input_ids)
+    finally:
+        config._attn_implementation = before
+    assert fast == plain
+
+
 def test_a_soft_prompt_in_the_prefill_decodes_as_in_the_plain_loop(smol, batch):
     ids, _, mask = batch
     embed = smol.model.get_input_embeddings()
