@@ -28,15 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchmarks.gpu_check import _random_model_folder, _sync
+
 PROMPT_TOKENS = 128
 SOFT_TOKENS = 20
-
-
-def _sync() -> None:
-    import torch
-
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
 
 
 def _cases(loaded: Any, steps: int) -> dict[str, tuple[list[Any], Any]]:
@@ -130,7 +125,6 @@ def main() -> None:
     import torch
     import transformers
 
-    from benchmarks.gpu_check import _random_model_folder
     from elm_memory.backends.hf import HFBackend
     from elm_memory.config import ELMConfig
     from elm_memory.hardware import resolve_placement

@@ -172,79 +172,63 @@ class CapturedSteps:
             self._log_once("captured decode: busy with another call; decoding this one with the plain loop")
             return None
         try:
-            return self._decode(
-                prefilled, logits, mask, positions, row_prompt, per_prompt, eos, generators, should_stop
-            )
+            from elm_memory.backends.decode import _append, _pick
+
+            rows, prompt_len = mask.shape
+            limit = [per_prompt[p].max_new_tokens for p in row_prompt]
+            length = _bucket(prompt_len + max(limit), MIN_CACHE_LEN)
+            if rows > self.max_rows or length > self.max_cache_len:
+                self._log_once(
+                    f"captured decode: {rows} rows x {prompt_len + max(limit)} positions fit no bucket "
+                    f"(at most {self.max_rows} rows x {self.max_cache_len}); decoding this call with the plain loop"
+                )
+                return None
+            device = logits.device
+            width = _bucket(rows)
+            cache = self._cache(width, length, prefilled)
+            self._fill(cache, prefilled, None, prompt_len)
+            attend = torch.zeros(width, 1, 1, length, dtype=torch.bool, device=device)
+            attend[:rows, 0, 0, :prompt_len] = mask.bool()
+            attend[rows:, 0, 0, 0] = True  # padding rows attend to one position: no row is all masked
+            next_pos = torch.zeros(width, 1, dtype=torch.long, device=device)
+            next_pos[:rows, 0] = positions[:, -1] + 1
+            ids = torch.zeros(width, 1, dtype=torch.long, device=device)
+
+            eos_set = set(eos.tolist())
+            options = per_prompt[0]
+            tokens: list[list[int]] = [[] for _ in range(rows)]
+            reasons = ["length"] * rows
+            live = list(range(rows))  # the output row at each batch position (padding rows excluded)
+            alive = [True] * rows
+            written = prompt_len  # cache positions written so far (the next step writes here)
+            for _ in range(max(limit)):
+                picked = _pick(logits[: len(live)], live, alive, row_prompt, per_prompt, generators)
+                for b, tok in enumerate(picked.tolist()):
+                    if alive[b]:
+                        alive[b] = _append(live[b], tok, tokens, reasons, limit, eos_set, should_stop)
+                if not any(alive):
+                    break
+                if options.drop_finished and width > 1:
+                    smaller = _bucket(sum(alive))
+                    if smaller * SHRINK_FACTOR <= width:  # move the live rows to a smaller bucket
+                        keep = torch.tensor([b for b, a in enumerate(alive) if a], device=device)
+                        old = cache
+                        cache = self._cache(smaller, length, prefilled)
+                        self._fill(cache, old, keep, written)
+                        pad = smaller - len(keep)
+                        attend = torch.cat([attend.index_select(0, keep), attend.new_zeros(pad, 1, 1, length)], 0)
+                        attend[len(keep) :, 0, 0, 0] = True
+                        next_pos = torch.cat([next_pos.index_select(0, keep), next_pos.new_zeros(pad, 1)], 0)
+                        picked = picked.index_select(0, keep)
+                        live, alive, width = [live[b] for b in keep.tolist()], [True] * len(keep), smaller
+                        ids = torch.zeros(width, 1, dtype=torch.long, device=device)
+                ids[: picked.shape[0], 0] = picked
+                attend[:, 0, 0, written] = True
+                if self.compiled and device.type == "cuda":
+                    torch.compiler.cudagraph_mark_step_begin()
+                logits = self._step(ids, next_pos, attend, cache)
+                next_pos += 1
+                written += 1
+            return list(zip(tokens, reasons, strict=True))
         finally:
             self._busy.release()
-
-    def _decode(
-        self,
-        prefilled: Any,
-        logits: torch.Tensor,
-        mask: torch.Tensor,
-        positions: torch.Tensor,
-        row_prompt: list[int],
-        per_prompt: list[DecodeOptions],
-        eos: torch.Tensor,
-        generators: Sequence[torch.Generator | None] | None,
-        should_stop: Callable[[int, list[int], int], bool] | None,
-    ) -> list[tuple[list[int], str]] | None:
-        from elm_memory.backends.decode import _append, _pick
-
-        rows, prompt_len = mask.shape
-        limit = [per_prompt[p].max_new_tokens for p in row_prompt]
-        length = _bucket(prompt_len + max(limit), MIN_CACHE_LEN)
-        if rows > self.max_rows or length > self.max_cache_len:
-            self._log_once(
-                f"captured decode: {rows} rows x {prompt_len + max(limit)} positions fit no bucket "
-                f"(at most {self.max_rows} rows x {self.max_cache_len}); decoding this call with the plain loop"
-            )
-            return None
-        device = logits.device
-        width = _bucket(rows)
-        cache = self._cache(width, length, prefilled)
-        self._fill(cache, prefilled, None, prompt_len)
-        attend = torch.zeros(width, 1, 1, length, dtype=torch.bool, device=device)
-        attend[:rows, 0, 0, :prompt_len] = mask.bool()
-        attend[rows:, 0, 0, 0] = True  # padding rows attend to one position: no row is all masked
-        next_pos = torch.zeros(width, 1, dtype=torch.long, device=device)
-        next_pos[:rows, 0] = positions[:, -1] + 1
-        ids = torch.zeros(width, 1, dtype=torch.long, device=device)
-
-        eos_set = set(eos.tolist())
-        options = per_prompt[0]
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        reasons = ["length"] * rows
-        live = list(range(rows))  # the output row at each batch position (padding rows excluded)
-        alive = [True] * rows
-        written = prompt_len  # cache positions written so far (the next step writes here)
-        for _ in range(max(limit)):
-            picked = _pick(logits[: len(live)], live, alive, row_prompt, per_prompt, generators)
-            for b, tok in enumerate(picked.tolist()):
-                if alive[b]:
-                    alive[b] = _append(live[b], tok, tokens, reasons, limit, eos_set, should_stop)
-            if not any(alive):
-                break
-            if options.drop_finished and width > 1:
-                smaller = _bucket(sum(alive))
-                if smaller * SHRINK_FACTOR <= width:  # move the live rows to a smaller bucket
-                    keep = torch.tensor([b for b, a in enumerate(alive) if a], device=device)
-                    old = cache
-                    cache = self._cache(smaller, length, prefilled)
-                    self._fill(cache, old, keep, written)
-                    pad = smaller - len(keep)
-                    attend = torch.cat([attend.index_select(0, keep), attend.new_zeros(pad, 1, 1, length)], 0)
-                    attend[len(keep) :, 0, 0, 0] = True
-                    next_pos = torch.cat([next_pos.index_select(0, keep), next_pos.new_zeros(pad, 1)], 0)
-                    picked = picked.index_select(0, keep)
-                    live, alive, width = [live[b] for b in keep.tolist()], [True] * len(keep), smaller
-                    ids = torch.zeros(width, 1, dtype=torch.long, device=device)
-            ids[: picked.shape[0], 0] = picked
-            attend[:, 0, 0, written] = True
-            if self.compiled and device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
-            logits = self._step(ids, next_pos, attend, cache)
-            next_pos += 1
-            written += 1
-        return list(zip(tokens, reasons, strict=True))
