@@ -176,7 +176,7 @@ def _sample(
         )
     if captured is not None:
         done = captured.decode(cache, logits, mask, positions, row_prompt, per_prompt, eos, generators, should_stop)
-        if done is not None:  # None: no bucket fits this call (logged once); the plain loop below decodes it
+        if done is not None:  # None: no bucket fits, or another call holds the caches; the plain loop decodes it
             return done
     rows = len(row_prompt)
     limit = [per_prompt[p].max_new_tokens for p in row_prompt]
