@@ -100,6 +100,14 @@ def stream(
     batch_size: Annotated[int, typer.Option(min=1, help="Questions per call for memoryless methods.")] = 8,
     backend: BackendOpt = None,
     server_url: ServerUrlOpt = None,
+    paired: Annotated[
+        bool,
+        typer.Option(
+            "--paired/--no-paired",
+            help="ELM methods also record their untrained twin's answer and the samples self-consistency "
+            "votes on, so the table shows those baselines on ELM's own generations (docs/evaluation-baselines.md).",
+        ),
+    ] = True,
 ) -> None:
     """The paper's online protocol: questions one at a time; each method answers, then learns (sync)."""
     from elm_memory.data.datasets import load_problems
@@ -107,11 +115,11 @@ def stream(
     cfg = load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=seed)
     methods = _methods(method, ["zero_shot", "elm_input"])
-    result = _run_stream(problems, methods, cfg, out, dataset, seed, json_out, not no_plots, batch_size)
+    result = _run_stream(problems, methods, cfg, out, dataset, seed, json_out, not no_plots, batch_size, paired=paired)
     _print_run(result, json_out)
 
 
-def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_size=8, on_record=None):
+def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_size=8, on_record=None, paired=True):
     from elm_memory.eval.online import run_stream
 
     def show(r: dict[str, Any]) -> None:
@@ -140,6 +148,7 @@ def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_
         plots=plots,
         progress=None if not quiet else False,
         batch_size=batch_size,
+        paired=paired,
     )
 
 

@@ -15,6 +15,7 @@ Output directory::
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -62,11 +63,16 @@ def run_stream(
     on_record: Callable[[dict[str, Any]], None] | None = None,
     plots: bool = True,
     batch_size: int = 8,
+    paired: bool = True,
 ) -> StreamResult:
     """Run (or resume) ``methods`` on ``problems`` in order; return the summary.
 
     Re-running with the same arguments and ``out_dir`` skips every (method, question)
     already recorded and continues with the memory pools as they were.
+
+    ``paired``: ELM methods also record what :mod:`elm_memory.eval.paired` needs to give zero-shot,
+    self-consistency, maj@k and the untrained memory on ELM's own generations (about one more greedy
+    decode per question).
 
     Memoryless methods (``zero_shot``, ``verifier_at_2``: their answers do not depend on
     earlier questions) are answered first, ``batch_size`` questions per call, which is
@@ -84,7 +90,7 @@ def run_stream(
     done = {(r["method"], r["question_id"]) for r in recorded}
     todo = [(i, p, m) for i, p in enumerate(problems) for m in methods if (m, p.id) not in done]
     if todo:
-        runtime, owns_runtime = open_runtime(config, out, runtime)
+        runtime, owns_runtime = open_runtime(config, out, runtime, paired=paired)
         built: dict[str, EvalMethod] = {}
         interrupted = False
         try:
@@ -238,6 +244,7 @@ def finish(out: Path, methods: Sequence[str], *, plots: bool = True) -> StreamRe
     """Summary, Markdown table and plots from the records on disk (also for a partial run)."""
     from elm_memory.eval.counterfactual import markdown_counterfactuals, self_consistency_counterfactual
     from elm_memory.eval.metrics import summarize_online
+    from elm_memory.eval.paired import markdown_paired, paired_summary, replay_settings
     from elm_memory.eval.report import markdown_online, plot_online
     from elm_memory.eval.significance import head_to_head, markdown_head_to_head
 
@@ -258,9 +265,20 @@ def finish(out: Path, methods: Sequence[str], *, plots: bool = True) -> StreamRe
             "\nSelf-consistency counterfactual (greedy + the recorded verifier samples, majority, ties to greedy):\n\n"
             + markdown_counterfactuals(counterfactuals)
         )
+    manifest = json.loads((out / "run.json").read_text(encoding="utf-8")) if (out / "run.json").is_file() else {}
+    replay, prefer_answered = replay_settings(manifest.get("config") or {})
+    paired = [
+        p
+        for m in summary
+        if m.startswith("elm_")
+        if (p := paired_summary([records], m, prefer_answered=prefer_answered, replay=replay))
+    ]
+    for p in paired:
+        table += "\n" + markdown_paired(p)
     write_json_atomic(out / "summary.json", summary)
     write_json_atomic(
-        out / "comparisons.json", {"head_to_head": pairs, "self_consistency_counterfactual": counterfactuals}
+        out / "comparisons.json",
+        {"head_to_head": pairs, "self_consistency_counterfactual": counterfactuals, "paired": paired},
     )
     (out / "results.md").write_text(table + "\n", encoding="utf-8")
     written = plot_online(records, out) if plots and records else []

@@ -43,6 +43,7 @@ class SeedComparison:
     methods: dict[str, dict[str, Any]]  # method -> per-seed values and aggregates
     unrecorded: list[str] = field(default_factory=list)  # config keys only some runs recorded
     head_to_head: list[dict[str, Any]] = field(default_factory=list)  # pooled over runs, by distinct question
+    paired: list[dict[str, Any]] = field(default_factory=list)  # eval.paired, pooled over runs
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -51,6 +52,7 @@ class SeedComparison:
             "methods": self.methods,
             "config_keys_not_recorded_by_every_run": self.unrecorded,
             "head_to_head": self.head_to_head,
+            "paired": self.paired,
         }
 
 
@@ -122,7 +124,22 @@ def compare_seeds(paths: Sequence[str | Path], *, partial: bool = False, first: 
         methods={m: _method_row(m, runs) for m in methods},
         unrecorded=unrecorded,
         head_to_head=head_to_head([r.records for r in runs]),
+        paired=_paired(runs, methods),
     )
+
+
+def _paired(runs: Sequence[SeedRun], methods: Sequence[str]) -> list[dict[str, Any]]:
+    """Each ELM method's paired rows (:mod:`elm_memory.eval.paired`) pooled over the runs (one config)."""
+    from elm_memory.eval.paired import paired_summary, replay_settings
+
+    replay, prefer = replay_settings(runs[0].config)
+    out = []
+    for m in methods:
+        if m.startswith("elm_"):
+            summary = paired_summary([r.records for r in runs], m, prefer_answered=prefer, replay=replay)
+            if summary is not None:
+                out.append(summary)
+    return out
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -194,4 +211,9 @@ def markdown_seeds(comparison: SeedComparison) -> str:
             "\nPooled over the runs, each distinct question once (exact sign test, two-sided):\n\n"
             + markdown_head_to_head(comparison.head_to_head)
         )
+    if comparison.paired:
+        from elm_memory.eval.paired import markdown_paired
+
+        for p in comparison.paired:
+            table += "\n" + markdown_paired(p)
     return table

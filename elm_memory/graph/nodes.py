@@ -18,10 +18,11 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import Runtime
 
-from elm_memory.answers import equivalent, extract_answer
+from elm_memory.answers import extract_answer
 from elm_memory.backends.base import GenerateRequest, SamplingParams, answer_budget, generate_requests
 from elm_memory.backends.prompting import validate_question
 from elm_memory.graph.context import ELMRunContext, as_run_context, resolve_namespace
+from elm_memory.graph.routing import AGREE, ANSWERED, ZERO_SHOT, memory_wins, route_of
 from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import CandidateState, ELMState, Fresh, FreshTimings
 from elm_memory.verifiers.base import SamplingVerifier
@@ -173,17 +174,20 @@ class ELMNodes:
         t0 = time.perf_counter()
         candidates = state["candidates"]
         zero = candidates[0]
-        if len(candidates) == 1:
-            decided: dict[str, Any] = {"route": "zero_shot", "answer": zero["answer"], "response": zero["response"]}
-        elif equivalent(zero["answer"], candidates[1]["answer"]):
-            decided = {"route": "agree", "answer": zero["answer"], "response": zero["response"]}
-        elif self.services.config.verifier.prefer_answered and (zero["answer"] is None) != (
-            candidates[1]["answer"] is None
-        ):
-            answered = zero if zero["answer"] is not None else candidates[1]
-            decided = {"route": "answered", "answer": answered["answer"], "response": answered["response"]}
-        else:
-            decided = {"route": "verifier"}
+        memory = candidates[1] if len(candidates) > 1 else None
+        route = route_of(
+            zero["answer"],
+            memory["answer"] if memory is not None else None,
+            has_memory=memory is not None,
+            prefer_answered=self.services.config.verifier.prefer_answered,
+        )
+        decided: dict[str, Any] = {"route": route}
+        if route in (ZERO_SHOT, AGREE):
+            decided.update(answer=zero["answer"], response=zero["response"])
+        elif route == ANSWERED:
+            answered = zero if zero["answer"] is not None else memory
+            assert answered is not None  # route_of says exactly one answered
+            decided.update(answer=answered["answer"], response=answered["response"])
         return {**decided, "timings": _elapsed("route", t0)}
 
     def verify(self, state: ELMState) -> dict[str, Any]:
@@ -220,7 +224,7 @@ class ELMNodes:
                     scores = svc.verifier.score(state["question"], scored)
                 for c, s in zip(candidates, scores, strict=True):
                     c["score"] = _json_float(s)
-                if scores[1] > scores[0]:
+                if memory_wins(scores):
                     chosen = candidates[1]
             except Exception as exc:
                 warnings += _warning(f"verifier failed, keeping zero-shot: {exc}")

@@ -48,6 +48,13 @@ if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
 
 
+def agreement_scores(answers: Sequence[str | None], samples: Sequence[str | None]) -> list[float]:
+    """The verifier's score of each answer on ``samples``: agreeing samples / samples drawn (None: no answer,
+    0.0). A function of the recorded answers alone, so a run's records can be re-scored without a model."""
+    total = len(samples)
+    return [0.0 if a is None or not total else sum(equivalent(a, s) for s in samples) / total for a in answers]
+
+
 class ConsistencyVerifier:
     """Fraction of fresh zero-shot samples that agree with each candidate's answer."""
 
@@ -141,8 +148,7 @@ class ConsistencyVerifier:
 
     def score_with_samples(self, answers: Sequence[str | None], samples: Sequence[str | None]) -> list[float]:
         """Agreeing samples / samples drawn, per answer (None: no answer, 0.0)."""
-        total = len(samples)
-        return [0.0 if a is None or not total else sum(equivalent(a, s) for s in samples) / total for a in answers]
+        return agreement_scores(answers, samples)
 
     def sample_answers(
         self, question: str, responses: Sequence[Candidate] = (), *, n: int | None = None, start: int = 0

@@ -59,9 +59,14 @@ class EvalRuntime:
     no learner). Methods with pools keep them under ``out_dir``. Built lazily: a resumed run
     with nothing left to do never loads the model."""
 
-    def __init__(self, config: ELMConfig, out_dir: str | Path, *, loaded: Any = None, backend: Any = None):
-        """``loaded``/``backend``: reuse a model already in memory (tests, notebooks); it is not closed here."""
+    def __init__(
+        self, config: ELMConfig, out_dir: str | Path, *, loaded: Any = None, backend: Any = None, paired: bool = True
+    ):
+        """``loaded``/``backend``: reuse a model already in memory (tests, notebooks); it is not closed here.
+        ``paired``: ELM methods also record what the paired baselines need (:mod:`elm_memory.eval.paired`):
+        one more greedy decode per question with a memory, k samples on a question where ELM drew none."""
         self.config = config
+        self.paired = paired
         self.out_dir = run_dir(out_dir)
         self._base: ELM | None = None
         self._cache: Any = None  # the GreedyCache in front of the backend, once built
@@ -128,11 +133,13 @@ class EvalRuntime:
             self._raw_backend.close()  # e.g. a vLLM engine
 
 
-def open_runtime(config: ELMConfig, out: Path, runtime: EvalRuntime | None) -> tuple[EvalRuntime, bool]:
+def open_runtime(
+    config: ELMConfig, out: Path, runtime: EvalRuntime | None, *, paired: bool = True
+) -> tuple[EvalRuntime, bool]:
     """The run's runtime and whether the runner owns it (then it closes it): the caller's, which must
     keep its pools in the same run directory, or a new one (cheap: nothing loads before it is used)."""
     if runtime is None:
-        return EvalRuntime(config, out), True
+        return EvalRuntime(config, out, paired=paired), True
     if runtime.out_dir != out:
         raise ConfigError(f"the runtime keeps its pools in {runtime.out_dir}, not in the run directory {out}")
     return runtime, False

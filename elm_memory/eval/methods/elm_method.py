@@ -9,16 +9,20 @@ is a no-op.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any
 
+from elm_memory.answers import extract_answer
+from elm_memory.backends.base import SamplingParams, answer_budget
 from elm_memory.backends.fusing import FusedCalls
 from elm_memory.elm import ELM
 from elm_memory.errors import ELMError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, memory_store_config
 from elm_memory.eval.records import training_votes
 from elm_memory.store.base import MemoryStoreBase
+from elm_memory.training.merging import initial_prompt
 
 log = logging.getLogger("elm_memory.eval")
 
@@ -51,6 +55,7 @@ class ELMMethod:
         # generate(): built here on the fused view, its samples join the batches and decode in this thread
         verifier = None if self.config.verifier.name == "consistency" else base.verifier
         self.elm = ELM(self.config, loaded=base.loaded, backend=self.fused.backend, verifier=verifier)
+        self._baseline_sampler: Any = None  # a consistency sampler for the paired baselines, built on first use
         self._bytes: dict[str, int] = {}  # memory id -> bytes of its stored form (a memory never changes)
 
     def resume(self, records: list[dict[str, Any]]) -> int:
@@ -102,8 +107,74 @@ class ELMMethod:
                 {"kind": c.get("kind"), "answer": c.get("answer"), "score": c.get("score")} for c in r.candidates
             ],
             warnings=r.warnings,
-            extra={**self._extra(r), **self._decided_by(question, r)},
+            extra={
+                **self._extra(r),
+                **self._decided_by(question, r),
+                **(self._paired(question, r) if self.runtime.paired else {}),
+            },
         )
+
+    def _paired(self, question: str, r: Any) -> dict[str, Any]:
+        """What the paired baselines (:mod:`elm_memory.eval.paired`) need beyond ELM's own generations:
+        the untrained twin's answer (the retrieved memory's initial soft prompt, greedy, the answer's
+        params) and, where ELM drew no verifier samples, the k samples self-consistency would vote on.
+        Both decode on this method's fused backend, so while learning runs they join its batches."""
+        out: dict[str, Any] = {}
+        params = self._answer_params(question)
+        if r.verifier_sample_answers is None and r.presampled_answers is None:
+            sampler = self._sampler()
+            prompts, sample_params = sampler.sample_request(question)
+            # cut at the answers' budget as the samples drawn ahead are, so every question's vote is alike
+            budget = min(sample_params.max_new_tokens, params.max_new_tokens)
+            gens = self.fused.backend.generate(prompts, dataclasses.replace(sample_params, max_new_tokens=budget))
+            out["baseline_sample_answers"] = sampler.sample_answers_of([g for per_row in gens for g in per_row])
+        if r.memory_id:
+            out["untrained_twin"] = self._untrained_twin(question, r.memory_id, params)
+        return out
+
+    def _answer_params(self, question: str) -> SamplingParams:
+        """The params of the answer path's greedy candidates (graph ``dual_generate``)."""
+        cfg = self.config
+        k = cfg.memory.num_tokens
+        prompt = self.elm.prompts.answer_prompt(question, memory_tokens=k)
+        g = cfg.generation
+        max_context = self.fused.backend.info.max_context
+        return SamplingParams(
+            max_new_tokens=answer_budget(g.max_new_tokens, max_context, len(prompt.token_ids), k),
+            temperature=g.temperature,
+            top_p=g.top_p,
+            stop_at_answer=g.stop_at_answer,
+            seed=cfg.training.seed,
+        )
+
+    def _sampler(self) -> Any:
+        if self._baseline_sampler is None:
+            from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+            self._baseline_sampler = ConsistencyVerifier.from_config(self.config, self.fused.backend)
+        return self._baseline_sampler
+
+    def _untrained_twin(self, question: str, memory_id: str, params: SamplingParams) -> dict[str, Any]:
+        """The answer the retrieved memory gives untrained: its initial soft prompt rebuilt from its question
+        and recorded recipe (:func:`~elm_memory.training.merging.initial_prompt`). In its own decode call,
+        so in bf16 its tokens may differ by rounding from the same prompt decoded in a batch."""
+        retriever = self.elm.retriever
+        try:
+            memory = retriever.store.get(memory_id, self.name) if retriever is not None else None
+        except ELMError as exc:
+            return {"memory_id": memory_id, "answer": None, "skipped": f"memory unreadable: {exc}"}
+        if memory is None or memory.kind != "soft_prompt":
+            return {"memory_id": memory_id, "answer": None, "skipped": "not a soft prompt"}
+        init = initial_prompt(memory, self.runtime.loaded, self.config)
+        prompt = self.elm.prompts.answer_prompt(question, memory_tokens=self.config.memory.num_tokens)
+        [[gen]] = self.fused.backend.generate([prompt.with_memory(init)], params)
+        moved = (memory.soft_prompt - init).norm() / init.norm().clamp_min(1e-12)
+        return {
+            "memory_id": memory_id,
+            "answer": extract_answer(gen.text),
+            "response": gen.text,
+            "moved": round(float(moved), 5),  # how far training took the memory from its init (relative norm)
+        }
 
     @staticmethod
     def _extra(r: Any) -> dict[str, Any]:

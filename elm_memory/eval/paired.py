@@ -1,0 +1,191 @@
+"""Paired baselines read from an ELM method's own records: every comparison on the same generations.
+
+An ELM record holds the greedy zero-shot answer, the memory's answer, the verifier's k zero-shot samples
+(drawn ahead with the candidates; where ELM drew none, the evaluation drew them with the same seeds:
+``extra.baseline_sample_answers``) and, with ``EvalRuntime.paired``, the answer of the retrieved memory
+untrained (``extra.untrained_twin``: its initial soft prompt, the same retrieval). From these alone, per
+question and with no model:
+
+* ``zero_shot``: the greedy answer;
+* ``self_consistency``: greedy plus the k samples, majority, ties to greedy (ELM's compute minus the memory);
+* ``maj_at_k``: the k samples alone;
+* ``memory``: the memory's answer alone, and ``untrained_memory``: the twin's (questions with a memory);
+* ``elm_untrained``: ELM's route replayed with the twin in place of the trained memory, scored by the
+  ``consistency`` rule on the same samples (only where the run's verifier is ``consistency``);
+* ``elm``: ELM's recorded answer.
+
+The replay is checked against ELM itself: replaying the route with the *trained* memory's answer must
+give the answer ELM recorded (``replay_mismatches``); a mismatch means the replay does not model that
+run (e.g. extra tie samples), and its ``elm_untrained`` row should not be trusted.
+
+Because all rows come from one run's generations, a difference between two of them is attributable:
+``elm`` vs ``elm_untrained`` differs only in the memory's training, ``elm`` vs ``self_consistency`` only
+in the memory candidate. Pooling runs (seeds) counts each distinct question once
+(:func:`~elm_memory.eval.significance.paired_outcomes`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from elm_memory.answers import equivalent
+from elm_memory.eval.methods.voting import majority_vote
+from elm_memory.eval.significance import paired_outcomes
+from elm_memory.graph.routing import AGREE, ANSWERED, VERIFIER, ZERO_SHOT, memory_wins, route_of
+from elm_memory.verifiers.consistency import agreement_scores
+
+__all__ = ["VARIANTS", "markdown_paired", "paired_answers", "paired_summary", "replay_route", "replay_settings"]
+
+#: the rows, in table order
+VARIANTS = ("zero_shot", "self_consistency", "maj_at_k", "memory", "untrained_memory", "elm_untrained", "elm")
+#: (row, against) pairs of the head-to-head table: what each comparison isolates is in the module docstring
+COMPARISONS = (
+    ("elm", "zero_shot"),
+    ("elm", "self_consistency"),
+    ("elm", "maj_at_k"),
+    ("elm", "elm_untrained"),
+    ("memory", "untrained_memory"),
+    ("memory", "zero_shot"),
+    ("untrained_memory", "zero_shot"),
+)
+
+
+def replay_settings(config: Mapping[str, Any]) -> tuple[bool, bool]:
+    """From a run's config (``run.json``): whether ELM's route can be replayed on the recorded samples (its
+    verifier is ``consistency``, with no tie samples), and its ``verifier.prefer_answered``."""
+    verifier = config.get("verifier") or {}
+    replay = verifier.get("name") == "consistency" and not verifier.get("consistency_tie_samples")
+    return replay, bool(verifier.get("prefer_answered", True))
+
+
+def replay_route(
+    zero_shot: str | None, memory: str | None, samples: Sequence[str | None], *, prefer_answered: bool
+) -> str | None:
+    """ELM's answer from two candidate answers and the ``consistency`` verifier's samples (no tie samples)."""
+    route = route_of(zero_shot, memory, has_memory=True, prefer_answered=prefer_answered)
+    if route in (ZERO_SHOT, AGREE):
+        return zero_shot
+    if route == ANSWERED:
+        return zero_shot if zero_shot is not None else memory
+    assert route == VERIFIER
+    return memory if memory_wins(agreement_scores([zero_shot, memory], samples)) else zero_shot
+
+
+def _candidate(record: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
+    return next((c for c in record.get("candidates") or [] if c.get("kind") == kind), None)
+
+
+def paired_answers(record: Mapping[str, Any], *, prefer_answered: bool, replay: bool) -> dict[str, Any] | None:
+    """Each variant's answer on this ELM record (a variant the record cannot give is absent), plus
+    ``replay_ok`` (None where nothing was replayed). None: the record lacks a zero-shot candidate or samples.
+    ``replay``: the run's verifier is ``consistency``, so ELM's route can be replayed on the samples."""
+    greedy = _candidate(record, "zero_shot")
+    extra = record.get("extra") or {}
+    samples = extra.get("verifier_sample_answers")
+    if samples is None:
+        samples = extra.get("baseline_sample_answers")
+    if greedy is None or samples is None:
+        return None
+    zero = greedy.get("answer")
+    out: dict[str, Any] = {
+        "zero_shot": zero,
+        "self_consistency": majority_vote(samples, zero, with_greedy=True),
+        "maj_at_k": majority_vote(samples),
+        "elm": record.get("answer"),
+        "replay_ok": None,
+    }
+    memory = _candidate(record, "memory")
+    if memory is None:  # no memory retrieved: ELM and its untrained twin both answer zero-shot
+        out["elm_untrained"] = zero
+        return out
+    out["memory"] = memory.get("answer")
+    twin = extra.get("untrained_twin")
+    if twin is not None and not twin.get("skipped"):
+        out["untrained_memory"] = twin.get("answer")
+    if replay:
+        replayed = replay_route(zero, memory.get("answer"), samples, prefer_answered=prefer_answered)
+        recorded = record.get("answer")
+        out["replay_ok"] = bool(equivalent(replayed, recorded)) or (replayed is None and recorded is None)
+        if "untrained_memory" in out:
+            out["elm_untrained"] = replay_route(zero, out["untrained_memory"], samples, prefer_answered=prefer_answered)
+    return out
+
+
+def _outcome_records(
+    records: Sequence[Mapping[str, Any]], method: str, *, prefer_answered: bool, replay: bool
+) -> tuple[list[dict[str, Any]], dict[str, int]]:
+    """One pseudo-record per (variant, question) with its correctness, and the counts of what was read."""
+    rows: list[dict[str, Any]] = []
+    counts = {"records": 0, "paired": 0, "with_memory": 0, "with_twin": 0, "replayed": 0, "replay_mismatches": 0}
+    for r in records:
+        if r.get("method") != method:
+            continue
+        counts["records"] += 1
+        answers = paired_answers(r, prefer_answered=prefer_answered, replay=replay)
+        if answers is None:
+            continue
+        counts["paired"] += 1
+        counts["with_memory"] += "memory" in answers
+        counts["with_twin"] += "untrained_memory" in answers
+        if answers["replay_ok"] is not None:
+            counts["replayed"] += 1
+            counts["replay_mismatches"] += not answers["replay_ok"]
+        for variant in VARIANTS:
+            if variant in answers:
+                right = bool(equivalent(answers[variant], r["gold"]))
+                rows.append({"method": variant, "question_id": r["question_id"], "correct": right})
+    return rows, counts
+
+
+def paired_summary(
+    runs: Sequence[Sequence[Mapping[str, Any]]], method: str, *, prefer_answered: bool = True, replay: bool = True
+) -> dict[str, Any] | None:
+    """``method``'s paired rows pooled over ``runs`` (each a run's records): per variant right / judged,
+    and the :data:`COMPARISONS` as sign tests over distinct questions. None: no record can be paired."""
+    per_run = []
+    totals: dict[str, int] = {}
+    for records in runs:
+        rows, counts = _outcome_records(records, method, prefer_answered=prefer_answered, replay=replay)
+        per_run.append(rows)
+        for key, n in counts.items():
+            totals[key] = totals.get(key, 0) + n
+    if not totals.get("paired"):
+        return None
+    accuracy = {}
+    for variant in VARIANTS:
+        judged = [row["correct"] for rows in per_run for row in rows if row["method"] == variant]
+        if judged:
+            accuracy[variant] = {"right": sum(judged), "judged": len(judged)}
+    comparisons = []
+    for a, b in COMPARISONS:
+        outcome = paired_outcomes(per_run, a, b)
+        if outcome is not None:
+            comparisons.append({"method": a, "baseline": b, **outcome})
+    return {"method": method, "runs": len(runs), **totals, "accuracy": accuracy, "comparisons": comparisons}
+
+
+def markdown_paired(summary: Mapping[str, Any]) -> str:
+    """The paired summary as two Markdown tables (accuracy per variant, then head to head)."""
+    lines = [
+        f"Paired on {summary['method']}'s own generations ({summary['runs']} run(s); {summary['paired']} of "
+        f"{summary['records']} records paired, {summary['with_memory']} with a memory, {summary['with_twin']} "
+        f"with its untrained twin; route replay reproduced ELM's answer on "
+        f"{summary['replayed'] - summary['replay_mismatches']} of {summary['replayed']}):",
+        "",
+        "| variant | right | judged | accuracy (%) |",
+        "|---|---:|---:|---:|",
+    ]
+    for variant, a in summary["accuracy"].items():
+        lines.append(f"| {variant} | {a['right']} | {a['judged']} | {100 * a['right'] / a['judged']:.1f} |")
+    lines += [
+        "",
+        "| row | against | distinct questions | gains | losses | ties | sign test p |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for c in summary["comparisons"]:
+        lines.append(
+            f"| {c['method']} | {c['baseline']} | {c['questions']} | +{c['wins']} | −{c['losses']} | {c['ties']} "
+            f"| {c['p']:.3g} |"
+        )
+    return "\n".join(lines) + "\n"

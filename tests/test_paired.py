@@ -1,0 +1,142 @@
+"""Paired baselines on ELM's own generations (elm_memory.eval.paired): the route replay, the variants read
+from a record, pooling over runs, and on the tiny model the records that feed them."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from elm_memory.config import ELMConfig
+from elm_memory.eval.paired import markdown_paired, paired_answers, paired_summary, replay_route, replay_settings
+
+
+def _record(qid, gold, greedy, memory=None, samples=(), answer=None, twin=None, key="verifier_sample_answers"):
+    candidates = [{"kind": "zero_shot", "answer": greedy}]
+    extra = {key: list(samples)}
+    if memory is not None:
+        candidates.append({"kind": "memory", "answer": memory})
+        extra["untrained_twin"] = {"memory_id": "m", "answer": twin}
+    return {
+        "method": "elm_input",
+        "question_id": qid,
+        "gold": gold,
+        "answer": greedy if answer is None else answer,
+        "candidates": candidates,
+        "extra": extra,
+    }
+
+
+def test_the_route_replay_follows_the_graphs_rule():
+    # agreeing answers win; exactly one answered wins; else the strictly higher agreement, ties to zero-shot
+    assert replay_route("4", "4.0", ["5", "5"], prefer_answered=True) == "4"
+    assert replay_route(None, "7", ["3"], prefer_answered=True) == "7"
+    assert replay_route(None, "7", ["3"], prefer_answered=False) is None  # both score 0: zero-shot
+    assert replay_route("3", "7", ["7", "7", "3"], prefer_answered=True) == "7"
+    assert replay_route("3", "7", ["7", "3"], prefer_answered=True) == "3"
+
+
+def test_variants_of_one_record_and_the_replay_check():
+    r = _record("q1", "7", greedy="3", memory="7", samples=["7", "7", "3", "7", None], answer="7", twin="3")
+    a = paired_answers(r, prefer_answered=True, replay=True)
+    assert a is not None
+    assert a["zero_shot"] == "3" and a["memory"] == "7" and a["untrained_memory"] == "3"
+    assert a["self_consistency"] == "7"  # greedy and one sample say 3, three samples 7
+    assert a["maj_at_k"] == "7" and a["elm"] == "7"
+    assert a["elm_untrained"] == "3" and a["replay_ok"] is True  # the twin agrees with greedy
+    # a recorded answer the replay cannot reproduce is flagged, not hidden
+    wrong = _record("q1", "7", greedy="3", memory="7", samples=["3", "3"], answer="7", twin="3")
+    assert paired_answers(wrong, prefer_answered=True, replay=True)["replay_ok"] is False
+    # no memory: ELM and its twin are zero-shot; the samples come from the evaluation's own draw
+    plain = _record("q2", "5", greedy="5", samples=["4", "4", "5", "4"], key="baseline_sample_answers")
+    b = paired_answers(plain, prefer_answered=True, replay=True)
+    assert b["elm_untrained"] == "5" and b["self_consistency"] == "4" and "memory" not in b
+    # without samples nothing can be paired; without a consistency verifier nothing is replayed
+    assert paired_answers({**plain, "extra": {}}, prefer_answered=True, replay=True) is None
+    assert "elm_untrained" not in paired_answers(r, prefer_answered=True, replay=False)
+
+
+def test_summary_pools_runs_by_distinct_question():
+    win = _record("q1", "7", greedy="3", memory="7", samples=["7", "7", "3"], answer="7", twin="3")
+    # seed 1 and seed 2 both answered q1: it counts once (a net win), q2 once (a tie)
+    tie = _record("q2", "5", greedy="5", samples=["5"], key="baseline_sample_answers")
+    s = paired_summary([[win, tie], [win]], "elm_input")
+    assert s is not None and s["records"] == 3 and s["paired"] == 3 and s["replay_mismatches"] == 0
+    assert s["accuracy"]["elm"] == {"right": 3, "judged": 3}
+    assert s["accuracy"]["zero_shot"] == {"right": 1, "judged": 3}
+    rows = {(c["method"], c["baseline"]): c for c in s["comparisons"]}
+    assert rows[("elm", "zero_shot")]["questions"] == 2 and rows[("elm", "zero_shot")]["wins"] == 1
+    assert rows[("memory", "untrained_memory")]["wins"] == 1
+    # self-consistency: greedy 3 + samples 7,7,3 -> a 2-2 tie, to greedy 3: ELM beats it on q1
+    assert rows[("elm", "self_consistency")]["wins"] == 1
+    assert "| elm | elm_untrained |" in markdown_paired(s)
+    assert paired_summary([[tie]], "elm_kv") is None
+
+
+def test_replay_settings_read_the_runs_verifier():
+    assert replay_settings({"verifier": {"name": "consistency", "consistency_tie_samples": 0}}) == (True, True)
+    assert replay_settings({"verifier": {"name": "consistency", "consistency_tie_samples": 2}})[0] is False
+    assert replay_settings({"verifier": {"name": "prm", "prefer_answered": False}}) == (False, False)
+
+
+@pytest.mark.model
+def test_paired_records_on_the_tiny_model(tiny_loaded, tiny_backend, tmp_path):
+    """An ELM run records what the paired rows need: the untrained twin (the retrieved memory's init, the
+    answer's params) and, where ELM drew none, the samples; self-consistency read from them is the
+    self_consistency method's answer on the same question."""
+    from elm_memory.backends.base import SamplingParams
+    from elm_memory.data.datasets import load_problems
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.methods.voting import majority_vote
+    from elm_memory.eval.online import run_stream
+    from elm_memory.eval.records import RecordLog
+    from elm_memory.training.learn import initial_memory
+
+    cfg = ELMConfig.load(
+        preset="cpu-tiny",
+        overrides={
+            "generation": {"max_new_tokens": 8},
+            "training": {"max_completion_length": 8},
+            "verifier": {"name": "consistency", "consistency_samples": 3, "consistency_max_new_tokens": 8},
+            "retrieval": {"skip_no_consensus": False},  # SmolLM2 never boxes: its rollouts never agree
+        },
+    )
+    problems = load_problems("synth-arith", limit=3, seed=3)
+    runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+    result = run_stream(
+        problems,
+        ["self_consistency", "elm_input"],
+        cfg,
+        tmp_path,
+        dataset="synth-arith",
+        seed=3,
+        runtime=runtime,
+        progress=False,
+        plots=False,
+    )
+    records = RecordLog(tmp_path / "records.jsonl").read()
+    elm = {r["index"]: r for r in records if r["method"] == "elm_input"}
+    sc = {r["index"]: r for r in records if r["method"] == "self_consistency"}
+    assert "untrained_twin" not in elm[0]["extra"] and len(elm[0]["extra"]["baseline_sample_answers"]) == 3
+    for i in (1, 2):
+        twin = elm[i]["extra"]["untrained_twin"]
+        assert twin["memory_id"] == elm[i]["memory_id"] and "response" in twin
+        # the twin decodes the memory's own question's init: the same text as a direct greedy call with it
+        from elm_memory.store.registry import stores
+
+        store_cfg = cfg.store.model_copy(update={"path": str(tmp_path / "store")})
+        store = stores.get(store_cfg.kind).from_config(store_cfg, model=tiny_loaded.info)
+        memory = store.get(twin["memory_id"], "elm_input")
+        init = initial_memory(cfg, tiny_loaded, memory.meta.question)
+        prompt = runtime.prompts.answer_prompt(problems[i].question, memory_tokens=cfg.memory.num_tokens)
+        params = SamplingParams(max_new_tokens=8, temperature=0.0, stop_at_answer=True, seed=cfg.training.seed)
+        [[direct]] = tiny_backend.generate([prompt.with_memory(init)], params)
+        assert direct.text == twin["response"]
+    for i in range(3):  # the self-consistency the paired rows read equals the method's own answer
+        extra = elm[i]["extra"]
+        samples = extra.get("verifier_sample_answers") or extra.get("baseline_sample_answers")
+        assert samples == sc[i]["extra"]["verifier_sample_answers"]
+        assert majority_vote(samples, elm[i]["candidates"][0]["answer"], with_greedy=True) == sc[i]["answer"]
+    paired = json.loads((tmp_path / "comparisons.json").read_text())["paired"]
+    assert paired[0]["method"] == "elm_input" and paired[0]["paired"] == 3 and paired[0]["replay_mismatches"] == 0
+    assert "Paired on elm_input's own generations" in result.table
