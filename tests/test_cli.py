@@ -101,19 +101,20 @@ def test_demo_shows_every_method_per_question_on_cpu_tiny(tmp_path):
     assert (out / "store" / "chroma").is_dir() and any((out / "store" / "blobs").rglob("*"))  # not under $ELM_HOME
     first, second = r.stderr.split("[2/2] ")[0].split("[1/2] ")[1], r.stderr.split("[2/2] ")[1]
     assert "zero-shot" in first and "route zero_shot" in first and "no memory yet (empty pool)" in first
-    assert "self-cons." in first and "votes " in first  # the voting baseline that spends ELM's samples, no memory
+    # self-consistency read from ELM's own record (no memory yet: the evaluation drew ELM's k samples)
+    assert "self-cons." in first and "votes " in first
     # the second question retrieves the first one's memory, says where it came from, shows both candidates
     assert "memory " in second and "from Q1 (synth" in second and "similarity 0." in second
     assert "candidates: zero-shot" in second and "|  memory" in second
+    assert "untrained " in second and "(the same memory before training" in second
     # answered and learned side by side (learner.overlap_answering): the timing line says so
     assert "(memory learned alongside), then learning" in second
-    assert all(f"| {m} " in r.stdout for m in ("zero_shot", "self_consistency", "elm_input"))  # the table has all three
+    assert all(f"| {m} " in r.stdout for m in ("zero_shot", "elm_input"))
+    assert "Paired on elm_input's own generations" in r.stdout and "| self_consistency |" in r.stdout
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert sorted((rec["method"], rec["index"]) for rec in records) == [
         ("elm_input", 0),
         ("elm_input", 1),
-        ("self_consistency", 0),
-        ("self_consistency", 1),
         ("zero_shot", 0),
         ("zero_shot", 1),
     ]

@@ -537,3 +537,27 @@ def test_the_walkthrough_waits_for_every_method_and_shows_self_consistencys_vote
     sc = next(x for x in lines if x.strip().startswith("self-cons."))
     assert "7 ✓" in sc and "votes 3 x1, 7 x3" in sc
     assert lines.index(sc) < next(i for i, x in enumerate(lines) if x.strip().startswith("ELM"))
+
+
+def test_the_walkthrough_shows_the_paired_rows_from_elms_own_record():
+    from elm_memory.eval.walkthrough import Walkthrough
+
+    base = {"index": 0, "question_id": "q0", "question": "What is 3+4?", "gold": "7", "timings": {}}
+    zero = {**base, "method": "zero_shot", "answer": "3", "correct": False, "route": "zero_shot", "candidates": []}
+    elm = {**base, "method": "elm_input", "answer": "7", "correct": True, "route": "verifier", "memory_id": "m1",
+           "similarity": 0.9,
+           "candidates": [{"kind": "zero_shot", "answer": "3"}, {"kind": "memory", "answer": "7"}],
+           "extra": {"verifier_sample_answers": ["7", "7", "3", "9"],
+                     "untrained_twin": {"memory_id": "m1", "answer": "9"}}}  # fmt: skip
+    printed: list[str] = []
+    walk = Walkthrough(1, printed.append, paired=(True, True))
+    walk(zero)
+    walk(elm)
+    [text] = printed
+    lines = text.splitlines()
+    sc = next(x for x in lines if x.strip().startswith("self-cons."))
+    assert "3 ✗" in sc and "votes 3 x2, 7 x2, 9 x1" in sc  # a 2-2 tie goes to greedy
+    untrained = next(x for x in lines if x.strip().startswith("untrained"))
+    # the twin's 9 agrees with one sample, greedy's 3 with one: a tie, so ELM with it keeps greedy's 3
+    assert "9 ✗" in untrained and "ELM with it: 3 ✗" in untrained
+    assert Walkthrough(1, printed.append).paired is None

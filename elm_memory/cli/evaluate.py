@@ -40,23 +40,26 @@ def demo(
 ) -> None:
     """The main job on the embedded defaults: ELM next to zero-shot and self-consistency on a short online stream.
 
-    Same as ``elm stream --dataset synth-arith --limit 8 -m zero_shot,self_consistency,elm_input --preset
-    cpu-demo --out elm-runs/demo-synth-arith-8``: each question is answered (retrieve, dual-generate, route),
+    Same as ``elm stream --dataset synth-arith --limit 8 -m zero_shot,elm_input --preset cpu-demo
+    --out elm-runs/demo-synth-arith-8``: each question is answered (retrieve, dual-generate, route),
     then a memory is learned from it before the next one (the paper's protocol). Zero-shot is
-    ELM's own zero-shot candidate (one shared cached generation), so it costs nothing extra;
-    self-consistency (the greedy answer and k seeded samples, majority vote) is the baseline that spends
-    ELM's verifier budget without a memory. Per question it prints the route, the memory used and where
-    it came from, both candidates and which was right; then the table and the plots.
+    ELM's own zero-shot candidate (one shared cached generation), so it costs nothing extra.
+    Self-consistency (the greedy answer and ELM's k seeded verifier samples, majority vote: ELM's compute
+    without the memory) and the retrieved memory untrained are read from ELM's own generations
+    (docs/evaluation-baselines.md). Per question it prints the route, the memory used and where it came
+    from, both candidates and which was right; then the tables and the plots.
     """
     from elm_memory.data.datasets import load_problems
+    from elm_memory.eval.paired import replay_settings
     from elm_memory.eval.walkthrough import Walkthrough
 
     cfg = load_config(config, preset, None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=17)
     out = out or Path("elm-runs") / f"demo-{Path(dataset).stem}-{limit}"
-    methods = ["zero_shot", "self_consistency", "elm_input"]
+    methods = ["zero_shot", "elm_input"]
     echo = lambda line: typer.echo(line, err=True)  # noqa: E731
-    walkthrough = None if json_out else Walkthrough(len(problems), echo, others=["self_consistency"])
+    paired = replay_settings(cfg.model_dump(mode="json"))
+    walkthrough = None if json_out else Walkthrough(len(problems), echo, paired=paired)
     result = _run_stream(problems, methods, cfg, out, dataset, 17, json_out, True, on_record=walkthrough)
     _print_run(result, json_out)
 

@@ -117,7 +117,14 @@ def _outcome_records(
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """One pseudo-record per (variant, question) with its correctness, and the counts of what was read."""
     rows: list[dict[str, Any]] = []
-    counts = {"records": 0, "paired": 0, "with_memory": 0, "with_twin": 0, "replayed": 0, "replay_mismatches": 0}
+    counts: dict[str, Any] = {
+        "records": 0,
+        "paired": 0,
+        "with_memory": 0,
+        "with_twin": 0,
+        "replayed": 0,
+        "replay_mismatches": 0,
+    }
     for r in records:
         if r.get("method") != method:
             continue
@@ -131,11 +138,30 @@ def _outcome_records(
         if answers["replay_ok"] is not None:
             counts["replayed"] += 1
             counts["replay_mismatches"] += not answers["replay_ok"]
+        share = ((r.get("extra") or {}).get("memory_votes") or {}).get("majority_share")
         for variant in VARIANTS:
             if variant in answers:
                 right = bool(equivalent(answers[variant], r["gold"]))
-                rows.append({"method": variant, "question_id": r["question_id"], "correct": right})
+                rows.append({"method": variant, "question_id": r["question_id"], "correct": right, "share": share})
     return rows, counts
+
+
+def _by_share(per_run: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
+    """On questions with a memory, by the memory's training majority share (its last step): how often each
+    variant was right. Whether weak-consensus memories hurt is read here (no sign test: a breakdown)."""
+    buckets: dict[float | None, dict[str, list[bool]]] = {}
+    for rows in per_run:
+        for row in rows:
+            if row["method"] in ("memory", "untrained_memory", "zero_shot", "elm", "elm_untrained"):
+                share = None if row["share"] is None else round(float(row["share"]), 2)
+                buckets.setdefault(share, {}).setdefault(row["method"], []).append(row["correct"])
+    out = []
+    for share in sorted(buckets, key=lambda x: (x is None, x or 0.0)):
+        seen = buckets[share]
+        if "memory" not in seen:
+            continue  # no memory was retrieved in this bucket (its rows are zero-shot's)
+        out.append({"majority_share": share, **{m: [sum(v), len(v)] for m, v in seen.items()}})
+    return out
 
 
 def paired_summary(
@@ -162,7 +188,14 @@ def paired_summary(
         outcome = paired_outcomes(per_run, a, b)
         if outcome is not None:
             comparisons.append({"method": a, "baseline": b, **outcome})
-    return {"method": method, "runs": len(runs), **totals, "accuracy": accuracy, "comparisons": comparisons}
+    return {
+        "method": method,
+        "runs": len(runs),
+        **totals,
+        "accuracy": accuracy,
+        "comparisons": comparisons,
+        "by_majority_share": _by_share(per_run),
+    }
 
 
 def markdown_paired(summary: Mapping[str, Any]) -> str:
@@ -188,4 +221,20 @@ def markdown_paired(summary: Mapping[str, Any]) -> str:
             f"| {c['method']} | {c['baseline']} | {c['questions']} | +{c['wins']} | −{c['losses']} | {c['ties']} "
             f"| {c['p']:.3g} |"
         )
+    if summary.get("by_majority_share"):
+        lines += [
+            "",
+            "Questions with a memory, by the memory's training majority share (right / questions):",
+            "",
+            "| majority share | memory | untrained memory | zero-shot | ELM | ELM untrained |",
+            "|---:|---:|---:|---:|---:|---:|",
+        ]
+        for b in summary["by_majority_share"]:
+            cells = [_fraction(b.get(m)) for m in ("memory", "untrained_memory", "zero_shot", "elm", "elm_untrained")]
+            share = "none" if b["majority_share"] is None else f"{b['majority_share']:.2f}"
+            lines.append(f"| {share} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def _fraction(cell: Sequence[int] | None) -> str:
+    return "" if cell is None else f"{cell[0]}/{cell[1]}"

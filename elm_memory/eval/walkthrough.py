@@ -1,7 +1,8 @@
 """The main job's per-question printout: ELM next to zero-shot, and why ELM answered as it did.
 
 For each question, once every method's record is in: the gold answer, zero-shot's answer, the
-compute-matched baselines' answers (``others``, e.g. self-consistency with its votes),
+compute-matched baselines' answers (``others``, e.g. self-consistency with its votes; or, with ``paired``,
+self-consistency and the untrained memory read from ELM's own record, :mod:`elm_memory.eval.paired`),
 ELM's route, the memory it used (the stream question it was learned from, similarity,
 training majority share) or the gate that kept a memory out, both of ELM's candidate
 answers, and which were right.
@@ -11,6 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from typing import Any
+
+from elm_memory.answers import equivalent
+from elm_memory.eval.methods.voting import vote_counts
+from elm_memory.eval.paired import paired_answers
 
 MARK = {True: "✓", False: "✗"}
 
@@ -26,8 +31,12 @@ class Walkthrough:
         baseline: str = "zero_shot",
         method: str = "elm_input",
         others: Sequence[str] = (),
+        paired: tuple[bool, bool] | None = None,
     ):
+        """``paired``: (replay, prefer_answered) of :func:`~elm_memory.eval.paired.replay_settings`, to show
+        the paired rows from ELM's record; None: show only the ``others`` methods' records."""
         self.total, self.echo = total, echo
+        self.paired = paired
         self.baseline, self.method, self.others = baseline, method, tuple(others)
         self._pending: dict[int, dict[str, dict[str, Any]]] = {}
         self._learned_from: dict[str, dict[str, Any]] = {}  # memory id -> record of its question
@@ -55,6 +64,8 @@ class Walkthrough:
             shown = ", ".join(f"{a} x{n}" for a, n in votes) or "no boxed answer"
             label = {"self_consistency": "self-cons.", "maj_at_k": "maj@k"}.get(other["method"], other["method"])
             lines.append(f"    {label:<10}{elm_answer(other):>10} {MARK[other['correct']]}  votes {shown}")
+        if self.paired is not None:
+            lines += self._paired_lines(elm)
         lines += [
             f"    ELM       {elm_answer(elm):>10} {MARK[elm['correct']]}  route {elm['route']}",
         ]
@@ -81,6 +92,25 @@ class Walkthrough:
             lines.append(f"              answer {t.get('answer', 0):.0f}s, learn {t.get('learn', 0):.0f}s")
         return "\n".join(lines)
 
+    def _paired_lines(self, elm: dict[str, Any]) -> list[str]:
+        """Self-consistency (greedy + ELM's samples) and the untrained memory, from ELM's own record."""
+        assert self.paired is not None
+        replay, prefer = self.paired
+        answers = paired_answers(elm, prefer_answered=prefer, replay=replay)
+        if answers is None:
+            return []
+        extra = elm.get("extra") or {}
+        samples = extra.get("verifier_sample_answers") or extra.get("baseline_sample_answers") or []
+        votes = vote_counts([answers["zero_shot"], *samples])
+        shown = ", ".join(f"{a} x{n}" for a, n, _ in votes) or "no boxed answer"
+        lines = [f"    self-cons.{_shown(answers['self_consistency'], elm['gold'])}  votes {shown}"]
+        if "untrained_memory" in answers:
+            line = f"    untrained {_shown(answers['untrained_memory'], elm['gold'])}  (the same memory before training"
+            if "elm_untrained" in answers:
+                line += f"; ELM with it: {_shown(answers['elm_untrained'], elm['gold']).strip()}"
+            lines.append(line + ")")
+        return lines
+
     def _memory_line(self, elm: dict[str, Any]) -> str:
         gate = (elm.get("extra") or {}).get("gate") or {}
         share = gate.get("majority_share")
@@ -100,6 +130,11 @@ class Walkthrough:
         elif gate.get("threshold") is not None:
             detail += f" < {gate['threshold']}"
         return f"no memory used: {decision.replace('_', ' ')}" + (f" ({detail})" if detail else "")
+
+
+def _shown(answer: str | None, gold: str) -> str:
+    text = "(none)" if answer is None else _short(str(answer), 10)
+    return f"{text:>10} {MARK[bool(equivalent(answer, gold))]}"
 
 
 def elm_answer(record: dict[str, Any]) -> str:
