@@ -44,6 +44,7 @@ def test_variants_of_one_record_and_the_replay_check():
     assert a["self_consistency"] == "7"  # greedy and one sample say 3, three samples 7
     assert a["maj_at_k"] == "7" and a["elm"] == "7"
     assert a["elm_untrained"] == "3" and a["replay_ok"] is True  # the twin agrees with greedy
+    assert a["sc_memory"] == "7" and a["sc_untrained_memory"] == "3"  # 7 x4 vs 3 x2; then 7 x3 vs 3 x3: greedy
     # a recorded answer the replay cannot reproduce is flagged, not hidden
     wrong = _record("q1", "7", greedy="3", memory="7", samples=["3", "3"], answer="7", twin="3")
     assert paired_answers(wrong, prefer_answered=True, replay=True)["replay_ok"] is False

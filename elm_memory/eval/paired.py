@@ -10,6 +10,9 @@ question and with no model:
 * ``self_consistency``: greedy plus the k samples, majority, ties to greedy (ELM's compute minus the memory);
 * ``maj_at_k``: the k samples alone;
 * ``memory``: the memory's answer alone, and ``untrained_memory``: the twin's (questions with a memory);
+* ``sc_memory`` / ``sc_untrained_memory``: self-consistency with the memory's (the twin's) answer as one
+  more vote, ties to greedy: the memory as a vote rather than a route (where no memory was retrieved,
+  plain self-consistency);
 * ``elm_untrained``: ELM's route replayed with the twin in place of the trained memory, scored by the
   ``consistency`` rule on the same samples (only where the run's verifier is ``consistency``);
 * ``elm``: ELM's recorded answer.
@@ -38,7 +41,17 @@ from elm_memory.verifiers.consistency import agreement_scores
 __all__ = ["VARIANTS", "markdown_paired", "paired_answers", "paired_summary", "replay_route", "replay_settings"]
 
 #: the rows, in table order
-VARIANTS = ("zero_shot", "self_consistency", "maj_at_k", "memory", "untrained_memory", "elm_untrained", "elm")
+VARIANTS = (
+    "zero_shot",
+    "self_consistency",
+    "maj_at_k",
+    "memory",
+    "untrained_memory",
+    "sc_memory",
+    "sc_untrained_memory",
+    "elm_untrained",
+    "elm",
+)
 #: (row, against) pairs of the head-to-head table: what each comparison isolates is in the module docstring
 COMPARISONS = (
     ("elm", "zero_shot"),
@@ -48,6 +61,8 @@ COMPARISONS = (
     ("memory", "untrained_memory"),
     ("memory", "zero_shot"),
     ("untrained_memory", "zero_shot"),
+    ("sc_memory", "self_consistency"),
+    ("sc_memory", "sc_untrained_memory"),
 )
 
 
@@ -98,11 +113,14 @@ def paired_answers(record: Mapping[str, Any], *, prefer_answered: bool, replay: 
     memory = _candidate(record, "memory")
     if memory is None:  # no memory retrieved: ELM and its untrained twin both answer zero-shot
         out["elm_untrained"] = zero
+        out["sc_memory"] = out["sc_untrained_memory"] = out["self_consistency"]
         return out
     out["memory"] = memory.get("answer")
+    out["sc_memory"] = majority_vote([*samples, out["memory"]], zero, with_greedy=True)
     twin = extra.get("untrained_twin")
     if twin is not None and not twin.get("skipped"):
         out["untrained_memory"] = twin.get("answer")
+        out["sc_untrained_memory"] = majority_vote([*samples, out["untrained_memory"]], zero, with_greedy=True)
     if replay:
         replayed = replay_route(zero, memory.get("answer"), samples, prefer_answered=prefer_answered)
         recorded = record.get("answer")
