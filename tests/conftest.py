@@ -79,3 +79,20 @@ def default_backend(default_loaded):
     from elm_memory.backends.hf import HFBackend
 
     return HFBackend(default_loaded)
+
+
+@pytest.fixture
+def evidence_config():
+    """cpu-tiny with the consistency verifier (3 samples) and 8-token answers, rollouts and samples: the
+    evidence tests' stream settings."""
+    from elm_memory.config import ELMConfig
+
+    return ELMConfig.load(
+        preset="cpu-tiny",
+        overrides={
+            "generation": {"max_new_tokens": 8},
+            "training": {"max_completion_length": 8},
+            "verifier": {"name": "consistency", "consistency_samples": 3, "consistency_max_new_tokens": 8},
+            "retrieval": {"skip_no_consensus": False},  # SmolLM2 never boxes: its rollouts never agree
+        },
+    )

@@ -190,7 +190,7 @@ def test_unknown_methods_and_k_below_one_fail_before_any_model(tmp_path):
 
 
 @pytest.mark.model
-def test_baselines_and_records_on_the_tiny_model(tiny_loaded, tiny_backend, tmp_path):
+def test_baselines_and_records_on_the_tiny_model(tiny_loaded, tiny_backend, tmp_path, evidence_config):
     """One stream with every compute-matched baseline beside ELM: self_consistency votes on the greedy
     answer and the very samples ELM's verifier draws; records carry the sample answers, seeds and training
     votes; elm_untrained stores each memory's initial soft prompt (no training step)."""
@@ -200,15 +200,7 @@ def test_baselines_and_records_on_the_tiny_model(tiny_loaded, tiny_backend, tmp_
     from elm_memory.eval.records import RecordLog
     from elm_memory.training.learn import initial_memory
 
-    cfg = ELMConfig.load(
-        preset="cpu-tiny",
-        overrides={
-            "generation": {"max_new_tokens": 8},
-            "training": {"max_completion_length": 8},
-            "verifier": {"name": "consistency", "consistency_samples": 3, "consistency_max_new_tokens": 8},
-            "retrieval": {"skip_no_consensus": False},  # SmolLM2 never boxes: its rollouts never agree
-        },
-    )
+    cfg = evidence_config
     problems = load_problems("synth-arith", limit=2, seed=3)
     methods = ["zero_shot", "self_consistency", "maj_at_k", "elm_untrained", "elm_input"]
     runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)

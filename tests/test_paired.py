@@ -7,7 +7,6 @@ import json
 
 import pytest
 
-from elm_memory.config import ELMConfig
 from elm_memory.eval.paired import markdown_paired, paired_answers, paired_summary, replay_route, replay_settings
 
 
@@ -88,7 +87,7 @@ def test_replay_settings_read_the_runs_verifier():
 
 
 @pytest.mark.model
-def test_paired_records_on_the_tiny_model(tiny_loaded, tiny_backend, tmp_path):
+def test_paired_records_on_the_tiny_model(tiny_loaded, tiny_backend, tmp_path, evidence_config):
     """An ELM run records what the paired rows need: the untrained twin (the retrieved memory's init, the
     answer's params) and, where ELM drew none, the samples; self-consistency read from them is the
     self_consistency method's answer on the same question."""
@@ -100,15 +99,7 @@ def test_paired_records_on_the_tiny_model(tiny_loaded, tiny_backend, tmp_path):
     from elm_memory.eval.records import RecordLog
     from elm_memory.training.learn import initial_memory
 
-    cfg = ELMConfig.load(
-        preset="cpu-tiny",
-        overrides={
-            "generation": {"max_new_tokens": 8},
-            "training": {"max_completion_length": 8},
-            "verifier": {"name": "consistency", "consistency_samples": 3, "consistency_max_new_tokens": 8},
-            "retrieval": {"skip_no_consensus": False},  # SmolLM2 never boxes: its rollouts never agree
-        },
-    )
+    cfg = evidence_config
     problems = load_problems("synth-arith", limit=3, seed=3)
     runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
     result = run_stream(
