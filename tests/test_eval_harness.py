@@ -540,6 +540,7 @@ def test_the_walkthrough_waits_for_every_method_and_shows_self_consistencys_vote
 
 
 def test_the_walkthrough_shows_the_paired_rows_from_elms_own_record():
+    from elm_memory.eval.paired import ReplaySettings
     from elm_memory.eval.walkthrough import Walkthrough
 
     base = {"index": 0, "question_id": "q0", "question": "What is 3+4?", "gold": "7", "timings": {}}
@@ -550,7 +551,7 @@ def test_the_walkthrough_shows_the_paired_rows_from_elms_own_record():
            "extra": {"verifier_sample_answers": ["7", "7", "3", "9"],
                      "untrained_twin": {"memory_id": "m1", "answer": "9"}}}  # fmt: skip
     printed: list[str] = []
-    walk = Walkthrough(1, printed.append, paired=(True, True))
+    walk = Walkthrough(1, printed.append, paired=ReplaySettings(replay=True, prefer_answered=True, k=4))
     walk(zero)
     walk(elm)
     [text] = printed

@@ -7,7 +7,16 @@ import json
 
 import pytest
 
-from elm_memory.eval.paired import markdown_paired, paired_answers, paired_summary, replay_route, replay_settings
+from elm_memory.eval.paired import (
+    ReplaySettings,
+    markdown_paired,
+    paired_answers,
+    paired_summary,
+    replay_route,
+    replay_settings,
+)
+
+ON = ReplaySettings(replay=True, prefer_answered=True)
 
 
 def _record(qid, gold, greedy, memory=None, samples=(), answer=None, twin=None, key="verifier_sample_answers"):
@@ -37,7 +46,7 @@ def test_the_route_replay_follows_the_graphs_rule():
 
 def test_variants_of_one_record_and_the_replay_check():
     r = _record("q1", "7", greedy="3", memory="7", samples=["7", "7", "3", "7", None], answer="7", twin="3")
-    a = paired_answers(r, prefer_answered=True, replay=True)
+    a = paired_answers(r, ON)
     assert a is not None
     assert a["zero_shot"] == "3" and a["memory"] == "7" and a["untrained_memory"] == "3"
     assert a["self_consistency"] == "7"  # greedy and one sample say 3, three samples 7
@@ -46,14 +55,14 @@ def test_variants_of_one_record_and_the_replay_check():
     assert a["sc_memory"] == "7" and a["sc_untrained_memory"] == "3"  # 7 x4 vs 3 x2; then 7 x3 vs 3 x3: greedy
     # a recorded answer the replay cannot reproduce is flagged, not hidden
     wrong = _record("q1", "7", greedy="3", memory="7", samples=["3", "3"], answer="7", twin="3")
-    assert paired_answers(wrong, prefer_answered=True, replay=True)["replay_ok"] is False
+    assert paired_answers(wrong, ON)["replay_ok"] is False
     # no memory: ELM and its twin are zero-shot; the samples come from the evaluation's own draw
     plain = _record("q2", "5", greedy="5", samples=["4", "4", "5", "4"], key="baseline_sample_answers")
-    b = paired_answers(plain, prefer_answered=True, replay=True)
+    b = paired_answers(plain, ON)
     assert b["elm_untrained"] == "5" and b["self_consistency"] == "4" and "memory" not in b
     # without samples nothing can be paired; without a consistency verifier nothing is replayed
-    assert paired_answers({**plain, "extra": {}}, prefer_answered=True, replay=True) is None
-    assert "elm_untrained" not in paired_answers(r, prefer_answered=True, replay=False)
+    assert paired_answers({**plain, "extra": {}}, ON) is None
+    assert "elm_untrained" not in paired_answers(r, ReplaySettings(replay=False, prefer_answered=True))
 
 
 def test_summary_pools_runs_by_distinct_question():
@@ -61,7 +70,7 @@ def test_summary_pools_runs_by_distinct_question():
     # seed 1 and seed 2 both answered q1: it counts once (a net win), q2 once (a tie)
     win["extra"]["memory_votes"] = {"majority_share": 0.75}
     tie = _record("q2", "5", greedy="5", samples=["5"], key="baseline_sample_answers")
-    s = paired_summary([[win, tie], [win]], "elm_input")
+    s = paired_summary([[win, tie], [win]], "elm_input", ON)
     assert s is not None and s["records"] == 3 and s["paired"] == 3 and s["replay_mismatches"] == 0
     assert s["accuracy"]["elm"] == {"right": 3, "judged": 3}
     assert s["accuracy"]["zero_shot"] == {"right": 1, "judged": 3}
@@ -81,9 +90,22 @@ def test_summary_pools_runs_by_distinct_question():
 
 
 def test_replay_settings_read_the_runs_verifier():
-    assert replay_settings({"verifier": {"name": "consistency", "consistency_tie_samples": 0}}) == (True, True)
-    assert replay_settings({"verifier": {"name": "consistency", "consistency_tie_samples": 2}})[0] is False
-    assert replay_settings({"verifier": {"name": "prm", "prefer_answered": False}}) == (False, False)
+    consistency = {"name": "consistency", "consistency_tie_samples": 0, "consistency_samples": 4}
+    assert replay_settings({"verifier": {**consistency, "prefer_answered": True}}) == ReplaySettings(True, True, 4)
+    assert replay_settings({"verifier": {**consistency, "consistency_tie_samples": 2}}).replay is False
+    assert replay_settings({"verifier": {"name": "prm"}}) == ReplaySettings(False, False, None)
+
+
+def test_votes_count_k_samples_and_a_run_without_replay_has_no_elm_untrained_row():
+    # a tie's extra draws (after the first k) are the verifier's, not self-consistency's
+    r = _record("q1", "1", greedy="1", memory="2", samples=["2", "2", "1", "1", "2", "2", "3", "3"], answer="2")
+    assert paired_answers(r, ReplaySettings(replay=False, k=4))["self_consistency"] == "1"
+    assert paired_answers(r, ReplaySettings(replay=False))["self_consistency"] == "2"
+    plain = _record("q2", "5", greedy="5", samples=["5"], key="baseline_sample_answers")
+    assert "elm_untrained" not in paired_answers(plain, ReplaySettings(replay=False))
+    # an answer equivalent() cannot compare (empty after normalising) still replays as itself
+    odd = _record("q3", "7", greedy="\\text{}", memory="7", samples=["1", "2"], answer="\\text{}", twin="7")
+    assert paired_answers(odd, ON)["replay_ok"] is True
 
 
 @pytest.mark.model

@@ -266,13 +266,8 @@ def finish(out: Path, methods: Sequence[str], *, plots: bool = True) -> StreamRe
             + markdown_counterfactuals(counterfactuals)
         )
     manifest = json.loads((out / "run.json").read_text(encoding="utf-8")) if (out / "run.json").is_file() else {}
-    replay, prefer_answered = replay_settings(manifest.get("config") or {})
-    paired = [
-        p
-        for m in summary
-        if m.startswith("elm_")
-        if (p := paired_summary([records], m, prefer_answered=prefer_answered, replay=replay))
-    ]
+    settings = replay_settings(manifest.get("config") or {})
+    paired = [p for m in summary if m.startswith("elm_") if (p := paired_summary([records], m, settings))]
     for p in paired:
         table += "\n" + markdown_paired(p)
     write_json_atomic(out / "summary.json", summary)

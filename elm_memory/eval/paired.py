@@ -30,6 +30,7 @@ in the memory candidate. Pooling runs (seeds) counts each distinct question once
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from elm_memory.answers import equivalent
@@ -38,7 +39,15 @@ from elm_memory.eval.significance import paired_outcomes
 from elm_memory.graph.routing import AGREE, ANSWERED, VERIFIER, ZERO_SHOT, memory_wins, route_of
 from elm_memory.verifiers.consistency import agreement_scores
 
-__all__ = ["VARIANTS", "markdown_paired", "paired_answers", "paired_summary", "replay_route", "replay_settings"]
+__all__ = [
+    "VARIANTS",
+    "ReplaySettings",
+    "markdown_paired",
+    "paired_answers",
+    "paired_summary",
+    "replay_route",
+    "replay_settings",
+]
 
 #: the rows, in table order
 VARIANTS = (
@@ -66,12 +75,30 @@ COMPARISONS = (
 )
 
 
-def replay_settings(config: Mapping[str, Any]) -> tuple[bool, bool]:
-    """From a run's config (``run.json``): whether ELM's route can be replayed on the recorded samples (its
-    verifier is ``consistency``, with no tie samples), and its ``verifier.prefer_answered``."""
+@dataclass(frozen=True)
+class ReplaySettings:
+    """What reading a run's records needs from its config: ``replay``, whether ELM's route can be replayed on
+    the recorded samples (the verifier is ``consistency`` with no tie samples); ``prefer_answered``, the
+    route's rule; ``k``, the samples a vote counts (the first k: tie samples come after them)."""
+
+    replay: bool = True
+    prefer_answered: bool = False
+    k: int | None = None
+
+
+#: the columns of the breakdown by training majority share
+SHARE_COLUMNS = ("memory", "untrained_memory", "zero_shot", "elm", "elm_untrained")
+
+
+def replay_settings(config: Mapping[str, Any]) -> ReplaySettings:
+    """A run's :class:`ReplaySettings` from its config (``run.json``'s, or ``ELMConfig.model_dump()``)."""
     verifier = config.get("verifier") or {}
-    replay = verifier.get("name") == "consistency" and not verifier.get("consistency_tie_samples")
-    return replay, bool(verifier.get("prefer_answered", True))
+    k = verifier.get("consistency_samples")
+    return ReplaySettings(
+        replay=verifier.get("name") == "consistency" and not verifier.get("consistency_tie_samples"),
+        prefer_answered=bool(verifier.get("prefer_answered", False)),
+        k=k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else None,
+    )
 
 
 def replay_route(
@@ -91,18 +118,18 @@ def _candidate(record: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
     return next((c for c in record.get("candidates") or [] if c.get("kind") == kind), None)
 
 
-def paired_answers(record: Mapping[str, Any], *, prefer_answered: bool, replay: bool) -> dict[str, Any] | None:
+def paired_answers(record: Mapping[str, Any], settings: ReplaySettings) -> dict[str, Any] | None:
     """Each variant's answer on this ELM record (a variant the record cannot give is absent), plus
-    ``replay_ok`` (None where nothing was replayed). None: the record lacks a zero-shot candidate or samples.
-    ``replay``: the run's verifier is ``consistency``, so ELM's route can be replayed on the samples."""
+    ``replay_ok`` (None where nothing was replayed). None: the record lacks a zero-shot candidate or samples."""
     greedy = _candidate(record, "zero_shot")
     extra = record.get("extra") or {}
-    samples = extra.get("verifier_sample_answers")
-    if samples is None:
-        samples = extra.get("baseline_sample_answers")
+    # the evaluation's own draw where ELM drew none (also where the verifier scored no sample: [])
+    samples = extra.get("baseline_sample_answers") or extra.get("verifier_sample_answers")
     if greedy is None or samples is None:
         return None
+    samples = list(samples)[: settings.k]  # votes count k samples, never a tie's extra draws
     zero = greedy.get("answer")
+    prefer_answered, replay = settings.prefer_answered, settings.replay
     out: dict[str, Any] = {
         "zero_shot": zero,
         "self_consistency": majority_vote(samples, zero, with_greedy=True),
@@ -112,7 +139,8 @@ def paired_answers(record: Mapping[str, Any], *, prefer_answered: bool, replay: 
     }
     memory = _candidate(record, "memory")
     if memory is None:  # no memory retrieved: ELM and its untrained twin both answer zero-shot
-        out["elm_untrained"] = zero
+        if replay:  # (a row the run cannot give on the other questions is left out on these too)
+            out["elm_untrained"] = zero
         out["sc_memory"] = out["sc_untrained_memory"] = out["self_consistency"]
         return out
     out["memory"] = memory.get("answer")
@@ -124,18 +152,18 @@ def paired_answers(record: Mapping[str, Any], *, prefer_answered: bool, replay: 
     if replay:
         replayed = replay_route(zero, memory.get("answer"), samples, prefer_answered=prefer_answered)
         recorded = record.get("answer")
-        out["replay_ok"] = bool(equivalent(replayed, recorded)) or (replayed is None and recorded is None)
+        out["replay_ok"] = replayed == recorded or bool(equivalent(replayed, recorded))
         if "untrained_memory" in out:
             out["elm_untrained"] = replay_route(zero, out["untrained_memory"], samples, prefer_answered=prefer_answered)
     return out
 
 
 def _outcome_records(
-    records: Sequence[Mapping[str, Any]], method: str, *, prefer_answered: bool, replay: bool
+    records: Sequence[Mapping[str, Any]], method: str, settings: ReplaySettings
 ) -> tuple[list[dict[str, Any]], dict[str, int]]:
     """One pseudo-record per (variant, question) with its correctness, and the counts of what was read."""
     rows: list[dict[str, Any]] = []
-    counts: dict[str, Any] = {
+    counts: dict[str, int] = {
         "records": 0,
         "paired": 0,
         "with_memory": 0,
@@ -147,7 +175,7 @@ def _outcome_records(
         if r.get("method") != method:
             continue
         counts["records"] += 1
-        answers = paired_answers(r, prefer_answered=prefer_answered, replay=replay)
+        answers = paired_answers(r, settings)
         if answers is None:
             continue
         counts["paired"] += 1
@@ -160,7 +188,15 @@ def _outcome_records(
         for variant in VARIANTS:
             if variant in answers:
                 right = bool(equivalent(answers[variant], r["gold"]))
-                rows.append({"method": variant, "question_id": r["question_id"], "correct": right, "share": share})
+                rows.append(
+                    {
+                        "method": variant,
+                        "question_id": r["question_id"],
+                        "correct": right,
+                        "with_memory": "memory" in answers,
+                        "share": share,
+                    }
+                )
     return rows, counts
 
 
@@ -170,27 +206,24 @@ def _by_share(per_run: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, 
     buckets: dict[float | None, dict[str, list[bool]]] = {}
     for rows in per_run:
         for row in rows:
-            if row["method"] in ("memory", "untrained_memory", "zero_shot", "elm", "elm_untrained"):
+            if row["with_memory"] and row["method"] in SHARE_COLUMNS:
                 share = None if row["share"] is None else round(float(row["share"]), 2)
                 buckets.setdefault(share, {}).setdefault(row["method"], []).append(row["correct"])
-    out = []
-    for share in sorted(buckets, key=lambda x: (x is None, x or 0.0)):
-        seen = buckets[share]
-        if "memory" not in seen:
-            continue  # no memory was retrieved in this bucket (its rows are zero-shot's)
-        out.append({"majority_share": share, **{m: [sum(v), len(v)] for m, v in seen.items()}})
-    return out
+    return [
+        {"majority_share": share, **{m: [sum(v), len(v)] for m, v in buckets[share].items()}}
+        for share in sorted(buckets, key=lambda x: (x is None, x or 0.0))
+    ]
 
 
 def paired_summary(
-    runs: Sequence[Sequence[Mapping[str, Any]]], method: str, *, prefer_answered: bool = True, replay: bool = True
+    runs: Sequence[Sequence[Mapping[str, Any]]], method: str, settings: ReplaySettings | None = None
 ) -> dict[str, Any] | None:
     """``method``'s paired rows pooled over ``runs`` (each a run's records): per variant right / judged,
     and the :data:`COMPARISONS` as sign tests over distinct questions. None: no record can be paired."""
     per_run = []
     totals: dict[str, int] = {}
     for records in runs:
-        rows, counts = _outcome_records(records, method, prefer_answered=prefer_answered, replay=replay)
+        rows, counts = _outcome_records(records, method, settings or ReplaySettings())
         per_run.append(rows)
         for key, n in counts.items():
             totals[key] = totals.get(key, 0) + n
@@ -242,13 +275,14 @@ def markdown_paired(summary: Mapping[str, Any]) -> str:
     if summary.get("by_majority_share"):
         lines += [
             "",
-            "Questions with a memory, by the memory's training majority share (right / questions):",
+            "Questions with a memory, by the memory's training majority share (right / answered, each run's"
+            " questions counted apart; a memory without recorded votes: none):",
             "",
             "| majority share | memory | untrained memory | zero-shot | ELM | ELM untrained |",
             "|---:|---:|---:|---:|---:|---:|",
         ]
         for b in summary["by_majority_share"]:
-            cells = [_fraction(b.get(m)) for m in ("memory", "untrained_memory", "zero_shot", "elm", "elm_untrained")]
+            cells = [_fraction(b.get(m)) for m in SHARE_COLUMNS]
             share = "none" if b["majority_share"] is None else f"{b['majority_share']:.2f}"
             lines.append(f"| {share} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"

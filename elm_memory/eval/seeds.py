@@ -132,11 +132,11 @@ def _paired(runs: Sequence[SeedRun], methods: Sequence[str]) -> list[dict[str, A
     """Each ELM method's paired rows (:mod:`elm_memory.eval.paired`) pooled over the runs (one config)."""
     from elm_memory.eval.paired import paired_summary, replay_settings
 
-    replay, prefer = replay_settings(runs[0].config)
+    settings = replay_settings(runs[0].config)
     out = []
     for m in methods:
         if m.startswith("elm_"):
-            summary = paired_summary([r.records for r in runs], m, prefer_answered=prefer, replay=replay)
+            summary = paired_summary([r.records for r in runs], m, settings)
             if summary is not None:
                 out.append(summary)
     return out

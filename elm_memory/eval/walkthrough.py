@@ -15,7 +15,7 @@ from typing import Any
 
 from elm_memory.answers import equivalent
 from elm_memory.eval.methods.voting import vote_counts
-from elm_memory.eval.paired import paired_answers
+from elm_memory.eval.paired import ReplaySettings, paired_answers
 
 MARK = {True: "✓", False: "✗"}
 
@@ -31,10 +31,10 @@ class Walkthrough:
         baseline: str = "zero_shot",
         method: str = "elm_input",
         others: Sequence[str] = (),
-        paired: tuple[bool, bool] | None = None,
+        paired: ReplaySettings | None = None,
     ):
-        """``paired``: (replay, prefer_answered) of :func:`~elm_memory.eval.paired.replay_settings`, to show
-        the paired rows from ELM's record; None: show only the ``others`` methods' records."""
+        """``paired``: the run's :func:`~elm_memory.eval.paired.replay_settings`, to show the paired rows
+        from ELM's record; None: show only the ``others`` methods' records."""
         self.total, self.echo = total, echo
         self.paired = paired
         self.baseline, self.method, self.others = baseline, method, tuple(others)
@@ -95,13 +95,12 @@ class Walkthrough:
     def _paired_lines(self, elm: dict[str, Any]) -> list[str]:
         """Self-consistency (greedy + ELM's samples) and the untrained memory, from ELM's own record."""
         assert self.paired is not None
-        replay, prefer = self.paired
-        answers = paired_answers(elm, prefer_answered=prefer, replay=replay)
+        answers = paired_answers(elm, self.paired)
         if answers is None:
             return []
         extra = elm.get("extra") or {}
-        samples = extra.get("verifier_sample_answers") or extra.get("baseline_sample_answers") or []
-        votes = vote_counts([answers["zero_shot"], *samples])
+        samples = extra.get("baseline_sample_answers") or extra.get("verifier_sample_answers") or []
+        votes = vote_counts([answers["zero_shot"], *samples[: self.paired.k]])
         shown = ", ".join(f"{a} x{n}" for a, n, _ in votes) or "no boxed answer"
         lines = [f"    self-cons.{_shown(answers['self_consistency'], elm['gold'])}  votes {shown}"]
         if "untrained_memory" in answers:

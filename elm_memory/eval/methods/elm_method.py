@@ -121,7 +121,7 @@ class ELMMethod:
         Both decode on this method's fused backend, so while learning runs they join its batches."""
         out: dict[str, Any] = {}
         params = self._answer_params(question)
-        if r.verifier_sample_answers is None and r.presampled_answers is None:
+        if not (r.verifier_sample_answers or r.presampled_answers):  # none drawn, or the verifier scored none
             sampler = self._sampler()
             prompts, sample_params = sampler.sample_request(question)
             # cut at the answers' budget as the samples drawn ahead are, so every question's vote is alike
@@ -165,6 +165,8 @@ class ELMMethod:
             return {"memory_id": memory_id, "answer": None, "skipped": f"memory unreadable: {exc}"}
         if memory is None or memory.kind != "soft_prompt":
             return {"memory_id": memory_id, "answer": None, "skipped": "not a soft prompt"}
+        if memory.meta.merged_from:  # its init was no one question's embeddings
+            return {"memory_id": memory_id, "answer": None, "skipped": "a merged memory"}
         init = initial_prompt(memory, self.runtime.loaded, self.config)
         prompt = self.elm.prompts.answer_prompt(question, memory_tokens=self.config.memory.num_tokens)
         [[gen]] = self.fused.backend.generate([prompt.with_memory(init)], params)
