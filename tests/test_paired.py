@@ -69,6 +69,7 @@ def test_summary_pools_runs_by_distinct_question():
     win = _record("q1", "7", greedy="3", memory="7", samples=["7", "7", "3"], answer="7", twin="3")
     # seed 1 and seed 2 both answered q1: it counts once (a net win), q2 once (a tie)
     win["extra"]["memory_votes"] = {"majority_share": 0.75}
+    win["extra"]["untrained_twin"]["moved"] = 0.1
     tie = _record("q2", "5", greedy="5", samples=["5"], key="baseline_sample_answers")
     s = paired_summary([[win, tie], [win]], "elm_input", ON)
     assert s is not None and s["records"] == 3 and s["paired"] == 3 and s["replay_mismatches"] == 0
@@ -80,6 +81,7 @@ def test_summary_pools_runs_by_distinct_question():
     # self-consistency: greedy 3 + samples 7,7,3 -> a 2-2 tie, to greedy 3: ELM beats it on q1
     assert rows[("elm", "self_consistency")]["wins"] == 1
     assert "| elm | elm_untrained |" in markdown_paired(s)
+    assert s["mean_moved"] == pytest.approx(0.1) and "10.0% of their norm" in markdown_paired(s)
     # q1's memory (share 0.75) was right both times, its twin and zero-shot never; q2 had no memory
     assert s["by_majority_share"] == [
         {"majority_share": 0.75, "memory": [2, 2], "untrained_memory": [0, 2], "zero_shot": [0, 2], "elm": [2, 2],

@@ -160,9 +160,11 @@ def paired_answers(record: Mapping[str, Any], settings: ReplaySettings) -> dict[
 
 def _outcome_records(
     records: Sequence[Mapping[str, Any]], method: str, settings: ReplaySettings
-) -> tuple[list[dict[str, Any]], dict[str, int]]:
-    """One pseudo-record per (variant, question) with its correctness, and the counts of what was read."""
+) -> tuple[list[dict[str, Any]], dict[str, int], list[float]]:
+    """One pseudo-record per (variant, question) with its correctness, the counts of what was read, and how
+    far each used memory had moved from its init (relative norm)."""
     rows: list[dict[str, Any]] = []
+    moves: list[float] = []
     counts: dict[str, int] = {
         "records": 0,
         "paired": 0,
@@ -181,6 +183,9 @@ def _outcome_records(
         counts["paired"] += 1
         counts["with_memory"] += "memory" in answers
         counts["with_twin"] += "untrained_memory" in answers
+        moved = ((r.get("extra") or {}).get("untrained_twin") or {}).get("moved")
+        if isinstance(moved, (int, float)):
+            moves.append(float(moved))
         if answers["replay_ok"] is not None:
             counts["replayed"] += 1
             counts["replay_mismatches"] += not answers["replay_ok"]
@@ -197,7 +202,7 @@ def _outcome_records(
                         "share": share,
                     }
                 )
-    return rows, counts
+    return rows, counts, moves
 
 
 def _by_share(per_run: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, Any]]:
@@ -222,9 +227,11 @@ def paired_summary(
     and the :data:`COMPARISONS` as sign tests over distinct questions. None: no record can be paired."""
     per_run = []
     totals: dict[str, int] = {}
+    moves: list[float] = []
     for records in runs:
-        rows, counts = _outcome_records(records, method, settings or ReplaySettings())
+        rows, counts, moved = _outcome_records(records, method, settings or ReplaySettings())
         per_run.append(rows)
+        moves += moved
         for key, n in counts.items():
             totals[key] = totals.get(key, 0) + n
     if not totals.get("paired"):
@@ -246,6 +253,7 @@ def paired_summary(
         "accuracy": accuracy,
         "comparisons": comparisons,
         "by_majority_share": _by_share(per_run),
+        "mean_moved": sum(moves) / len(moves) if moves else None,
     }
 
 
@@ -255,7 +263,13 @@ def markdown_paired(summary: Mapping[str, Any]) -> str:
         f"Paired on {summary['method']}'s own generations ({summary['runs']} run(s); {summary['paired']} of "
         f"{summary['records']} records paired, {summary['with_memory']} with a memory, {summary['with_twin']} "
         f"with its untrained twin; route replay reproduced ELM's answer on "
-        f"{summary['replayed'] - summary['replay_mismatches']} of {summary['replayed']}):",
+        f"{summary['replayed'] - summary['replay_mismatches']} of {summary['replayed']}"
+        + (
+            f"; the memories used sat {100 * summary['mean_moved']:.1f}% of their norm from their init, on average"
+            if summary.get("mean_moved") is not None
+            else ""
+        )
+        + "):",
         "",
         "| variant | right | judged | accuracy (%) |",
         "|---|---:|---:|---:|",
