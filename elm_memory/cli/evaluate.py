@@ -222,7 +222,7 @@ def report(
     methods = manifest.get("methods")
     if not methods:  # a run written before the manifest listed them: the order they appear in
         methods = list(dict.fromkeys(r["method"] for r in RecordLog(run / "records.jsonl").read()))
-    result = finish(run, methods, plots=plots)
+    result = finish(run, methods, plots=plots, config=manifest.get("config"))
     total = len(manifest.get("question_ids") or [])
     answered = {m: result.summary.get(m, {}).get("n", 0) for m in methods}
     short = [f"{m} {n}/{total}" for m, n in answered.items() if n < total]

@@ -15,9 +15,8 @@ Output directory::
 
 from __future__ import annotations
 
-import json
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -115,7 +114,7 @@ def run_stream(
                 (getattr(method, "abandon", method.close) if interrupted else method.close)()
             if owns_runtime:
                 runtime.close()
-    return finish(out, manifest["methods"], plots=plots)
+    return finish(out, manifest["methods"], plots=plots, config=manifest.get("config"))
 
 
 def _known_methods(methods: Sequence[str]) -> list[str]:
@@ -240,11 +239,14 @@ def _record(method: Any, index: int, problem: Problem, output: Any, t_answer: fl
     }
 
 
-def finish(out: Path, methods: Sequence[str], *, plots: bool = True) -> StreamResult:
-    """Summary, Markdown table and plots from the records on disk (also for a partial run)."""
+def finish(
+    out: Path, methods: Sequence[str], *, plots: bool = True, config: Mapping[str, Any] | None = None
+) -> StreamResult:
+    """Summary, Markdown table and plots from the records on disk (also for a partial run). ``config``: the
+    run's (``run.json``), which says how its ELM records are replayed (:mod:`elm_memory.eval.paired`)."""
     from elm_memory.eval.counterfactual import markdown_counterfactuals, self_consistency_counterfactual
     from elm_memory.eval.metrics import summarize_online
-    from elm_memory.eval.paired import markdown_paired, paired_summary, replay_settings
+    from elm_memory.eval.paired import markdown_paired, paired_summaries
     from elm_memory.eval.report import markdown_online, plot_online
     from elm_memory.eval.significance import head_to_head, markdown_head_to_head
 
@@ -265,9 +267,7 @@ def finish(out: Path, methods: Sequence[str], *, plots: bool = True) -> StreamRe
             "\nSelf-consistency counterfactual (greedy + the recorded verifier samples, majority, ties to greedy):\n\n"
             + markdown_counterfactuals(counterfactuals)
         )
-    manifest = json.loads((out / "run.json").read_text(encoding="utf-8")) if (out / "run.json").is_file() else {}
-    settings = replay_settings(manifest.get("config") or {})
-    paired = [p for m in summary if m.startswith("elm_") if (p := paired_summary([records], m, settings))]
+    paired = paired_summaries([records], list(summary), config or {})
     for p in paired:
         table += "\n" + markdown_paired(p)
     write_json_atomic(out / "summary.json", summary)

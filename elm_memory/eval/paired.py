@@ -35,7 +35,7 @@ from typing import Any
 
 from elm_memory.answers import equivalent
 from elm_memory.eval.methods.voting import majority_vote
-from elm_memory.eval.significance import paired_outcomes
+from elm_memory.eval.significance import markdown_head_to_head, paired_outcomes
 from elm_memory.graph.routing import AGREE, ANSWERED, VERIFIER, ZERO_SHOT, memory_wins, route_of
 from elm_memory.verifiers.consistency import agreement_scores
 
@@ -44,9 +44,11 @@ __all__ = [
     "ReplaySettings",
     "markdown_paired",
     "paired_answers",
+    "paired_summaries",
     "paired_summary",
     "replay_route",
     "replay_settings",
+    "vote_samples",
 ]
 
 #: the rows, in table order
@@ -118,16 +120,23 @@ def _candidate(record: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
     return next((c for c in record.get("candidates") or [] if c.get("kind") == kind), None)
 
 
+def vote_samples(record: Mapping[str, Any], settings: ReplaySettings) -> list[str | None] | None:
+    """The k sample answers the votes count on this record (None: the record has none): the evaluation's own
+    draw where ELM drew none (also where the verifier scored no sample: []), else the verifier's; never a
+    tie's extra draws."""
+    extra = record.get("extra") or {}
+    samples = extra.get("baseline_sample_answers") or extra.get("verifier_sample_answers")
+    return None if samples is None else list(samples)[: settings.k]
+
+
 def paired_answers(record: Mapping[str, Any], settings: ReplaySettings) -> dict[str, Any] | None:
     """Each variant's answer on this ELM record (a variant the record cannot give is absent), plus
     ``replay_ok`` (None where nothing was replayed). None: the record lacks a zero-shot candidate or samples."""
     greedy = _candidate(record, "zero_shot")
     extra = record.get("extra") or {}
-    # the evaluation's own draw where ELM drew none (also where the verifier scored no sample: [])
-    samples = extra.get("baseline_sample_answers") or extra.get("verifier_sample_answers")
+    samples = vote_samples(record, settings)
     if greedy is None or samples is None:
         return None
-    samples = list(samples)[: settings.k]  # votes count k samples, never a tie's extra draws
     zero = greedy.get("answer")
     prefer_answered, replay = settings.prefer_answered, settings.replay
     out: dict[str, Any] = {
@@ -257,6 +266,16 @@ def paired_summary(
     }
 
 
+def paired_summaries(
+    runs: Sequence[Sequence[Mapping[str, Any]]], methods: Sequence[str], config: Mapping[str, Any]
+) -> list[dict[str, Any]]:
+    """The :func:`paired_summary` of each ELM method (``elm_*``) of ``methods`` that has pairable records,
+    pooled over ``runs`` made with ``config`` (a run's ``run.json`` config)."""
+    settings = replay_settings(config)
+    summaries = (paired_summary(runs, m, settings) for m in methods if m.startswith("elm_"))
+    return [s for s in summaries if s is not None]
+
+
 def markdown_paired(summary: Mapping[str, Any]) -> str:
     """The paired summary as two Markdown tables (accuracy per variant, then head to head)."""
     lines = [
@@ -276,16 +295,7 @@ def markdown_paired(summary: Mapping[str, Any]) -> str:
     ]
     for variant, a in summary["accuracy"].items():
         lines.append(f"| {variant} | {a['right']} | {a['judged']} | {100 * a['right'] / a['judged']:.1f} |")
-    lines += [
-        "",
-        "| row | against | distinct questions | gains | losses | ties | sign test p |",
-        "|---|---|---:|---:|---:|---:|---:|",
-    ]
-    for c in summary["comparisons"]:
-        lines.append(
-            f"| {c['method']} | {c['baseline']} | {c['questions']} | +{c['wins']} | −{c['losses']} | {c['ties']} "
-            f"| {c['p']:.3g} |"
-        )
+    lines += ["", markdown_head_to_head(summary["comparisons"], label="row").rstrip("\n")]
     if summary.get("by_majority_share"):
         lines += [
             "",

@@ -22,6 +22,7 @@ from typing import Any
 
 from elm_memory.errors import ConfigError
 from elm_memory.eval.metrics import summarize_online
+from elm_memory.eval.paired import markdown_paired, paired_summaries
 from elm_memory.eval.records import RecordLog
 from elm_memory.eval.significance import head_to_head, markdown_head_to_head
 
@@ -124,22 +125,8 @@ def compare_seeds(paths: Sequence[str | Path], *, partial: bool = False, first: 
         methods={m: _method_row(m, runs) for m in methods},
         unrecorded=unrecorded,
         head_to_head=head_to_head([r.records for r in runs]),
-        paired=_paired(runs, methods),
+        paired=paired_summaries([r.records for r in runs], methods, runs[0].config),  # one config: checked above
     )
-
-
-def _paired(runs: Sequence[SeedRun], methods: Sequence[str]) -> list[dict[str, Any]]:
-    """Each ELM method's paired rows (:mod:`elm_memory.eval.paired`) pooled over the runs (one config)."""
-    from elm_memory.eval.paired import paired_summary, replay_settings
-
-    settings = replay_settings(runs[0].config)
-    out = []
-    for m in methods:
-        if m.startswith("elm_"):
-            summary = paired_summary([r.records for r in runs], m, settings)
-            if summary is not None:
-                out.append(summary)
-    return out
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -212,8 +199,6 @@ def markdown_seeds(comparison: SeedComparison) -> str:
             + markdown_head_to_head(comparison.head_to_head)
         )
     if comparison.paired:
-        from elm_memory.eval.paired import markdown_paired
-
         for p in comparison.paired:
             table += "\n" + markdown_paired(p)
     return table

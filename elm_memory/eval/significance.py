@@ -65,12 +65,12 @@ def head_to_head(runs: Sequence[Sequence[Mapping[str, Any]]]) -> list[dict[str, 
     return rows
 
 
-def markdown_head_to_head(rows: Sequence[Mapping[str, Any]]) -> str:
-    """The head-to-head rows as a Markdown table ('' when there are none)."""
+def markdown_head_to_head(rows: Sequence[Mapping[str, Any]], label: str = "method") -> str:
+    """The head-to-head rows as a Markdown table ('' when there are none); ``label`` heads the first column."""
     if not rows:
         return ""
     lines = [
-        "| method | against | distinct questions | gains | losses | ties | sign test p |",
+        f"| {label} | against | distinct questions | gains | losses | ties | sign test p |",
         "|---|---|---:|---:|---:|---:|---:|",
     ]
     for r in rows:

@@ -15,7 +15,7 @@ from typing import Any
 
 from elm_memory.answers import equivalent
 from elm_memory.eval.methods.voting import vote_counts
-from elm_memory.eval.paired import ReplaySettings, paired_answers
+from elm_memory.eval.paired import ReplaySettings, paired_answers, vote_samples
 
 MARK = {True: "✓", False: "✗"}
 
@@ -98,9 +98,7 @@ class Walkthrough:
         answers = paired_answers(elm, self.paired)
         if answers is None:
             return []
-        extra = elm.get("extra") or {}
-        samples = extra.get("baseline_sample_answers") or extra.get("verifier_sample_answers") or []
-        votes = vote_counts([answers["zero_shot"], *samples[: self.paired.k]])
+        votes = vote_counts([answers["zero_shot"], *(vote_samples(elm, self.paired) or [])])
         shown = ", ".join(f"{a} x{n}" for a, n, _ in votes) or "no boxed answer"
         lines = [f"    self-cons.{_shown(answers['self_consistency'], elm['gold'])}  votes {shown}"]
         if "untrained_memory" in answers:

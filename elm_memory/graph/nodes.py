@@ -20,7 +20,8 @@ from langgraph.runtime import Runtime
 
 from elm_memory.answers import extract_answer
 from elm_memory.backends.base import GenerateRequest, SamplingParams, answer_budget, generate_requests
-from elm_memory.backends.prompting import validate_question
+from elm_memory.backends.prompting import AnswerPrompt, validate_question
+from elm_memory.config import ELMConfig
 from elm_memory.graph.context import ELMRunContext, as_run_context, resolve_namespace
 from elm_memory.graph.routing import AGREE, ANSWERED, ZERO_SHOT, memory_wins, route_of
 from elm_memory.graph.services import ELMServices
@@ -30,6 +31,20 @@ from elm_memory.verifiers.base import SamplingVerifier
 log = logging.getLogger(__name__)
 
 ServicesProvider = Callable[[], ELMServices]
+
+
+def answer_params(config: ELMConfig, prompt: AnswerPrompt, max_context: int) -> SamplingParams:
+    """The params of the answer path's candidates (zero-shot and with a memory): the configured generation,
+    its budget cut to the context left after ``prompt`` and a memory's tokens, and the run's seed."""
+    g = config.generation
+    k = config.memory.num_tokens
+    return SamplingParams(
+        max_new_tokens=answer_budget(g.max_new_tokens, max_context, len(prompt.token_ids), k),
+        temperature=g.temperature,
+        top_p=g.top_p,
+        stop_at_answer=g.stop_at_answer,
+        seed=config.training.seed,
+    )
 
 
 def _elapsed(name: str, t0: float) -> dict[str, float]:
@@ -120,14 +135,7 @@ class ELMNodes:
             except Exception as exc:
                 warnings += _warning(f"memory {memory_id[:8]} unusable, answering zero-shot: {exc}")
                 memory_id = None
-        g = cfg.generation
-        params = SamplingParams(
-            max_new_tokens=answer_budget(g.max_new_tokens, svc.backend.info.max_context, len(prompt.token_ids), k),
-            temperature=g.temperature,
-            top_p=g.top_p,
-            stop_at_answer=g.stop_at_answer,
-            seed=cfg.training.seed,
-        )
+        params = answer_params(cfg, prompt, svc.backend.info.max_context)
         requests: list[GenerateRequest] = [(inputs, params)]
         sampler = self._presampler() if len(inputs) > 1 else None  # no memory: nothing to route
         if sampler is not None:

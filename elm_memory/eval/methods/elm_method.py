@@ -15,12 +15,14 @@ import time
 from typing import Any
 
 from elm_memory.answers import extract_answer
-from elm_memory.backends.base import SamplingParams, answer_budget
+from elm_memory.backends.base import SamplingParams
 from elm_memory.backends.fusing import FusedCalls
+from elm_memory.backends.prompting import AnswerPrompt
 from elm_memory.elm import ELM
 from elm_memory.errors import ELMError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, memory_store_config
 from elm_memory.eval.records import training_votes
+from elm_memory.graph.nodes import answer_params
 from elm_memory.store.base import MemoryStoreBase
 from elm_memory.training.merging import initial_prompt
 
@@ -120,7 +122,8 @@ class ELMMethod:
         params) and, where ELM drew no verifier samples, the k samples self-consistency would vote on.
         Both decode on this method's fused backend, so while learning runs they join its batches."""
         out: dict[str, Any] = {}
-        params = self._answer_params(question)
+        prompt = self.elm.prompts.answer_prompt(question, memory_tokens=self.config.memory.num_tokens)
+        params = answer_params(self.config, prompt, self.fused.backend.info.max_context)
         if not (r.verifier_sample_answers or r.presampled_answers):  # none drawn, or the verifier scored none
             sampler = self._sampler()
             prompts, sample_params = sampler.sample_request(question)
@@ -129,23 +132,8 @@ class ELMMethod:
             gens = self.fused.backend.generate(prompts, dataclasses.replace(sample_params, max_new_tokens=budget))
             out["baseline_sample_answers"] = sampler.sample_answers_of([g for per_row in gens for g in per_row])
         if r.memory_id:
-            out["untrained_twin"] = self._untrained_twin(question, r.memory_id, params)
+            out["untrained_twin"] = self._untrained_twin(r.memory_id, prompt, params)
         return out
-
-    def _answer_params(self, question: str) -> SamplingParams:
-        """The params of the answer path's greedy candidates (graph ``dual_generate``)."""
-        cfg = self.config
-        k = cfg.memory.num_tokens
-        prompt = self.elm.prompts.answer_prompt(question, memory_tokens=k)
-        g = cfg.generation
-        max_context = self.fused.backend.info.max_context
-        return SamplingParams(
-            max_new_tokens=answer_budget(g.max_new_tokens, max_context, len(prompt.token_ids), k),
-            temperature=g.temperature,
-            top_p=g.top_p,
-            stop_at_answer=g.stop_at_answer,
-            seed=cfg.training.seed,
-        )
 
     def _sampler(self) -> Any:
         if self._baseline_sampler is None:
@@ -154,7 +142,7 @@ class ELMMethod:
             self._baseline_sampler = ConsistencyVerifier.from_config(self.config, self.fused.backend)
         return self._baseline_sampler
 
-    def _untrained_twin(self, question: str, memory_id: str, params: SamplingParams) -> dict[str, Any]:
+    def _untrained_twin(self, memory_id: str, prompt: AnswerPrompt, params: SamplingParams) -> dict[str, Any]:
         """The answer the retrieved memory gives untrained: its initial soft prompt rebuilt from its question
         and recorded recipe (:func:`~elm_memory.training.merging.initial_prompt`). In its own decode call,
         so in bf16 its tokens may differ by rounding from the same prompt decoded in a batch."""
@@ -168,7 +156,6 @@ class ELMMethod:
         if memory.meta.merged_from:  # its init was no one question's embeddings
             return {"memory_id": memory_id, "answer": None, "skipped": "a merged memory"}
         init = initial_prompt(memory, self.runtime.loaded, self.config)
-        prompt = self.elm.prompts.answer_prompt(question, memory_tokens=self.config.memory.num_tokens)
         [[gen]] = self.fused.backend.generate([prompt.with_memory(init)], params)
         moved = (memory.soft_prompt - init).norm() / init.norm().clamp_min(1e-12)
         return {
