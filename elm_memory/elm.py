@@ -33,7 +33,7 @@ class AnswerResult:
     question: str
     answer: str | None
     response: str
-    route: str  # "zero_shot" | "agree" | "answered" | "verifier"
+    route: str  # "zero_shot" | "agree" | "answered" | "verifier" | "vote"
     memory_id: str | None = None
     similarity: float | None = None
     candidates: list[dict[str, Any]] = field(default_factory=list)

@@ -378,3 +378,75 @@ def test_a_tie_draws_more_samples_and_counts_them_all(tiny_elm, tie_samples):
         assert r.answer == "3" and scores == [0.25, 0.25]
         assert backend.calls == [[(2, 1), (4, 1)]]
         assert r.verifier_sample_answers == ["7", "3", "9", "9"]
+
+
+class VotingSamplesBackend(ScriptedBackend):
+    """ScriptedBackend (greedy: 3 without a memory, 7 with one) whose four samples box ``sample_answers``,
+    each sample's text naming its row so a response can be traced to the sample it came from."""
+
+    sample_answers = ("7", "7", "7", "3")
+
+    def generate_many(self, requests):
+        from elm_memory.backends.base import Generation
+
+        out = super().generate_many(requests)
+        for i, (prompts, params) in enumerate(requests):
+            if not params.greedy:
+                picks = [self.sample_answers[j % 4] for j in range(len(prompts))]
+                out[i] = [[Generation(f"sample {j}: \\boxed{{{a}}}", [1], "answer")] for j, a in enumerate(picks)]
+        return out
+
+
+def _voting(tiny_elm, sample_answers, batches_calls=True):
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    services = tiny_elm.services()
+    services.config = tiny_elm.config.model_copy(
+        update={"verifier": tiny_elm.config.verifier.model_copy(update={"route": "vote"})}
+    )
+    backend = VotingSamplesBackend(services.backend, batches_calls=batches_calls)
+    backend.sample_answers = sample_answers
+    services.backend = backend
+    services.verifier = ConsistencyVerifier(backend, samples=4)
+    return backend
+
+
+@pytest.mark.parametrize(
+    ("sample_answers", "answer", "response"),
+    [
+        (("7", "7", "7", "3"), "7", "\\boxed{7}"),  # 4 votes (3 samples + memory) to 2: the memory's text
+        (("9", "9", "9", "3"), "9", "sample 0: \\boxed{9}"),  # neither candidate: the first 9 sample's text
+        (("7", "3", "9", "9"), "3", "\\boxed{3}"),  # 2-2-2: the tie goes to zero-shot
+        (("9", "9", "7", "5"), "9", "sample 0: \\boxed{9}"),  # 9 ties 7 (sample + memory): 9 was counted first
+    ],
+)
+@pytest.mark.parametrize("batches_calls", [True, False])
+def test_vote_route_counts_zero_shot_the_samples_and_the_memory(
+    tiny_elm, sample_answers, answer, response, batches_calls
+):
+    """verifier.route=vote: the answer is the majority of zero-shot (3), the four samples and the memory (7),
+    ties to zero-shot, else to the answer counted first; the response is the text that gave it. The samples
+    come in the answers' call where the backend batches calls, in a call of their own otherwise."""
+    tiny_elm.answer(Q1)  # a memory to retrieve
+    backend = _voting(tiny_elm, sample_answers, batches_calls)
+    r = tiny_elm.answer(Q2, learn=False)
+    assert r.route == "vote" and r.answer == answer and r.response == response
+    assert r.verifier_sample_answers == list(sample_answers)
+    assert [c["score"] for c in r.candidates] == [sample_answers.count("3") / 4, sample_answers.count("7") / 4]
+    assert backend.calls == ([[(2, 1), (4, 1)]] if batches_calls else [[(2, 1)], [(4, 1)]])
+
+
+def test_vote_route_without_a_memory_is_self_consistency(tiny_elm):
+    """No memory retrieved: the vote still counts the samples, so the answer is self-consistency's (7 from
+    three samples against greedy's 3), not greedy's."""
+    backend = _voting(tiny_elm, ("7", "7", "7", "3"))
+    r = tiny_elm.answer(Q1, namespace="empty", learn=False)
+    assert r.route == "vote" and r.answer == "7" and r.memory_id is None
+    assert backend.calls == [[(1, 1), (4, 1)]]
+
+
+def test_vote_route_needs_a_sampling_verifier(tmp_path):
+    from elm_memory.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="verifier.route=vote"):
+        tiny_config(tmp_path, verifier={"name": "self_certainty", "route": "vote"})

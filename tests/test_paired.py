@@ -98,6 +98,39 @@ def test_replay_settings_read_the_runs_verifier():
     assert replay_settings({"verifier": {"name": "prm"}}) == ReplaySettings(False, False, None)
 
 
+def test_the_vote_route_is_self_consistency_with_the_memory_as_the_last_vote():
+    """graph.routing.voted_answer (the graph's vote) equals the sc_memory baseline's rule on every input of
+    a small alphabet, so a vote run's ELM row is sc_memory by construction and its replay checks that."""
+    import itertools
+    import random
+
+    from elm_memory.eval.methods.voting import majority_vote
+    from elm_memory.graph.routing import voted_answer
+
+    rng = random.Random(0)
+    alphabet = ["1", "2", "2.0", "3", None]
+    for _ in range(2000):
+        zero, memory = rng.choice(alphabet), rng.choice(alphabet)
+        samples = [rng.choice(alphabet) for _ in range(rng.randint(0, 5))]
+        assert voted_answer(zero, samples, memory) == majority_vote([*samples, memory], zero, with_greedy=True)
+    for zero, samples in itertools.product(alphabet, itertools.product(alphabet, repeat=2)):
+        assert voted_answer(zero, samples) == majority_vote(samples, zero, with_greedy=True)
+    vote = ReplaySettings(replay=True, k=4, vote=True)
+    assert replay_settings({"verifier": {"name": "consistency", "route": "vote"}}).vote is True
+    # zero-shot 3, memory 7, samples 7 7 3 9: 7 by four votes to two
+    r = _record("q1", "7", greedy="3", memory="7", samples=["7", "7", "3", "9"], answer="7", twin="9")
+    a = paired_answers(r, vote)
+    assert a["replay_ok"] is True and a["elm"] == a["sc_memory"] == "7"
+    assert a["elm_untrained"] == a["sc_untrained_memory"] == "3"  # twin 9: 3, 7 and 9 two votes each
+    # samples 9 9 9 3: the vote answers 9, which neither candidate gave; the verify route cannot
+    other = _record("q2", "9", greedy="3", memory="7", samples=["9", "9", "9", "3"], answer="9", twin="7")
+    assert paired_answers(other, vote)["replay_ok"] is True and paired_answers(other, vote)["elm_untrained"] == "9"
+    assert paired_answers(other, ON)["elm_untrained"] == "3" and paired_answers(other, ON)["replay_ok"] is False
+    # no memory: under the vote ELM and its twin answer self-consistency, not greedy
+    plain = _record("q3", "4", greedy="5", samples=["4", "4", "5", "4"], answer="4")
+    assert paired_answers(plain, vote)["elm_untrained"] == "4"
+
+
 def test_votes_count_k_samples_and_a_run_without_replay_has_no_elm_untrained_row():
     # a tie's extra draws (after the first k) are the verifier's, not self-consistency's
     r = _record("q1", "1", greedy="1", memory="2", samples=["2", "2", "1", "1", "2", "2", "3", "3"], answer="2")

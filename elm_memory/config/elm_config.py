@@ -50,6 +50,16 @@ class ELMConfig(ConfigSection):
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
 
     @model_validator(mode="after")
+    def _vote_has_samples(self) -> ELMConfig:
+        """``verifier.route=vote`` counts samples: a built-in verifier that draws none cannot serve it."""
+        if self.verifier.route == "vote" and self.verifier.name in ("prm", "self_certainty", "logprob"):
+            raise ValueError(
+                f"verifier.route=vote votes on the consistency verifier's samples; verifier.name="
+                f"{self.verifier.name} draws none (use verifier.name=consistency)"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _memory_kind_fits(self) -> ELMConfig:
         """A lora/prefix ``memory.kind`` with a part that cannot handle it fails here, before any model work
         (the parts refuse it too, for configs built otherwise)."""

@@ -282,6 +282,16 @@ class VerifierConfig(ConfigSection):
             "self-certainty can rate its rambling highly. Off by default: the paper always asks the verifier."
         ),
     )
+    route: Literal["verify", "vote"] = Field(
+        default="verify",
+        description=(
+            "How the answer is chosen once a memory answered. `verify` (paper): agreeing answers win, otherwise "
+            "the verifier scores both. `vote`: the answer is the majority of the zero-shot answer, the "
+            "`consistency` verifier's samples (drawn on every question) and the memory's answer, ties to "
+            "zero-shot: self-consistency with the memory as one more vote, so ELM spends the same samples as the "
+            "`self_consistency` baseline and can only differ from it by the memory's vote. Needs `consistency`."
+        ),
+    )
     model: str = Field(
         default="Qwen/Qwen2.5-Math-PRM-7B",
         description="PRM model id or path, for `prm` (paper: Qwen/Qwen2.5-Math-PRM-7B).",

@@ -14,7 +14,8 @@ question and with no model:
   more vote, ties to greedy: the memory as a vote rather than a route (where no memory was retrieved,
   plain self-consistency);
 * ``elm_untrained``: ELM's route replayed with the twin in place of the trained memory, scored by the
-  ``consistency`` rule on the same samples (only where the run's verifier is ``consistency``);
+  ``consistency`` rule on the same samples (only where the run's verifier is ``consistency``; under
+  ``verifier.route=vote`` the vote, i.e. ``sc_untrained_memory``);
 * ``elm``: ELM's recorded answer.
 
 The replay is checked against ELM itself: replaying the route with the *trained* memory's answer must
@@ -36,7 +37,7 @@ from typing import Any
 from elm_memory.answers import equivalent
 from elm_memory.eval.methods.voting import majority_vote
 from elm_memory.eval.significance import markdown_head_to_head, paired_outcomes
-from elm_memory.graph.routing import AGREE, ANSWERED, VERIFIER, ZERO_SHOT, memory_wins, route_of
+from elm_memory.graph.routing import AGREE, ANSWERED, VERIFIER, ZERO_SHOT, memory_wins, route_of, voted_answer
 from elm_memory.verifiers.consistency import agreement_scores
 
 __all__ = [
@@ -81,11 +82,13 @@ COMPARISONS = (
 class ReplaySettings:
     """What reading a run's records needs from its config: ``replay``, whether ELM's route can be replayed on
     the recorded samples (the verifier is ``consistency`` with no tie samples); ``prefer_answered``, the
-    route's rule; ``k``, the samples a vote counts (the first k: tie samples come after them)."""
+    route's rule; ``k``, the samples a vote counts (the first k: tie samples come after them); ``vote``, the
+    run routed by ``verifier.route=vote``."""
 
     replay: bool = True
     prefer_answered: bool = False
     k: int | None = None
+    vote: bool = False
 
 
 #: the columns of the breakdown by training majority share
@@ -100,13 +103,22 @@ def replay_settings(config: Mapping[str, Any]) -> ReplaySettings:
         replay=verifier.get("name") == "consistency" and not verifier.get("consistency_tie_samples"),
         prefer_answered=bool(verifier.get("prefer_answered", False)),
         k=k if isinstance(k, int) and not isinstance(k, bool) and k > 0 else None,
+        vote=verifier.get("route") == "vote",
     )
 
 
 def replay_route(
-    zero_shot: str | None, memory: str | None, samples: Sequence[str | None], *, prefer_answered: bool
+    zero_shot: str | None,
+    memory: str | None,
+    samples: Sequence[str | None],
+    *,
+    prefer_answered: bool,
+    vote: bool = False,
 ) -> str | None:
-    """ELM's answer from two candidate answers and the ``consistency`` verifier's samples (no tie samples)."""
+    """ELM's answer from two candidate answers and the ``consistency`` verifier's samples (no tie samples);
+    with ``vote``, the vote's."""
+    if vote:
+        return voted_answer(zero_shot, samples, memory)
     route = route_of(zero_shot, memory, has_memory=True, prefer_answered=prefer_answered)
     if route in (ZERO_SHOT, AGREE):
         return zero_shot
@@ -147,9 +159,9 @@ def paired_answers(record: Mapping[str, Any], settings: ReplaySettings) -> dict[
         "replay_ok": None,
     }
     memory = _candidate(record, "memory")
-    if memory is None:  # no memory retrieved: ELM and its untrained twin both answer zero-shot
+    if memory is None:  # no memory retrieved: ELM and its untrained twin answer alike (zero-shot, or the vote)
         if replay:  # (a row the run cannot give on the other questions is left out on these too)
-            out["elm_untrained"] = zero
+            out["elm_untrained"] = out["self_consistency"] if settings.vote else zero
         out["sc_memory"] = out["sc_untrained_memory"] = out["self_consistency"]
         return out
     out["memory"] = memory.get("answer")
@@ -159,11 +171,15 @@ def paired_answers(record: Mapping[str, Any], settings: ReplaySettings) -> dict[
         out["untrained_memory"] = twin.get("answer")
         out["sc_untrained_memory"] = majority_vote([*samples, out["untrained_memory"]], zero, with_greedy=True)
     if replay:
-        replayed = replay_route(zero, memory.get("answer"), samples, prefer_answered=prefer_answered)
+        replayed = replay_route(
+            zero, memory.get("answer"), samples, prefer_answered=prefer_answered, vote=settings.vote
+        )
         recorded = record.get("answer")
         out["replay_ok"] = replayed == recorded or bool(equivalent(replayed, recorded))
         if "untrained_memory" in out:
-            out["elm_untrained"] = replay_route(zero, out["untrained_memory"], samples, prefer_answered=prefer_answered)
+            out["elm_untrained"] = replay_route(
+                zero, out["untrained_memory"], samples, prefer_answered=prefer_answered, vote=settings.vote
+            )
     return out
 
 

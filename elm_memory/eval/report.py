@@ -26,7 +26,7 @@ __all__ = [
 ]
 
 # Routes the runner is known to emit, in the order a reader expects; others follow alphabetically.
-_ROUTE_ORDER = ("zero_shot", "context", "agree", "answered", "verifier")
+_ROUTE_ORDER = ("zero_shot", "context", "agree", "answered", "verifier", "vote")
 _DPI = 120
 
 

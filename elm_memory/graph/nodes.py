@@ -18,12 +18,12 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import Runtime
 
-from elm_memory.answers import extract_answer
+from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import GenerateRequest, SamplingParams, answer_budget, generate_requests
 from elm_memory.backends.prompting import AnswerPrompt, validate_question
 from elm_memory.config import ELMConfig
 from elm_memory.graph.context import ELMRunContext, as_run_context, resolve_namespace
-from elm_memory.graph.routing import AGREE, ANSWERED, ZERO_SHOT, memory_wins, route_of
+from elm_memory.graph.routing import AGREE, ANSWERED, VERIFIER, VOTE, ZERO_SHOT, memory_wins, route_of, voted_answer
 from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import CandidateState, ELMState, Fresh, FreshTimings
 from elm_memory.verifiers.base import SamplingVerifier
@@ -137,7 +137,8 @@ class ELMNodes:
                 memory_id = None
         params = answer_params(cfg, prompt, svc.backend.info.max_context)
         requests: list[GenerateRequest] = [(inputs, params)]
-        sampler = self._presampler() if len(inputs) > 1 else None  # no memory: nothing to route
+        # no memory: nothing to route, unless the vote counts the samples on every question
+        sampler = self._presampler() if len(inputs) > 1 or self._votes() else None
         if sampler is not None:
             sample_prompts, sample_params = sampler.sample_request(state["question"], inputs[0])
             # no longer than the answers' budget: a batch the answers would cut short can run a bit longer,
@@ -146,7 +147,8 @@ class ELMNodes:
             requests.append((sample_prompts, dataclasses.replace(sample_params, max_new_tokens=budget)))
         generated = generate_requests(svc.backend, requests)
         results = generated[0]
-        samples = sampler.sample_answers_of([g for gens in generated[1] for g in gens]) if sampler is not None else None
+        drawn = [g for gens in generated[1] for g in gens] if sampler is not None else None
+        samples = sampler.sample_answers_of(drawn) if sampler is not None and drawn is not None else None
         candidates = [
             CandidateState(
                 kind=kind,
@@ -162,6 +164,8 @@ class ELMNodes:
             "candidates": candidates,
             "memory_id": memory_id,
             "presampled_answers": samples,
+            # the vote may pick a sample's answer: its text is then the response
+            "presampled_responses": [g.text for g in drawn] if drawn is not None and self._votes() else None,
             "warnings": warnings,
             "timings": _elapsed("dual_generate", t0),
         }
@@ -175,21 +179,30 @@ class ELMNodes:
             return None
         return verifier if getattr(svc.backend, "batches_calls", False) else None
 
+    def _votes(self) -> bool:
+        """``verifier.route=vote`` with a verifier that draws samples to vote on."""
+        svc = self.services
+        return svc.config.verifier.route == VOTE and isinstance(svc.verifier, SamplingVerifier)
+
     # -- route / verify ------------------------------------------------------------------
     def route(self, state: ELMState) -> dict[str, Any]:
-        """One candidate: zero-shot. Agreeing answers: they win. Only one answered (if configured): it
-        wins. Otherwise the verifier decides."""
+        """``verifier.route=vote``: always the vote (in ``verify``). Otherwise one candidate: zero-shot.
+        Agreeing answers: they win. Only one answered (if configured): it wins. Else the verifier decides."""
         t0 = time.perf_counter()
         candidates = state["candidates"]
         zero = candidates[0]
         memory = candidates[1] if len(candidates) > 1 else None
+        warnings: list[str] = []
+        if self.services.config.verifier.route == VOTE and not self._votes():
+            warnings += _warning("verifier.route=vote needs a verifier that draws samples; routing as verify")
         route = route_of(
             zero["answer"],
             memory["answer"] if memory is not None else None,
             has_memory=memory is not None,
             prefer_answered=self.services.config.verifier.prefer_answered,
+            vote=self._votes(),
         )
-        decided: dict[str, Any] = {"route": route}
+        decided: dict[str, Any] = {"route": route, "warnings": warnings}
         if route in (ZERO_SHOT, AGREE):
             decided.update(answer=zero["answer"], response=zero["response"])
         elif route == ANSWERED:
@@ -200,6 +213,8 @@ class ELMNodes:
 
     def verify(self, state: ELMState) -> dict[str, Any]:
         """Score both candidates; the memory's answer wins only with a strictly higher score."""
+        if state.get("route") == VOTE:
+            return self.vote(state)
         t0 = time.perf_counter()
         svc = self.services
         candidates: list[dict[str, Any]] = [dict(c) for c in state["candidates"]]
@@ -245,6 +260,47 @@ class ELMNodes:
             "timings": _elapsed("verify", t0),
         }
 
+    def vote(self, state: ELMState) -> dict[str, Any]:
+        """The majority of zero-shot, the k samples and the memory (:func:`voted_answer`). The response is
+        the text of the first of them that gave the winning answer; each candidate's score is its share of
+        the samples, as the verifier would score it."""
+        t0 = time.perf_counter()
+        svc = self.services
+        verifier = svc.verifier
+        assert isinstance(verifier, SamplingVerifier)  # route() votes only with one
+        candidates: list[dict[str, Any]] = [dict(c) for c in state["candidates"]]
+        samples, texts = state.get("presampled_answers"), state.get("presampled_responses")
+        try:
+            if samples is None or texts is None:  # not drawn with the candidates: draw them now
+                plain = svc.prompts.answer_prompt(state["question"], memory_tokens=svc.config.memory.num_tokens)
+                prompts, params = verifier.sample_request(state["question"], plain.zero_shot())
+                drawn = [g for gens in svc.backend.generate(prompts, params) for g in gens]
+                samples, texts = verifier.sample_answers_of(drawn), [g.text for g in drawn]
+        except Exception as exc:
+            zero = candidates[0]
+            return {
+                "answer": zero["answer"],
+                "response": zero["response"],
+                "warnings": _warning(f"sampling for the vote failed, keeping zero-shot: {exc}"),
+                "timings": _elapsed("verify", t0),
+            }
+        answers = [c["answer"] for c in candidates]
+        winner = voted_answer(answers[0], samples, answers[1] if len(answers) > 1 else None)
+        for c, score in zip(candidates, verifier.score_with_samples(answers, samples), strict=True):
+            c["score"] = _json_float(score)
+        voters = [*((c["answer"], c["response"]) for c in candidates), *zip(samples, texts, strict=True)]
+        response = next(
+            (text for answer, text in voters if winner is not None and equivalent(answer, winner)),
+            candidates[0]["response"],  # no answer anywhere: zero-shot's text
+        )
+        return {
+            "answer": winner,
+            "response": response,
+            "candidates": candidates,
+            "verifier_sample_answers": list(samples),
+            "timings": _elapsed("verify", t0),
+        }
+
     # -- respond / learn -----------------------------------------------------------------
     def respond(self, state: ELMState) -> dict[str, Any]:
         """Close the trace: total time of the answer path (learning is not part of it), and count what
@@ -261,7 +317,7 @@ class ELMNodes:
             return []
         zero, mem = candidates[0], candidates[1]
         route = state.get("route")
-        if route == "agree":
+        if route == AGREE or (route == VOTE and equivalent(zero.get("answer"), mem.get("answer"))):
             outcome = "agree"
         elif route == "answered":  # exactly one candidate has an answer: it was chosen
             outcome = "won" if mem.get("answer") is not None else "lost"
@@ -293,7 +349,7 @@ ANSWER_PATH = ("retrieve", "dual_generate", "route", "verify")
 
 
 def after_route(state: ELMState) -> str:
-    return "verify" if state.get("route") == "verifier" else "respond"
+    return "verify" if state.get("route") in (VERIFIER, VOTE) else "respond"
 
 
 def after_respond(state: ELMState) -> str:

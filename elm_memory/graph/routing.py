@@ -5,16 +5,21 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from elm_memory.answers import equivalent
+from elm_memory.answers import equivalent, majority_vote
 
-__all__ = ["AGREE", "ANSWERED", "VERIFIER", "ZERO_SHOT", "memory_wins", "route_of"]
+__all__ = ["AGREE", "ANSWERED", "VERIFIER", "VOTE", "ZERO_SHOT", "memory_wins", "route_of", "voted_answer"]
 
-ZERO_SHOT, AGREE, ANSWERED, VERIFIER = "zero_shot", "agree", "answered", "verifier"
+ZERO_SHOT, AGREE, ANSWERED, VERIFIER, VOTE = "zero_shot", "agree", "answered", "verifier", "vote"
 
 
-def route_of(zero_shot: str | None, memory: str | None, *, has_memory: bool, prefer_answered: bool) -> str:
-    """Which rule decides: no memory candidate (zero-shot), equivalent answers (agree), exactly one
-    answered when ``prefer_answered`` (answered), otherwise the verifier."""
+def route_of(
+    zero_shot: str | None, memory: str | None, *, has_memory: bool, prefer_answered: bool, vote: bool = False
+) -> str:
+    """Which rule decides: with ``vote`` (``verifier.route=vote``) always the vote, memory or not. Otherwise
+    no memory candidate (zero-shot), equivalent answers (agree), exactly one answered when ``prefer_answered``
+    (answered), else the verifier."""
+    if vote:
+        return VOTE
     if not has_memory:
         return ZERO_SHOT
     if equivalent(zero_shot, memory):
@@ -27,3 +32,10 @@ def route_of(zero_shot: str | None, memory: str | None, *, has_memory: bool, pre
 def memory_wins(scores: Sequence[float]) -> bool:
     """The memory's candidate (second) wins the verifier only with a strictly higher score: ties keep zero-shot."""
     return scores[1] > scores[0]
+
+
+def voted_answer(zero_shot: str | None, samples: Sequence[str | None], memory: str | None = None) -> str | None:
+    """The ``vote`` route's answer: the majority of the zero-shot answer, the samples and the memory's
+    answer, counted in that order, so a tie goes to zero-shot's class when it is among the tied, else to the
+    answer seen first, the memory's last. Without the memory's vote it is the ``self_consistency`` baseline."""
+    return majority_vote([zero_shot, *samples, memory]).answer

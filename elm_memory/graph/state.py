@@ -61,7 +61,7 @@ class ELMOutput(TypedDict, total=False):
     namespace: str  # the namespace the run used
     answer: str | None
     response: str
-    route: str  # "zero_shot" | "agree" | "answered" | "verifier"
+    route: str  # "zero_shot" | "agree" | "answered" | "verifier" | "vote"
     memory_id: str | None
     similarity: float | None
     gate: GateState | None
@@ -80,3 +80,5 @@ class ELMState(ELMInput, ELMOutput, total=False):
     # answers of a sampling verifier's samples, drawn with the candidates (`consistency_presample`);
     # None when none were drawn ahead
     presampled_answers: list[str | None] | None
+    # their texts, kept only for ``verifier.route=vote`` (a sample's text answers when its answer wins)
+    presampled_responses: list[str] | None

@@ -24,7 +24,8 @@ class MethodOutput:
 
     answer: str | None
     response: str
-    route: str  # "zero_shot" | "agree" | "verifier" | "context" (a retrieved text example/strategy was used)
+    # "zero_shot" | "agree" | "answered" | "verifier" | "vote" | "context" (a retrieved text example/strategy was used)
+    route: str
     memory_id: str | None = None
     similarity: float | None = None
     candidates: list[dict[str, Any]] = field(default_factory=list)  # kind, answer, score
