@@ -47,3 +47,21 @@ def test_no_sys_path_edits(name):
         and node.value.id == "sys"
     ]
     assert not edits, f"benchmarks/{name}.py uses sys.path on line(s) {edits}: import through the package instead"
+
+
+def test_model_candidates_summary_counts_agreement_and_cost():
+    from benchmarks.model_candidates import markdown, summarize
+
+    def row(right, shares, majority_right, learn_s, tokens):
+        pairs = zip(shares, majority_right, strict=True)
+        steps = [{"share": s, "boxed": 1.0 if s else 0.5, "majority_right": m} for s, m in pairs]
+        return {"greedy_right": right, "greedy_s": 2.0, "greedy_tokens": 10, "learn_s": learn_s,
+                "rollout_tokens": tokens, "steps": steps}  # fmt: skip
+
+    s = summarize([row(True, [1.0, 0.5], [True, True], 8.0, 80), row(False, [0.25], [False], 4.0, 40)])
+    assert s["questions"] == 2 and s["zero_shot_right"] == 1 and s["steps"] == 3
+    assert s["mean_majority_share"] == round(1.75 / 3, 3)
+    assert s["steps_share_at_least_half"] == 2 and s["steps_unanimous"] == 1 and s["pseudo_label_right"] == 2
+    assert s["learn_s_per_step"] == 4.0 and s["rollout_tokens_per_s"] == 10.0 and s["greedy_tokens_per_s"] == 5.0
+    table = markdown([{"model": "/x/q15.gguf", "peak_rss_gib": 1.5, "summary": s}])
+    assert "| q15.gguf | 1/2 | 0.583 | 2/3 | 1/3 |" in table
