@@ -301,7 +301,7 @@ class HFBackend:
     def _resolve_graphs(self, setting: str) -> str:
         """``compile``, ``static`` or ``off``: what ``backend.decode_graphs`` means for this model and device."""
         mode = {"on": "compile", "static": "static", "off": "off"}.get(setting)
-        if mode is None:  # auto: CUDA graphs pay on a GPU; on a CPU no measurement has shown a gain yet
+        if mode is None:  # auto: CUDA graphs pay on a GPU; on a CPU compiling costs more than it saves (docs/results)
             mode = "compile" if self.device.type == "cuda" else "off"
         if mode == "off" or self.decode_loop != "elm":
             return "off"
