@@ -108,7 +108,7 @@ def test_the_vote_route_is_self_consistency_with_the_memory_as_the_last_vote():
     from elm_memory.graph.routing import voted_answer
 
     rng = random.Random(0)
-    alphabet = ["1", "2", "2.0", "3", None]
+    alphabet = ["1", "2", "2.0", "3", None, "\\text{}"]  # the last: not equivalent even to itself
     for _ in range(2000):
         zero, memory = rng.choice(alphabet), rng.choice(alphabet)
         samples = [rng.choice(alphabet) for _ in range(rng.randint(0, 5))]

@@ -7,7 +7,8 @@ Model outputs are asked to "put your final answer within \boxed{}". One module a
 * :mod:`~elm_memory.answers.normalize`: the canonical string form (the fast path);
 * :mod:`~elm_memory.answers.symbolic`: math-verify under a deadline, safe from any thread;
 * :mod:`~elm_memory.answers.equivalence`: :func:`equivalent`, the two above combined;
-* :mod:`~elm_memory.answers.vote`: :func:`majority_vote` and :func:`majority_rewards`.
+* :mod:`~elm_memory.answers.vote`: :func:`majority_vote` and :func:`majority_rewards` (training), and
+  ``plurality_vote``, the self-consistency rule the baselines and the ``vote`` route share.
 """
 
 from elm_memory.answers.equivalence import equivalent

