@@ -329,7 +329,16 @@ def test_sweep_rows_split_own_family_and_unrelated(tmp_path):
                 {"memory_id": "m", "source_question_id": src, "question_id": qid, "correct": ok}
             )
     RecordLog(tmp_path / "S4" / "memories.jsonl").append(
-        {"memory_id": "m", "question_id": "a1", "majority_share": 0.5, "skipped_backward": [False, True], "seconds": 3}
+        {
+            "memory_id": "m",
+            "question_id": "a1",
+            "majority_share": 0.5,
+            "skipped_backward": [False, True],
+            "seconds": 3,
+            # step 1: one of four rollouts says the gold "1" (as "1.0"); step 2: three of four
+            "votes": [[["1.0", 1], ["7", 2], [None, 1]], [["1", 3], ["2", 1]]],
+            "mean_reward": [0.5, 0.75],
+        }
     )
     row = sweep_row(tmp_path, point, init, problems)
     assert row["own"] == {
@@ -345,8 +354,17 @@ def test_sweep_rows_split_own_family_and_unrelated(tmp_path):
     assert row["family"]["vs_init"]["gains"] == 1
     assert row["unrelated"]["vs_zero_shot"]["gains"] == 1 and row["unrelated"]["vs_init"]["gains"] == 0
     assert row["updated_steps"] == 1 and row["mean_majority_share"] == 0.5
+    assert row["own_rollouts"] == {
+        "rollouts_first": 4,
+        "right_first": 0.25,
+        "rollouts_last": 4,
+        "right_last": 0.75,
+        "reward_first": 0.5,
+        "reward_last": 0.75,
+    }
     table = markdown_sweep([row])
     assert "| S4 | own | 1 | 1/1 | 0/1 | 0/1 | +1/−0 (1) | +1/−0 (1) | 0.50 |" in table
+    assert "| 0.25 → 0.75 of 4 a step |" in table
 
 
 @pytest.mark.model

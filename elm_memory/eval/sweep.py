@@ -11,6 +11,8 @@ template, another question) and **unrelated** questions:
   question-initialised soft prompt with the point's k) on the same (memory, question) pairs?
 * how far did training move it (relative L2 distance from the init), and how much did its rollouts
   agree (the last step's majority share)?
+* on its own question, did training make its rollouts right more often (first step against last, read
+  from the recorded training votes against the gold answer)?
 
 Gains and losses are counted per (memory, question) pair with an exact sign test; the pairs of one
 memory are not independent, so read p as a rough guide on a handful of memories.
@@ -30,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elm_memory.answers import equivalent
 from elm_memory.config import ELMConfig
 from elm_memory.data.datasets import Problem, load_problems
 from elm_memory.errors import ConfigError
@@ -259,11 +262,42 @@ def sweep_row(
         "updated_steps": sum(not skipped for m in mems for skipped in m.get("skipped_backward") or []),
         "learn_seconds_mean": _mean([m.get("seconds") for m in mems]),
         "relative_move": _relative_move(out, point, init, info),
+        "own_rollouts": own_rollouts(mems, {p.id: p.answer for p in problems}),
     }
     for scope in SCOPES:
         pairs = [key for key in evals if _scope(key, family) == scope and key[1] in zs]
         row[scope] = _compare(pairs, evals, zs, base)
     return row
+
+
+def own_rollouts(memories: Sequence[Mapping[str, Any]], gold: Mapping[str, str]) -> dict[str, Any] | None:
+    """Learning on the memory's own question, read from its training votes (no generation): the share of
+    rollouts whose answer is the gold answer, and the mean TTRL reward, at the first step (the untrained
+    init's rollouts) and the last (after the updates before it), pooled over the memories. ``None``
+    without recorded votes (S = 0)."""
+    first, last = [0, 0], [0, 0]  # [right, rollouts]
+    rewards: tuple[list[float], list[float]] = ([], [])
+    for m in memories:
+        votes, answer = m.get("votes") or [], gold.get(str(m.get("question_id")))
+        if not votes or answer is None:
+            continue
+        for tally, step in ((first, votes[0]), (last, votes[-1])):
+            tally[0] += sum(int(n) for a, n in step if equivalent(a, answer))
+            tally[1] += sum(int(n) for _, n in step)
+        mean_reward = m.get("mean_reward") or []
+        if mean_reward:
+            rewards[0].append(float(mean_reward[0]))
+            rewards[1].append(float(mean_reward[-1]))
+    if not first[1]:
+        return None
+    return {
+        "rollouts_first": first[1],
+        "right_first": first[0] / first[1],
+        "rollouts_last": last[1],
+        "right_last": last[0] / last[1] if last[1] else None,
+        "reward_first": _mean(rewards[0]),
+        "reward_last": _mean(rewards[1]),
+    }
 
 
 def _evals(sub: Path) -> dict[tuple[str, str], bool]:
@@ -347,8 +381,8 @@ def markdown_sweep(rows: Sequence[Mapping[str, Any]]) -> str:
     pairs, with gains/losses against each."""
     lines = [
         "| point | scope | pairs | memory | zero-shot | init | vs zero-shot (p) | vs init (p) "
-        "| majority share | moved | learn s |",
-        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| majority share | moved | learn s | own rollouts right, first → last step |",
+        "|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|",
     ]
     for row in rows:
         for scope in SCOPES:
@@ -361,9 +395,16 @@ def markdown_sweep(rows: Sequence[Mapping[str, Any]]) -> str:
             lines.append(
                 f"| {row['point']} | {scope} | {n} | {c['memory_correct']}/{n} | {c['zero_shot_correct']}/{n} "
                 f"| {init} | {_versus(c['vs_zero_shot'])} | {vs_init} | {_fmt(row['mean_majority_share'], 2)} "
-                f"| {_fmt(row['relative_move'], 4)} | {_fmt(row['learn_seconds_mean'], 0)} |"
+                f"| {_fmt(row['relative_move'], 4)} | {_fmt(row['learn_seconds_mean'], 0)} "
+                f"| {_rollouts(row.get('own_rollouts')) if scope == 'own' else ''} |"
             )
     return "\n".join(lines) + "\n"
+
+
+def _rollouts(r: Mapping[str, Any] | None) -> str:
+    if not r:
+        return "n/a"
+    return f"{_fmt(r['right_first'], 2)} → {_fmt(r['right_last'], 2)} of {r['rollouts_first']} a step"
 
 
 def _versus(w: Mapping[str, Any] | None) -> str:
