@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -287,10 +287,12 @@ class ELM:
         memory_ids: Sequence[str | None] | None = None,
         config: ELMConfig | None = None,
         batch_size: int | None = None,
+        on_step: Callable[[int, int], None] | None = None,
     ) -> list[LatentMemory]:
         """Learn one memory per question, ``batch_size`` at a time (None: all together) trained in
         one batch (each memory equals the one :meth:`learn` makes alone), and store each batch's
-        memories once it completes. ``namespace``: one for all, or one per question."""
+        memories once it completes. ``namespace``: one for all, or one per question. ``on_step(done,
+        steps)`` is called after each training step of each batch (for progress displays)."""
         from elm_memory.training.learn import learn_memories
 
         cfg = config or self.config
@@ -317,6 +319,7 @@ class ELM:
                 namespace=namespaces[part],
                 progress=progress,
                 memory_ids=ids[part],
+                on_step=on_step,
             )
             if store and self.retriever is not None:
                 for memory in batch:

@@ -343,6 +343,26 @@ def test_pools_need_a_store_and_the_runtime_its_run_directory(tmp_path):
 
 
 @pytest.mark.model
+def test_offline_learning_prints_a_line_per_training_step(tiny_loaded, tiny_backend, tmp_path, capsys, monkeypatch):
+    """In a log, a batch of memories that learns for many minutes still shows each step."""
+    from elm_memory.eval import progress
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.offline import run_offline
+
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: False)
+    cfg = tiny_config(training={"steps": 2})
+    problems = load_problems("gsm8k", limit=1, seed=17)
+    runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+    run_offline(problems, cfg, tmp_path, dataset="gsm8k", train=1, runtime=runtime, plots=False)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[progress] learning memory 1/1")]
+    assert [x.split(" · ")[0] for x in lines] == [
+        "[progress] learning memory 1/1 (0 done)",
+        "[progress] learning memory 1/1 (0 done), step 1/2",
+        "[progress] learning memory 1/1 (0 done), step 2/2",
+    ]
+
+
+@pytest.mark.model
 def test_offline_protocol_and_transfer(tiny_loaded, tiny_backend, tmp_path):
     from elm_memory.eval.methods.base import EvalRuntime
     from elm_memory.eval.offline import run_offline

@@ -345,6 +345,32 @@ def test_learn_memories_equals_learn_memory_per_question(rand_loaded, rand_backe
         assert memory.meta.stats.skipped_backward == alone.meta.stats.skipped_backward == [False, False]
 
 
+def test_learning_reports_each_step_and_old_engines_still_work(rand_loaded, rand_backend):
+    """on_step(done, steps) after each step of the batch; an engine whose train_many predates on_step
+    still trains when no one asks for steps."""
+    from elm_memory.backends.prompting import PromptBuilder
+    from elm_memory.training.learn import learn_memories
+
+    cfg = _elm_config(steps=3)
+    prompts = PromptBuilder(rand_loaded.tokenizer, cfg.prompt, rand_loaded.info.max_context)
+    common = dict(config=cfg, loaded=rand_loaded, prompts=prompts, progress=False)
+    seen: list[tuple[int, int]] = []
+    learn_memories(QUESTIONS, backend=ScriptedRewards(rand_backend, {}), on_step=lambda *s: seen.append(s), **common)
+    assert seen == [(1, 3), (2, 3), (3, 3)]
+
+    class OldEngine:  # a plugin written against the protocol before on_step
+        engine = "old"
+
+        def __init__(self):
+            self.inner = NativeTrainer(rand_loaded, ScriptedRewards(rand_backend, {}), cfg.training, cfg.memory)
+
+        def train_many(self, prompts, *, objective=None, progress=None):
+            return self.inner.train_many(prompts, objective=objective, progress=progress)
+
+    [memory] = learn_memories(QUESTIONS[:1], backend=rand_backend, trainer=OldEngine(), **common)
+    assert memory.meta.stats.skipped_backward == [False, False, False]
+
+
 def test_elm_learner_batch_trains_jobs_with_equal_overrides_together(rand_loaded, rand_backend, monkeypatch):
     from elm_memory.elm import ELM
 

@@ -153,8 +153,16 @@ class _OfflineRun:
         for batch in _chunks(todo, self.runtime.config.learner.batch_size):
             first = len(memories) + 1
             span = f"{first}" if len(batch) == 1 else f"{first}-{first + len(batch) - 1}"
-            bar.describe(f"learning memory {span}/{n_mem} ({first - 1} done) · evaluations 0/{self.evals_total}")
-            learned_batch = elm.learn_many([p.question for p in batch], namespace=NAMESPACE, progress=False)
+            what = f"learning memory {span}/{n_mem} ({first - 1} done)"
+            bar.describe(f"{what} · evaluations 0/{self.evals_total}")
+
+            def stepped(done: int, steps: int, what: str = what) -> None:
+                # a batch of memories can learn for many minutes: a line per step shows it is moving
+                bar.describe(f"{what}, step {done}/{steps} · evaluations 0/{self.evals_total}")
+
+            learned_batch = elm.learn_many(
+                [p.question for p in batch], namespace=NAMESPACE, progress=False, on_step=stepped
+            )
             for p, memory in zip(batch, learned_batch, strict=True):
                 s = memory.meta.stats
                 row = {

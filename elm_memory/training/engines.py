@@ -10,6 +10,7 @@ the same format.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -20,6 +21,10 @@ from elm_memory.errors import ConfigError
 from elm_memory.models.loading import LoadedModel
 from elm_memory.training.native import NativeTrainer, TrainResult
 from elm_memory.training.registry import training_engines
+
+#: ``on_step(done, steps)``: called after each training step of a ``train_many`` call, for progress
+#: displays (an engine that owns its loop, as TRL's, may never call it)
+StepCallback = Callable[[int, int], None]
 
 
 class Trainer(Protocol):
@@ -39,7 +44,12 @@ class Trainer(Protocol):
     ) -> TrainResult: ...
 
     def train_many(
-        self, prompts: Any, *, objective: str | None = None, progress: bool | None = None
+        self,
+        prompts: Any,
+        *,
+        objective: str | None = None,
+        progress: bool | None = None,
+        on_step: StepCallback | None = None,
     ) -> list[TrainResult]: ...
 
 

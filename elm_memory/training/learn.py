@@ -22,7 +22,7 @@ from elm_memory.memory.kinds import LORA, PREFIX, SOFT_PROMPT, MemoryAdapter
 from elm_memory.memory.lora import LoraAdapter
 from elm_memory.memory.prefix import question_prefix
 from elm_memory.models.loading import LoadedModel
-from elm_memory.training.engines import Trainer, build_trainer
+from elm_memory.training.engines import StepCallback, Trainer, build_trainer
 
 
 def learn_memory(
@@ -67,6 +67,7 @@ def learn_memories(
     trainer: Trainer | None = None,
     progress: bool | None = None,
     memory_ids: Sequence[str | None] | None = None,
+    on_step: StepCallback | None = None,
 ) -> list[LatentMemory]:
     """One memory per question, trained together (:meth:`NativeTrainer.train_many`: each
     equals the memory trained alone); ``namespace`` is one for all or one per question.
@@ -82,7 +83,10 @@ def learn_memories(
         prompt = prompts.answer_prompt(question, memory_tokens=k)  # training sees the prompt answering sees
         items.append((prompt.token_ids, initial_memory(config, loaded, question), prompt.memory_at))
     trainer = trainer or build_trainer(config, loaded, backend)
-    results = trainer.train_many(items, progress=progress)
+    if on_step is None:  # a plugin engine written before on_step existed keeps working
+        results = trainer.train_many(items, progress=progress)
+    else:
+        results = trainer.train_many(items, progress=progress, on_step=on_step)
     recipe = {
         "training": config.training.model_dump(mode="json"),
         "memory": memory_recipe(config),

@@ -27,7 +27,7 @@ reference forward runs without the adapter.
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import cast
 
 import torch
@@ -141,6 +141,7 @@ class NativeTrainer:
         *,
         objective: str | None = None,
         progress: bool | None = None,
+        on_step: Callable[[int, int], None] | None = None,
     ) -> list[TrainResult]:
         """Train M memories together, one per ``(prompt_ids, init, at)``; results in the same order.
         ``init``: a soft prompt (k, hidden), or a lora/prefix adapter (``at`` unused).
@@ -177,6 +178,8 @@ class NativeTrainer:
             if active:
                 self._update(mems, active, batch)
             bar.set_postfix(_postfix(mems, active))
+            if on_step is not None:
+                on_step(step + 1, cfg.steps)
         bar.close()
         seconds = time.perf_counter() - t_start
         return [m.result(seconds, trained=cfg.steps > 0) for m in mems]

@@ -48,8 +48,10 @@ class TRLTrainer:
         *,
         objective: str | None = None,
         progress: bool | None = None,
+        on_step: Callable[[int, int], None] | None = None,
     ) -> list[TrainResult]:
-        """One memory at a time: TRL's GRPOTrainer owns its loop, so the memories are not batched."""
+        """One memory at a time: TRL's GRPOTrainer owns its loop, so the memories are not batched (and
+        ``on_step`` is never called; ``progress`` shows TRL's own bar)."""
         return [self.train(ids, init, at=at, objective=objective, progress=progress) for ids, init, at in prompts]
 
     def train(
