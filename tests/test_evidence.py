@@ -309,6 +309,8 @@ def test_dev_questions_avoid_the_reported_streams_and_come_in_families():
     # the first three are one per family (the memories' sources), then a second of each family
     assert len({p.family for p in dev[:3]}) == 3 and [p.family for p in dev[3:]] == [p.family for p in dev[:3]]
     assert dev_problems("synth-arith", 6, per_family=2) == dev  # deterministic
+    other = dev_problems("synth-arith", 6, per_family=2, seed=1)  # elm sweep --dev-seed: another sample
+    assert other != dev and not {p.id for p in other} & reported
 
 
 def test_sweep_rows_split_own_family_and_unrelated(tmp_path):

@@ -374,6 +374,10 @@ def sweep(
         int | None, typer.Option(min=1, help="Memories learned per point (default: one per family).")
     ] = None,
     batch_size: Annotated[int, typer.Option(min=1, help="Questions per batched greedy call.")] = 8,
+    dev_seed: Annotated[
+        int | None,
+        typer.Option(help="Seed of the dev questions' order (default 1234): another seed, another sample."),
+    ] = None,
     config: ConfigOpt = None,
     preset: PresetOpt = None,
     set_: SetOpt = None,
@@ -393,6 +397,7 @@ def sweep(
         per_family=per_family,
         memories=memories,
         batch_size=batch_size,
+        dev_seed=dev_seed,
         progress=None if not json_out else False,
     )
     _print_run(result, json_out, "sweep.md, sweep.json, one offline run per point")

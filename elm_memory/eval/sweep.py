@@ -55,6 +55,8 @@ _INIT_KEYS = ("memory.", "training.seed", "model.", "prompt.")
 #: the stream seeds the online results report on: their first questions are never dev questions
 REPORTED_SEEDS = (5, 17, 42, 78, 101, 202)
 SCOPES = ("own", "family", "unrelated")
+#: the default order of the dev questions (``elm sweep --dev-seed``)
+DEV_SEED = 1234
 
 
 @dataclass(frozen=True)
@@ -129,7 +131,7 @@ def dev_problems(
     questions: int,
     *,
     per_family: int = 2,
-    seed: int = 1234,
+    seed: int = DEV_SEED,
     held_out_seeds: Sequence[int] = REPORTED_SEEDS,
     held_out_first: int = 60,
 ) -> list[Problem]:
@@ -426,13 +428,14 @@ def sweep_from_cli(
     memories: int | None,
     batch_size: int,
     progress: bool | None,
+    dev_seed: int | None = None,
 ) -> SweepResult:
     """What ``elm sweep`` runs: the grid and every point's config are checked, then the dev questions
     chosen, before the model loads. Memories default to one per family (the first dev questions)."""
     grid = parse_grid(grid_specs)
     points = grid_points(grid)
     check_points(config, [init_point(p) for p in points] + points)
-    problems = dev_problems(dataset, questions, per_family=per_family)
+    problems = dev_problems(dataset, questions, per_family=per_family, seed=DEV_SEED if dev_seed is None else dev_seed)
     if memories is None:
         has_families = any(p.family is not None for p in problems)
         memories = max(1, questions // per_family) if has_families else len(problems)
