@@ -326,8 +326,10 @@ def _verify(
         probs = _nucleus(probs, options.top_p)
     # One draw per position, inverted at the model's distribution there, keeps a draft when the drawn token
     # is the draft (probability p(draft), as the textbook rule). Every token costs exactly one draw whatever
-    # was drafted, so a seeded row gets the tokens plain sampling gives it: drafts, which come from what the
-    # backend generated earlier, no longer change the sample (they did under accept-with-p, then resample).
+    # was drafted, so a prompt with one seeded row gets the tokens plain sampling gives it, whatever the
+    # drafts. With n rows the prompt's generator is shared: rows that emit more tokens per forward take
+    # more draws, so drafts move draws between rows (the distribution is unchanged, the rows are not;
+    # tests/test_lookup_seeding.py).
     for a in range(n):
         token = _draw(probs[a], generator)
         if token != draft[a]:
