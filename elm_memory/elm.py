@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -23,6 +23,7 @@ if TYPE_CHECKING:  # built lazily (heavy imports), so named for the annotations 
     from elm_memory.graph import ELMServices
     from elm_memory.jobs import MemoryLearner
     from elm_memory.retrieval.retriever import Retriever
+    from elm_memory.training.native import StepCallback
     from elm_memory.verifiers.base import Verifier
 
 
@@ -287,7 +288,7 @@ class ELM:
         memory_ids: Sequence[str | None] | None = None,
         config: ELMConfig | None = None,
         batch_size: int | None = None,
-        on_step: Callable[[int, int], None] | None = None,
+        on_step: StepCallback | None = None,
     ) -> list[LatentMemory]:
         """Learn one memory per question, ``batch_size`` at a time (None: all together) trained in
         one batch (each memory equals the one :meth:`learn` makes alone), and store each batch's

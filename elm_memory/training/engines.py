@@ -10,7 +10,6 @@ the same format.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any, Protocol
 
 import torch
@@ -19,12 +18,8 @@ from elm_memory.backends.base import GenerationBackend
 from elm_memory.config import ELMConfig
 from elm_memory.errors import ConfigError
 from elm_memory.models.loading import LoadedModel
-from elm_memory.training.native import NativeTrainer, TrainResult
+from elm_memory.training.native import NativeTrainer, StepCallback, TrainResult
 from elm_memory.training.registry import training_engines
-
-#: ``on_step(done, steps)``: called after each training step of a ``train_many`` call, for progress
-#: displays (an engine that owns its loop, as TRL's, may never call it)
-StepCallback = Callable[[int, int], None]
 
 
 class Trainer(Protocol):

@@ -43,6 +43,10 @@ from elm_memory.training.losses import advantages_from_rewards, policy_loss, sft
 from elm_memory.training.native_state import MemoryRun, StepBatch, TrainResult
 from elm_memory.training.rewards import GroupReward, majority_vote_rewards
 
+#: ``on_step(done, steps)``: called after each training step of a ``train_many`` call, for progress
+#: displays (an engine that owns its loop, as TRL's, may never call it)
+StepCallback = Callable[[int, int], None]
+
 
 class NativeTrainer:
     """Trains soft prompts: one (:meth:`train`) or several together (:meth:`train_many`).
@@ -141,7 +145,7 @@ class NativeTrainer:
         *,
         objective: str | None = None,
         progress: bool | None = None,
-        on_step: Callable[[int, int], None] | None = None,
+        on_step: StepCallback | None = None,
     ) -> list[TrainResult]:
         """Train M memories together, one per ``(prompt_ids, init, at)``; results in the same order.
         ``init``: a soft prompt (k, hidden), or a lora/prefix adapter (``at`` unused).

@@ -26,7 +26,7 @@ from elm_memory.config import TrainingConfig
 from elm_memory.errors import ConfigError, NonFiniteError, TrainingError
 from elm_memory.memory import TrainingStats
 from elm_memory.models.loading import LoadedModel
-from elm_memory.training.native import TrainResult
+from elm_memory.training.native import StepCallback, TrainResult
 from elm_memory.training.rewards import majority_vote_rewards
 
 
@@ -48,7 +48,7 @@ class TRLTrainer:
         *,
         objective: str | None = None,
         progress: bool | None = None,
-        on_step: Callable[[int, int], None] | None = None,
+        on_step: StepCallback | None = None,
     ) -> list[TrainResult]:
         """One memory at a time: TRL's GRPOTrainer owns its loop, so the memories are not batched (and
         ``on_step`` is never called; ``progress`` shows TRL's own bar)."""
