@@ -11,6 +11,11 @@ with what the answer and rollout paths use (a soft prompt, per-prompt seeds, sto
 A step's cost is ``(t(steps + 8) - t(8)) / steps``: prefill and per-call work cancel out. The first
 call per case and path is timed apart (``first_call_s``: it compiles each bucket on the captured path).
 
+``--paths`` may also name ``bare``: the reference of what the step itself can cost, timed in the same
+process: a bare loop over ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` on a
+static cache with ``torch.multinomial`` sampling, as many rows as the case (the method of
+``hf_decode_limits.py``'s ``compiled_forward_loop``, without the library: no soft prompt, seeds or stops).
+
     python -m benchmarks.decode_graphs --config-dir DIR --out decode_graphs.json
     python -m benchmarks.decode_graphs --config-dir DIR --paths off,static --device cpu --steps 16  # any machine
 
@@ -80,6 +85,40 @@ def _measure(backend: Any, prompts: list[Any], params: Any, steps: int, repeats:
     return {"ms_per_step": min(per_step), "all_ms_per_step": per_step, "first_call_s": round(first, 2)}
 
 
+def _bare_loop(loaded: Any, rows: int, steps: int, repeats: int) -> dict[str, Any]:
+    """ms per step of a bare compiled-forward loop with ``rows`` rows (see the module's docstring)."""
+    import torch
+    from transformers import StaticCache
+
+    model = loaded.model
+    device = next(model.parameters()).device
+    prompt = PROMPT_TOKENS + SOFT_TOKENS
+    cache = StaticCache(config=model.config, max_cache_len=prompt + 3 + repeats * steps + 8)
+    ids = torch.randint(100, 30000, (rows, prompt), device=device)
+    forward = torch.compile(model.forward, mode="reduce-overhead" if device.type == "cuda" else None, fullgraph=True)
+    with torch.no_grad():
+        out = model(ids, past_key_values=cache, cache_position=torch.arange(prompt, device=device), use_cache=True)
+        token = out.logits[:, -1:].argmax(-1).clone()
+        position = torch.tensor([prompt], device=device)
+        t0 = time.perf_counter()
+        for _ in range(3):  # compiles, then records the graph
+            forward(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True)
+            position.add_(1)
+        _sync()
+        compile_s = time.perf_counter() - t0
+        per_step = []
+        for _ in range(repeats):
+            _sync()
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                logits = forward(input_ids=token, past_key_values=cache, cache_position=position, use_cache=True).logits
+                token.copy_(torch.multinomial(torch.softmax(logits[:, -1].float(), -1), 1))
+                position.add_(1)
+            _sync()
+            per_step.append(round(1000 * (time.perf_counter() - t0) / steps, 3))
+    return {"ms_per_step": min(per_step), "all_ms_per_step": per_step, "first_call_s": round(compile_s, 2)}
+
+
 def _profile(backend: Any, prompts: list[Any], params: Any, out: Path) -> None:
     """Top operators by self CPU and by device time over one 40-token call, as a text table."""
     import dataclasses
@@ -116,8 +155,8 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None, help="after the timings, profile one call per path here")
     args = ap.parse_args()
     paths = args.paths.split(",")
-    if bad := [p for p in paths if p not in ("off", "on", "static", "auto")]:
-        raise SystemExit(f"--paths: unknown {bad}; choose from off, on, static, auto")
+    if bad := [p for p in paths if p not in ("off", "on", "static", "auto", "bare")]:
+        raise SystemExit(f"--paths: unknown {bad}; choose from off, on, static, auto, bare")
     if not (args.config_dir / "config.json").is_file():
         raise SystemExit(f"{args.config_dir} has no config.json")
 
@@ -150,6 +189,13 @@ def main() -> None:
         "cases": {},
     }
     for path in paths:
+        if path == "bare":  # the reference, outside the library
+            for name in wanted:
+                prompts, params = cases[name]
+                row = _bare_loop(loaded, len(prompts) * params.n, args.steps, args.repeats)
+                result["cases"].setdefault(name, {})[path] = row
+                print(json.dumps({"case": name, "path": path, **row}), flush=True)
+            continue
         backend = HFBackend(loaded, decode_graphs=path)
         for name in wanted:
             prompts, params = cases[name]
@@ -166,6 +212,8 @@ def main() -> None:
     for by_path in result["cases"].values():
         if "off" in by_path and "on" in by_path:
             by_path["speedup_on_vs_off"] = round(by_path["off"]["ms_per_step"] / by_path["on"]["ms_per_step"], 2)
+        if "bare" in by_path and "on" in by_path:
+            by_path["on_over_bare"] = round(by_path["on"]["ms_per_step"] / by_path["bare"]["ms_per_step"], 2)
     print(json.dumps(result["cases"]), flush=True)
     if args.out:
         args.out.write_text(json.dumps(result, indent=2) + "\n")

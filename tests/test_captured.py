@@ -35,7 +35,13 @@ def batch(smol):
 
 
 def _steps(loaded, **kw):
-    return CapturedSteps(loaded.model, compile=False, max_rows=kw.pop("max_rows", 64), max_cache_len=kw.pop("L", 2048))
+    return CapturedSteps(
+        loaded.model,
+        compile=False,
+        max_rows=kw.pop("max_rows", 64),
+        max_cache_len=kw.pop("L", 2048),
+        read_every=kw.pop("read_every", None),
+    )
 
 
 def _stop_after(lengths):
@@ -64,12 +70,14 @@ def test_greedy_tokens_equal_the_plain_loops(smol, batch, share, drop):
     assert captured.buckets_seen == [(2, 256)]  # 2 rows; prompt + 20 tokens fit the smallest cache
 
 
-def test_seeded_samples_equal_the_plain_loops_while_rows_finish_and_move_to_smaller_buckets(smol, batch):
+@pytest.mark.parametrize("read_every", [1, 4, 7])
+def test_seeded_samples_equal_the_plain_loops_while_rows_finish_and_move_to_smaller_buckets(smol, batch, read_every):
     """8 sampled rows per prompt (16 rows); rows stop at different steps, finished rows stay masked in
-    place and the live ones move down to a bucket four times smaller: every draw is the plain loop's."""
+    place and the live ones move down to a bucket four times smaller: every token is the plain loop's,
+    also when the tokens are read back every few steps (rows ending inside those steps keep theirs)."""
     _, input_ids, mask = batch
     lengths = [3, 30, 5, 7, 2, 9, 4, 6, 30, 3, 8, 2, 5, 4, 6, 3]
-    captured = _steps(smol)
+    captured = _steps(smol, read_every=read_every)
     plain, fast = _both(
         smol,
         mask,
@@ -132,6 +140,11 @@ def test_a_prefix_memory_decodes_as_in_the_plain_loop_and_lora_takes_the_plain_l
     untouched = _steps(smol)
     plain, fast = _both(smol, mask, DecodeOptions(12), untouched, input_ids=input_ids, memory=lora)
     assert fast == plain and untouched.buckets_seen == []  # hooks run every forward: never captured
+
+
+def test_read_every_below_one_is_refused(smol):
+    with pytest.raises(ValueError, match="read_every"):
+        _steps(smol, read_every=0)
 
 
 def test_a_call_no_bucket_fits_is_decoded_by_the_plain_loop_with_one_log_line(smol, batch, caplog):

@@ -146,22 +146,31 @@ def test_seeded_samples_repeat_across_batch_layouts_and_sample_counts(tiny_backe
     assert first == again == alone
 
 
-def test_a_sampled_lookup_row_takes_one_draw_per_token():
-    """The speculative check draws the token plain sampling would draw, and no more: the generator ends
-    where plain sampling of the same tokens leaves it, whatever the draft."""
-    from elm_memory.backends.decode import DecodeOptions, _draw, _verify
+def test_a_sampled_lookup_row_picks_the_tokens_plain_sampling_picks():
+    """The speculative check takes, at each position, the row's draw for that token's index: the tokens
+    plain sampling gives the row, whatever the draft."""
+    from elm_memory.backends.decode import DecodeOptions, _verify
+    from elm_memory.backends.sampling import pick_tokens
 
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0], [0.3, 0.0, 1.0, 0.0, 0.0], [0.0] * 5])
     opts = DecodeOptions(8, temperature=0.8)
-    probs = torch.softmax(logits / 0.8, dim=-1)
-    for draft in ([0, 2], [1, 1], [4, 0]):
-        spec_gen, plain_gen = torch.Generator().manual_seed(5), torch.Generator().manual_seed(5)
-        took, nxt = _verify(logits, draft, opts, spec_gen)
-        plain = []
-        for pos in range(len(took) + 1):
-            plain.append(_draw(probs[pos], plain_gen))
-        assert [*took, nxt] == plain
-        assert torch.rand(1, generator=spec_gen).item() == torch.rand(1, generator=plain_gen).item()
+
+    def plain(key: int, index: int, position: int) -> int:  # the token plain sampling gives token ``index``
+        one = torch.ones(1)
+        return int(
+            pick_tokens(
+                logits[position : position + 1], one * 0.8, one, torch.tensor([key]), torch.tensor([index]),
+                any_sampled=True, any_nucleus=False,
+            )[0]
+        )
+
+    seen = set()
+    for key in range(40):
+        for draft in ([0, 2], [1, 1], [4, 0]):
+            took, nxt = _verify(logits, draft, opts, key, 5)
+            assert [*took, nxt] == [plain(key, 5 + pos, pos) for pos in range(len(took) + 1)]
+            seen.add(len(took))
+    assert seen == {0, 1, 2}  # drafts refused at once, after one, and taken whole
 
 
 # ---- methods: bad input before any model ------------------------------------------------------

@@ -2,11 +2,11 @@
 accepted; prompts of 5, 11 and 8 tokens, so rows are left-padded; a row stops on token 7, so rows of a
 batch end at different steps and are dropped).
 
-What holds: a prompt's rows are the same alone or beside other prompts, with their own soft prompts.
-What does not, yet (strict xfails): with n > 1 a prompt's rows share one generator and each takes one draw
-per token it emits, so when drafts let rows emit different numbers of tokens per forward, the draws land
-on other rows. Its rollouts then depend on the drafts, which come from what the backend generated
-earlier for the same token ids: a fresh backend with the same seed does not replay a step.
+A prompt's rows are the same alone or beside other prompts, with their own soft prompts, and with
+lookup drafts they are the rows plain sampling gives: each row draws its key once from the prompt's
+generator, and each token's draw is a hash of (key, token index), so drafts that let rows emit
+different numbers of tokens per forward move no draws between rows, and a fresh backend with the same
+seed replays a step whatever it generated before.
 """
 
 from __future__ import annotations
@@ -92,16 +92,11 @@ def test_one_row_per_prompt_gets_the_tokens_plain_sampling_gives(model):
     assert _run(model, batch, 3, n=1) == _run(model, batch, 0, n=1)
 
 
-KNOWN = "with n > 1 a prompt's rows share one generator, so drafts move draws between its rows"
-
-
-@pytest.mark.xfail(strict=True, reason=KNOWN)
 def test_n_rows_get_the_tokens_plain_sampling_gives(model):
     batch = list(zip(PROMPTS, _soft_prompts(1), strict=True))
     assert _run(model, batch, 3) == _run(model, batch, 0)
 
 
-@pytest.mark.xfail(strict=True, reason=KNOWN)
 def test_a_fresh_backend_with_the_same_seed_replays_a_step(model):
     batch = list(zip(PROMPTS, _soft_prompts(1), strict=True))
     assert _run(model, batch, 3, _earlier(model)) == _run(model, batch, 3, ())

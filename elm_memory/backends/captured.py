@@ -8,9 +8,14 @@ on a static KV cache (``transformers.StaticCache``: fixed shapes, fixed addresse
 graph. On a CPU the same compiled step only fuses kernels (no graphs).
 
 What stays the plain loop's: the prefill (soft prompts, a prefix memory's cache, one prefill per
-prompt shared by its rows), every token choice (:func:`decode._pick`, the same per-prompt
-generators drawing the same numbers), stop-at-answer and EOS. What changes:
+prompt shared by its rows), the token choice (:func:`sampling.pick_tokens` with the same per-row keys
+and token indices, so the same tokens), stop-at-answer and EOS. What changes:
 
+- **The token is chosen inside the step.** Each row's draw is a hash of its key and the token's
+  index, so the compiled step picks the next token on the device and feeds it to the next step; the
+  host reads the tokens back every ``read_every`` steps (8 on a GPU) instead of every step, and a row
+  that ended inside those steps keeps only its tokens up to its end (the steps after it were
+  computed and dropped: its tokens do not depend on them).
 - **Buckets.** A compiled step exists per (batch rows, cache length) pair. Rows are padded up to
   a power of two (at most ``max_rows``) and the cache length up to a power of two of at least 256
   tokens, so a stream compiles a handful of shapes per process, not one per call. A call that fits
@@ -27,13 +32,15 @@ from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from elm_memory.backends.sampling import pick_tokens
+
 if TYPE_CHECKING:
-    from elm_memory.backends.decode import DecodeOptions
+    from elm_memory.backends.decode import DecodeOptions, _Choice
 
 log = logging.getLogger(__name__)
 
@@ -77,14 +84,28 @@ class CapturedSteps:
     same buckets and masks: what the tests compare against the plain loop on any machine.
     """
 
-    def __init__(self, model: torch.nn.Module, *, compile: bool, max_rows: int, max_cache_len: int):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        *,
+        compile: bool,
+        max_rows: int,
+        max_cache_len: int,
+        read_every: int | None = None,
+    ):
         reason = unsupported_reason(model)
         if reason is not None:
             raise ValueError(f"captured decode steps cannot run this model: {reason}")
+        if read_every is not None and read_every < 1:
+            raise ValueError(f"read_every must be at least 1, got {read_every}")
         self.model = model
         self.max_rows = _bucket(max_rows)
         self.max_cache_len = max_cache_len
         self.compiled = compile
+        on_gpu = next(model.parameters()).device.type == "cuda"
+        # on a GPU the host queues steps ahead of the device unless it waits for each step's tokens; on a
+        # CPU nothing runs ahead, and reading every step wastes no steps past a row's end
+        self.read_every = read_every if read_every is not None else (8 if on_gpu else 1)
         self._additive = model.config._attn_implementation == "eager"  # type: ignore[union-attr]
         self._caches: dict[tuple[int, int], Any] = {}
         self._logged: set[str] = set()
@@ -92,20 +113,32 @@ class CapturedSteps:
         # learner beside the answer path) takes the plain loop instead of waiting or sharing a cache
         self._busy = threading.Lock()
         self.buckets_seen: list[tuple[int, int]] = []  # (rows, cache length) of each bucket met, in order
-        self._step: Callable[..., torch.Tensor] = self._forward
+        self._step: Callable[..., torch.Tensor] = self._forward_pick
         if compile:
             import torch._dynamo
 
-            # one compiled step per bucket: allow every bucket this runner can meet
+            # one compiled step per bucket (and per kind of token choice): allow every one this runner can meet
             buckets = (self.max_rows.bit_length()) * (max(1, (max_cache_len // MIN_CACHE_LEN)).bit_length() + 1)
-            limit = max(int(getattr(torch._dynamo.config, "recompile_limit", 8)), buckets + 8)
+            limit = max(int(getattr(torch._dynamo.config, "recompile_limit", 8)), 3 * buckets + 8)
             torch._dynamo.config.recompile_limit = limit
-            on_gpu = next(model.parameters()).device.type == "cuda"
             self._step = torch.compile(
-                self._forward, mode="reduce-overhead" if on_gpu else None, fullgraph=True, dynamic=False
+                self._forward_pick, mode="reduce-overhead" if on_gpu else None, fullgraph=True, dynamic=False
             )
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
+    def _forward_pick(
+        self,
+        ids: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        keys: torch.Tensor,
+        counts: torch.Tensor,
+        any_sampled: bool,
+        any_nucleus: bool,
+    ) -> torch.Tensor:
+        """One decode step and the next token of every row (what the plain loop would pick from the logits)."""
         if self._additive:  # the eager attention adds its mask; sdpa takes the boolean one as it is
             dtype = next(self.model.parameters()).dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
@@ -116,7 +149,9 @@ class CapturedSteps:
             past_key_values=cache,
             use_cache=True,
         )
-        return out.logits[:, -1, :]
+        return pick_tokens(
+            out.logits[:, -1, :], temperature, top_p, keys, counts, any_sampled=any_sampled, any_nucleus=any_nucleus
+        )
 
     def _log_once(self, message: str) -> None:
         if message not in self._logged:
@@ -161,74 +196,112 @@ class CapturedSteps:
         row_prompt: list[int],
         per_prompt: list[DecodeOptions],
         eos: torch.Tensor,
-        generators: Sequence[torch.Generator | None] | None,
+        choice: _Choice,
         should_stop: Callable[[int, list[int], int], bool] | None,
     ) -> list[tuple[list[int], str]] | None:
         """The decode loop after a prefill (``prefilled``: its dynamic cache, one row per output row;
         ``logits``: the prefill's last-position logits; ``mask`` (rows, T0) and ``positions`` as the
-        plain loop holds them). None when no bucket fits or another call holds the caches: the caller
-        decodes with the plain loop."""
+        plain loop holds them; ``choice``: the rows' temperatures, top-p and draw keys). None when no
+        bucket fits or another call holds the caches: the caller decodes with the plain loop."""
         if not self._busy.acquire(blocking=False):
             self._log_once("captured decode: busy with another call; decoding this one with the plain loop")
             return None
         try:
-            from elm_memory.backends.decode import _append, _pick
-
-            rows, prompt_len = mask.shape
-            limit = [per_prompt[p].max_new_tokens for p in row_prompt]
-            length = _bucket(prompt_len + max(limit), MIN_CACHE_LEN)
-            if rows > self.max_rows or length > self.max_cache_len:
-                self._log_once(
-                    f"captured decode: {rows} rows x {prompt_len + max(limit)} positions fit no bucket "
-                    f"(at most {self.max_rows} rows x {self.max_cache_len}); decoding this call with the plain loop"
-                )
-                return None
-            device = logits.device
-            width = _bucket(rows)
-            cache = self._cache(width, length, prefilled)
-            self._fill(cache, prefilled, None, prompt_len)
-            attend = torch.zeros(width, 1, 1, length, dtype=torch.bool, device=device)
-            attend[:rows, 0, 0, :prompt_len] = mask.bool()
-            attend[rows:, 0, 0, 0] = True  # padding rows attend to one position: no row is all masked
-            next_pos = torch.zeros(width, 1, dtype=torch.long, device=device)
-            next_pos[:rows, 0] = positions[:, -1] + 1
-            ids = torch.zeros(width, 1, dtype=torch.long, device=device)
-
-            eos_set = set(eos.tolist())
-            options = per_prompt[0]
-            tokens: list[list[int]] = [[] for _ in range(rows)]
-            reasons = ["length"] * rows
-            live = list(range(rows))  # the output row at each batch position (padding rows excluded)
-            alive = [True] * rows
-            written = prompt_len  # cache positions written so far (the next step writes here)
-            for _ in range(max(limit)):
-                picked = _pick(logits[: len(live)], live, alive, row_prompt, per_prompt, generators)
-                for b, tok in enumerate(picked.tolist()):
-                    if alive[b]:
-                        alive[b] = _append(live[b], tok, tokens, reasons, limit, eos_set, should_stop)
-                if not any(alive):
-                    break
-                if options.drop_finished and width > 1:
-                    smaller = _bucket(sum(alive))
-                    if smaller * SHRINK_FACTOR <= width:  # move the live rows to a smaller bucket
-                        keep = torch.tensor([b for b, a in enumerate(alive) if a], device=device)
-                        old = cache
-                        cache = self._cache(smaller, length, prefilled)
-                        self._fill(cache, old, keep, written)
-                        pad = smaller - len(keep)
-                        attend = torch.cat([attend.index_select(0, keep), attend.new_zeros(pad, 1, 1, length)], 0)
-                        attend[len(keep) :, 0, 0, 0] = True
-                        next_pos = torch.cat([next_pos.index_select(0, keep), next_pos.new_zeros(pad, 1)], 0)
-                        picked = picked.index_select(0, keep)
-                        live, alive, width = [live[b] for b in keep.tolist()], [True] * len(keep), smaller
-                        ids = torch.zeros(width, 1, dtype=torch.long, device=device)
-                ids[: picked.shape[0], 0] = picked
-                attend[:, 0, 0, written] = True
-                if self.compiled and device.type == "cuda":
-                    torch.compiler.cudagraph_mark_step_begin()
-                logits = self._step(ids, next_pos, attend, cache)
-                next_pos += 1
-                written += 1
-            return list(zip(tokens, reasons, strict=True))
+            return self._decode(prefilled, logits, mask, positions, row_prompt, per_prompt, eos, choice, should_stop)
         finally:
             self._busy.release()
+
+    def _decode(
+        self,
+        prefilled: Any,
+        logits: torch.Tensor,
+        mask: torch.Tensor,
+        positions: torch.Tensor,
+        row_prompt: list[int],
+        per_prompt: list[DecodeOptions],
+        eos: torch.Tensor,
+        choice: _Choice,
+        should_stop: Callable[[int, list[int], int], bool] | None,
+    ) -> list[tuple[list[int], str]] | None:
+        from elm_memory.backends.decode import _append
+
+        rows, prompt_len = mask.shape
+        limit = [per_prompt[p].max_new_tokens for p in row_prompt]
+        steps = max(limit)
+        length = _bucket(prompt_len + steps, MIN_CACHE_LEN)
+        if rows > self.max_rows or length > self.max_cache_len:
+            self._log_once(
+                f"captured decode: {rows} rows x {prompt_len + steps} positions fit no bucket "
+                f"(at most {self.max_rows} rows x {self.max_cache_len}); decoding this call with the plain loop"
+            )
+            return None
+        device = logits.device
+        width = _bucket(rows)
+        cache = self._cache(width, length, prefilled)
+        self._fill(cache, prefilled, None, prompt_len)
+
+        def padded(t: torch.Tensor, fill: float | int | bool, rows_now: int) -> torch.Tensor:
+            return torch.cat([t, t.new_full((width - rows_now, *t.shape[1:]), fill)]) if width > rows_now else t
+
+        attend = torch.zeros(width, 1, 1, length, dtype=torch.bool, device=device)
+        attend[:rows, 0, 0, :prompt_len] = mask.bool()
+        attend[rows:, 0, 0, 0] = True  # padding rows attend to one position: no row is all masked
+        next_pos = padded(positions[:, -1:] + 1, 0, rows)
+        # padding rows are greedy with no draws; their tokens are never read
+        temperature = padded(choice.temperature, 0.0, rows)
+        top_p = padded(choice.top_p, 1.0, rows)
+        keys = padded(choice.keys, 0, rows)
+        counts = torch.zeros(width, dtype=torch.long, device=device)  # the index of the token each row picks next
+        flags = {"any_sampled": choice.any_sampled, "any_nucleus": choice.any_nucleus}
+        history = torch.zeros(width, self.read_every, dtype=torch.long, device=device)
+        ids = padded(choice.pick(logits, choice.temperature, choice.top_p, choice.keys, counts[:rows]), 0, rows)
+        ids = ids.unsqueeze(1)
+        history[:, 0] = ids[:, 0]
+
+        eos_set = set(eos.tolist())
+        options = per_prompt[0]
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        reasons = ["length"] * rows
+        live = list(range(rows))  # the output row at each batch position (padding rows excluded)
+        alive = [True] * rows
+        written = prompt_len  # cache positions written so far (the next step writes here)
+        held, made = 1, 1  # tokens in ``history`` not read yet; tokens every row has been given
+        while True:
+            if held == self.read_every or made == steps:
+                for b, got in enumerate(history[: len(live), :held].tolist()):
+                    for tok in got:  # a row that ended inside these steps keeps its tokens up to its end
+                        if not alive[b]:
+                            break
+                        alive[b] = _append(live[b], tok, tokens, reasons, limit, eos_set, should_stop)
+                held = 0
+                if made == steps or not any(alive):
+                    break
+                smaller = _bucket(sum(alive))
+                if options.drop_finished and smaller * SHRINK_FACTOR <= width:  # move the live rows to a smaller bucket
+                    keep = torch.tensor([b for b, a in enumerate(alive) if a], device=device)
+                    old = cache
+                    cache = self._cache(smaller, length, prefilled)
+                    self._fill(cache, old, keep, written)
+                    width, kept = smaller, len(keep)
+                    attend = padded(attend.index_select(0, keep), False, kept)
+                    attend[kept:, 0, 0, 0] = True
+                    next_pos = padded(next_pos.index_select(0, keep), 0, kept)
+                    ids = padded(ids.index_select(0, keep), 0, kept)
+                    temperature = padded(temperature.index_select(0, keep), 0.0, kept)
+                    top_p = padded(top_p.index_select(0, keep), 1.0, kept)
+                    keys = padded(keys.index_select(0, keep), 0, kept)
+                    counts = counts.new_zeros(width)
+                    history = history.new_zeros(width, self.read_every)
+                    live, alive = [live[b] for b in keep.tolist()], [True] * kept
+            attend[:, 0, 0, written] = True
+            counts.fill_(made)
+            if self.compiled and device.type == "cuda":
+                torch.compiler.cudagraph_mark_step_begin()
+            picked = self._step(ids, next_pos, attend, cache, temperature, top_p, keys, counts, **flags)
+            history[:, held] = picked  # copied out before the next replay overwrites the graph's output
+            ids[:, 0] = picked
+            next_pos += 1
+            written += 1
+            held += 1
+            made += 1
+        return list(zip(tokens, reasons, strict=True))

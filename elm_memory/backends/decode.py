@@ -8,9 +8,10 @@ most rows are padding long before the batch ends. This loop:
 - **prefills each prompt once** and repeats its KV cache n times (``share_prompt_kv``);
 - **drops finished rows** from the batch and the cache (``drop_finished``), so a step
   costs what the live rows cost;
-- **samples each prompt from its own generator**, so a prompt's rollouts depend on its
-  seed only, not on which other prompts share the batch (what training several memories
-  together needs to equal training each alone).
+- **samples each prompt from its own seed**: a row's draws are a hash of a key drawn from its
+  prompt's generator and the token's index (:mod:`elm_memory.backends.sampling`), so a prompt's
+  rollouts depend on its seed only, not on which other prompts share the batch (what training
+  several memories together needs to equal training each alone) or on lookup drafts.
 
 With ``lookup_draft_tokens`` it also **decodes speculatively** from drafts looked up in the text
 already there (:mod:`elm_memory.backends.lookup`): several tokens per row per forward, where the
@@ -36,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elm_memory.backends.lookup import LookupDrafter
+from elm_memory.backends.sampling import pick_tokens, row_keys
 from elm_memory.memory.kinds import AppliedMemory
 from elm_memory.models.logits import last_positions
 
@@ -76,7 +78,8 @@ def sample(
     Returns ``B * n`` rows (prompt-major: the n samples of prompt 0 first), each as
     ``(new token ids, finish reason)``; the reason is ``"stop"`` (an EOS token, included in
     the ids), ``"answer"`` (``should_stop(row, tokens, token)`` said so after ``token``) or
-    ``"length"``. ``generators[i]`` draws prompt i's samples (None: the global RNG).
+    ``"length"``. ``generators[i]`` draws the keys of prompt i's rows, one per row at the start
+    (None: the global RNG); each sampled token is then the row's (key, token index) draw.
     ``memory``: a lora/prefix memory applied to every row (a prefix starts the KV cache).
 
     ``options`` may be one per prompt: prompt i then gets ``options[i].n`` rows, decoded at its
@@ -86,8 +89,8 @@ def sample(
     ``lookup_draft_tokens`` > 0 turns on speculative decoding (:mod:`elm_memory.backends.lookup`):
     ``prompt_tokens[i]`` (prompt i's token ids; default the ``input_ids`` rows) and
     ``earlier_outputs[i]`` (outputs generated before for that prompt) seed the lookup.
-    Greedy rows keep their tokens (up to bf16 rounding: a forward of several tokens rounds
-    differently); sampled rows keep their distribution, not their draws.
+    Rows keep their tokens, greedy and sampled (up to bf16 rounding: a forward of several tokens
+    rounds differently): a sampled token's draw depends on the row's key and the token's index only.
 
     ``captured``: decode steps on a static KV cache, compiled once per shape bucket
     (:mod:`elm_memory.backends.captured`); the prefill and every token choice stay the ones here.
@@ -167,15 +170,16 @@ def _sample(
         cache.batch_select_indices(expand)
         logits, mask, positions = logits[expand], mask[expand], positions[expand]
 
+    choice = _Choice.of(row_prompt, per_prompt, generators, device)
     if options.lookup_draft_tokens > 0:
         if prompt_tokens is None:
             raise ValueError("speculative lookup with inputs_embeds needs prompt_tokens")
         drafter = LookupDrafter(prompt_tokens, row_prompt, options.lookup_draft_tokens, earlier_outputs)
         return _decode_lookup(
-            model, cache, logits, mask, positions, row_prompt, per_prompt, drafter, eos, generators, should_stop
+            model, cache, logits, mask, positions, row_prompt, per_prompt, drafter, eos, choice, should_stop
         )
     if captured is not None:
-        done = captured.decode(cache, logits, mask, positions, row_prompt, per_prompt, eos, generators, should_stop)
+        done = captured.decode(cache, logits, mask, positions, row_prompt, per_prompt, eos, choice, should_stop)
         if done is not None:  # None: no bucket fits, or another call holds the caches; the plain loop decodes it
             return done
     rows = len(row_prompt)
@@ -186,8 +190,11 @@ def _sample(
     live = list(range(rows))  # the original row of each batch position
     alive = [True] * rows  # per batch position; only False for kept finished rows (drop_finished off)
     next_pos = positions[:, -1] + 1
-    for _ in range(max(limit)):
-        picked = _pick(logits, live, alive, row_prompt, per_prompt, generators)
+    temperature, top_p, keys = choice.temperature, choice.top_p, choice.keys
+    for step in range(max(limit)):
+        # every live row has emitted ``step`` tokens: its draw for the next one is its (key, step) draw
+        counts = torch.full((len(live),), step, dtype=torch.long, device=device)
+        picked = choice.pick(logits, temperature, top_p, keys, counts)
         picked_list = picked.tolist()
         for b, row in enumerate(live):
             if alive[b]:
@@ -200,6 +207,7 @@ def _sample(
             idx = torch.tensor(keep, device=device)
             cache.batch_select_indices(idx)
             mask, next_pos, picked = mask[idx], next_pos[idx], picked[idx]
+            temperature, top_p, keys = temperature[idx], top_p[idx], keys[idx]
             live, alive = [live[b] for b in keep], [True] * len(keep)
         out = model(
             input_ids=picked.unsqueeze(1),
@@ -213,6 +221,49 @@ def _sample(
     return list(zip(tokens, reasons, strict=True))
 
 
+@dataclass(frozen=True)
+class _Choice:
+    """How each output row picks its tokens: per-row temperature and top-p, and the row's draw key
+    (:mod:`elm_memory.backends.sampling`); all on the logits' device."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    keys: torch.Tensor
+    any_sampled: bool
+    any_nucleus: bool
+
+    @staticmethod
+    def of(
+        row_prompt: list[int],
+        per_prompt: list[DecodeOptions],
+        generators: Sequence[torch.Generator | None] | None,
+        device: torch.device,
+    ) -> _Choice:
+        sampled = [o.temperature > 0.0 for o in per_prompt]
+        temps = [max(per_prompt[p].temperature, 0.0) for p in row_prompt]
+        tops = [per_prompt[p].top_p for p in row_prompt]
+        return _Choice(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_p=torch.tensor(tops, dtype=torch.float32, device=device),
+            keys=row_keys(row_prompt, sampled, generators, device),
+            any_sampled=any(sampled),
+            any_nucleus=any(o.top_p < 1.0 for o, s in zip(per_prompt, sampled, strict=True) if s),
+        )
+
+    def pick(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        keys: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per row of ``logits``, the rows' settings and keys given (a subset of this call's rows)."""
+        return pick_tokens(
+            logits, temperature, top_p, keys, counts, any_sampled=self.any_sampled, any_nucleus=self.any_nucleus
+        )
+
+
 def _decode_lookup(
     model: torch.nn.Module,
     cache: Any,
@@ -223,7 +274,7 @@ def _decode_lookup(
     per_prompt: list[DecodeOptions],
     drafter: LookupDrafter,
     eos: torch.Tensor,
-    generators: Sequence[torch.Generator | None] | None,
+    choice: _Choice,
     should_stop: Callable[[int, list[int], int], bool] | None,
 ) -> list[tuple[list[int], str]]:
     """The decode steps with speculative lookup: each live row feeds its next token plus up to k
@@ -231,8 +282,8 @@ def _decode_lookup(
     token after them. Rejected drafts stay in the KV cache, masked out, so no row waits for another.
 
     Acceptance: a greedy row takes a draft that is its argmax; a sampled row draws its token from ``p``
-    with one draw of its generator and keeps the draft when that token is the draft (probability
-    ``p(d)``), so its tokens and draws are those of plain sampling whatever was drafted."""
+    with its draw for that token's index and keeps the draft when that token is the draft (probability
+    ``p(d)``), so its tokens are those of plain sampling whatever was drafted."""
     device = mask.device
     eos_set = set(eos.tolist())
     rows = len(row_prompt)
@@ -242,7 +293,9 @@ def _decode_lookup(
     live = list(range(rows))
     next_pos = positions[:, -1] + 1
     # the first token of every row comes from the prefill's logits, as without lookup
-    first = _pick(logits, live, [True] * rows, row_prompt, per_prompt, generators).tolist()
+    zero = torch.zeros(rows, dtype=torch.long, device=device)
+    first = choice.pick(logits, choice.temperature, choice.top_p, choice.keys, zero).tolist()
+    keys = choice.keys.tolist()
     picked: list[int] = []
     alive: list[bool] = []
     for row, tok in enumerate(first):
@@ -267,8 +320,7 @@ def _decode_lookup(
         accepted, picked, alive = [], [], []
         for b, row in enumerate(live):
             opts = per_prompt[row_prompt[row]]
-            gen = generators[row_prompt[row]] if generators is not None else None
-            took, nxt = _verify(out.logits[b], drafts[b], opts, gen)
+            took, nxt = _verify(out.logits[b], drafts[b], opts, keys[row], len(tokens[row]))
             done = False
             for tok in took:  # the accepted drafts; the row may end on one of them
                 done = not _append(row, tok, tokens, reasons, limit, eos_set, should_stop)
@@ -310,10 +362,11 @@ def _append(
 
 
 def _verify(
-    logits: torch.Tensor, draft: list[int], options: DecodeOptions, generator: torch.Generator | None
+    logits: torch.Tensor, draft: list[int], options: DecodeOptions, key: int, emitted: int
 ) -> tuple[list[int], int]:
     """(the accepted prefix of ``draft``, the model's token after it) from one row's logits
-    ``[1 + len(draft) or more, vocab]`` (position j scores the token after input j)."""
+    ``[1 + len(draft) or more, vocab]`` (position j scores the token after input j); ``key``: the row's
+    draw key, ``emitted``: the tokens the row has so far (the index of the token position 0 chooses)."""
     n = len(draft)
     if options.temperature <= 0.0:
         best = logits[: n + 1].argmax(dim=-1).tolist()
@@ -321,105 +374,20 @@ def _verify(
         while a < n and best[a] == draft[a]:
             a += 1
         return draft[:a], best[a]
-    probs = torch.softmax(logits[: n + 1].float() / options.temperature, dim=-1)
-    if options.top_p < 1.0:
-        probs = _nucleus(probs, options.top_p)
-    # One draw per position, inverted at the model's distribution there, keeps a draft when the drawn token
-    # is the draft (probability p(draft), as the textbook rule). Every token costs exactly one draw whatever
-    # was drafted, so a prompt with one seeded row gets the tokens plain sampling gives it, whatever the
-    # drafts. With n rows the prompt's generator is shared: rows that emit more tokens per forward take
-    # more draws, so drafts move draws between rows (the distribution is unchanged, the rows are not;
-    # tests/test_lookup_seeding.py).
+    # Position a chooses the row's token number emitted + a, with that token's own draw, inverted at the
+    # model's distribution there: a draft is kept when the drawn token is the draft (probability p(draft),
+    # as the textbook rule), and every token is the one plain sampling gives the row, whatever was drafted.
+    positions = n + 1
+    choice = pick_tokens(
+        logits[:positions],
+        torch.full((positions,), options.temperature, dtype=torch.float32, device=logits.device),
+        torch.full((positions,), options.top_p, dtype=torch.float32, device=logits.device),
+        torch.full((positions,), key, dtype=torch.long, device=logits.device),
+        torch.arange(emitted, emitted + positions, device=logits.device),
+        any_sampled=True,
+        any_nucleus=options.top_p < 1.0,
+    ).tolist()
     for a in range(n):
-        token = _draw(probs[a], generator)
-        if token != draft[a]:
-            return draft[:a], token
-    return draft, _draw(probs[n], generator)
-
-
-def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token from unnormalised ``probs`` by inverting its CDF at a draw of ``generator``."""
-    device = generator.device if generator is not None else "cpu"
-    u = torch.rand(1, generator=generator, dtype=torch.float64, device=device).cpu()
-    return int(_inverse_cdf(probs.unsqueeze(0), u)[0])
-
-
-def _inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """Per row of unnormalised ``probs`` [B, V], the token where its CDF first exceeds ``u`` [B] (in [0, 1))
-    times the row's mass."""
-    cdf = probs.cumsum(dim=-1)
-    target = (u.to(cdf.device, cdf.dtype) * cdf[:, -1]).unsqueeze(1)
-    # right=True: the first token whose CDF exceeds the draw, so a zero-probability token is never picked
-    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs.shape[-1] - 1).squeeze(1)
-
-
-def _pick(
-    logits: torch.Tensor,
-    live: list[int],
-    alive: list[bool],
-    row_prompt: list[int],
-    per_prompt: list[DecodeOptions],
-    generators: Sequence[torch.Generator | None] | None,
-) -> torch.Tensor:
-    """One token per batch row, under its prompt's options (rows of prompts with other options
-    than the first are picked as a group of their own: greedy rows take no random draw)."""
-    first = per_prompt[0]
-    if all(o.temperature == first.temperature and o.top_p == first.top_p for o in per_prompt):
-        return _pick_rows(logits, live, alive, row_prompt, first, generators)
-    picked = torch.empty(logits.shape[0], dtype=torch.long, device=logits.device)
-    groups: dict[tuple[float, float], list[int]] = {}
-    for b, row in enumerate(live):
-        o = per_prompt[row_prompt[row]]
-        groups.setdefault((o.temperature, o.top_p), []).append(b)
-    for positions in groups.values():
-        o = per_prompt[row_prompt[live[positions[0]]]]
-        idx = torch.tensor(positions, device=logits.device)
-        sub_live, sub_alive = [live[b] for b in positions], [alive[b] for b in positions]
-        picked[idx] = _pick_rows(logits[idx], sub_live, sub_alive, row_prompt, o, generators)
-    return picked
-
-
-def _pick_rows(
-    logits: torch.Tensor,
-    live: list[int],
-    alive: list[bool],
-    row_prompt: list[int],
-    options: DecodeOptions,
-    generators: Sequence[torch.Generator | None] | None,
-) -> torch.Tensor:
-    """One token per batch row: greedy, or sampled at the temperature (nucleus when top_p < 1).
-
-    Sampling inverts each row's CDF at a uniform draw. The draws come from each prompt's own
-    generator (a handful of numbers per step), the inversion is one vectorised search over the
-    whole batch: per-prompt seeds cost no per-prompt pass over the vocabulary.
-    """
-    if options.temperature <= 0.0:
-        return logits.argmax(dim=-1)
-    probs = torch.softmax(logits.float() / options.temperature, dim=-1)
-    if options.top_p < 1.0:
-        probs = _nucleus(probs, options.top_p)
-    if generators is None:
-        return torch.multinomial(probs, 1).squeeze(1)
-    # the draws stay on the logits' device: a copy to the host per prompt would wait for the GPU each step
-    u = torch.zeros(probs.shape[0], dtype=torch.float64, device=probs.device)
-    by_prompt: dict[int, list[int]] = {}
-    for b, row in enumerate(live):
-        if alive[b]:
-            by_prompt.setdefault(row_prompt[row], []).append(b)
-    for prompt, batch_rows in by_prompt.items():
-        gen = generators[prompt]
-        device = gen.device if gen is not None else "cpu"
-        draws = torch.rand(len(batch_rows), generator=gen, dtype=torch.float64, device=device).to(u.device)
-        first, last = batch_rows[0], batch_rows[-1]
-        if last - first + 1 == len(batch_rows):  # a prompt's live rows sit together unless some finished in place
-            u[first : last + 1] = draws
-        else:
-            u[torch.tensor(batch_rows, device=u.device)] = draws
-    return _inverse_cdf(probs, u)
-
-
-def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
-    sorted_p, order = probs.sort(dim=-1, descending=True)
-    cum = sorted_p.cumsum(dim=-1)
-    sorted_p[(cum - sorted_p) > top_p] = 0.0  # keep the smallest prefix whose mass reaches top_p
-    return torch.zeros_like(probs).scatter_(-1, order, sorted_p)
+        if choice[a] != draft[a]:
+            return draft[:a], choice[a]
+    return draft, choice[n]

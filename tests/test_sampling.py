@@ -1,0 +1,108 @@
+"""Token choice with counter-based draws (elm_memory/backends/sampling.py): the hash is exact integer
+arithmetic, its draws are uniform and independent of each other, and sampling follows the softmax."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+
+from elm_memory.backends.sampling import (
+    inverse_cdf,
+    mix32,
+    nucleus,
+    pick_tokens,
+    row_keys,
+    uniforms,
+)
+
+M32 = 0xFFFFFFFF
+
+
+def _mix32_reference(x: int) -> int:
+    """The same mixer on Python's unbounded integers: what the int64 tensor version must equal bit for bit."""
+    x ^= x >> 16
+    x = (x * 0x7FEB352D) & M32
+    x ^= x >> 15
+    x = (x * 0x846CA68B) & M32
+    return x ^ (x >> 16)
+
+
+def test_the_mixer_equals_unbounded_integer_arithmetic_at_the_edges_of_32_bits():
+    rng = random.Random(0)
+    values = [0, 1, 2, 0xFFFF, 0x10000, 0x7FFFFFFF, 0x80000000, M32 - 1, M32] + [
+        rng.getrandbits(32) for _ in range(5000)
+    ]
+    got = mix32(torch.tensor(values, dtype=torch.long)).tolist()
+    assert got == [_mix32_reference(v) for v in values]
+    assert len(set(got)) == len(set(values))  # a bijection: no two inputs meet
+
+
+def test_draws_are_uniform_in_0_1_and_independent_of_the_previous_token():
+    keys = torch.arange(400, dtype=torch.long).repeat_interleave(250) * 7919 + 12345
+    counts = torch.arange(250, dtype=torch.long).repeat(400)
+    u = uniforms(keys, counts)
+    assert u.dtype == torch.float32 and float(u.min()) >= 0.0 and float(u.max()) < 1.0
+    n, bins = u.numel(), 50
+    observed = torch.histc(u, bins=bins, min=0.0, max=1.0)
+    chi2 = float(((observed - n / bins) ** 2 / (n / bins)).sum())
+    assert chi2 < 110, chi2  # 49 degrees of freedom: above 110 has probability below 1e-6 for uniform draws
+    # consecutive tokens of one row: each of the four quadrants holds a quarter of the pairs
+    grid = u.view(400, 250)
+    first, second = grid[:, :-1].flatten() < 0.5, grid[:, 1:].flatten() < 0.5
+    both = float((first & second).float().mean())
+    assert abs(both - 0.25) < 0.01, both
+
+
+def test_a_draw_is_a_function_of_its_key_and_index_alone():
+    keys = torch.tensor([5, 5, 6, 5], dtype=torch.long)
+    counts = torch.tensor([0, 1, 0, 0], dtype=torch.long)
+    u = uniforms(keys, counts).tolist()
+    assert u[0] == u[3] and u[0] != u[1] and u[0] != u[2]
+    assert uniforms(keys[3:], counts[3:]).tolist() == [u[3]]  # alone or in a batch: the same number
+
+
+def test_inverse_cdf_never_picks_a_token_without_mass():
+    probs = torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.3, 0.0, 0.7], [0.2, 0.0, 0.0, 0.0]])
+    top = torch.full((3,), 1.0 - 2.0**-24)  # the largest draw there is
+    assert inverse_cdf(probs, top).tolist() == [1, 3, 0]
+    assert inverse_cdf(probs, torch.zeros(3)).tolist() == [0, 1, 0]
+    assert inverse_cdf(probs, torch.full((3,), 0.5)).tolist() == [1, 3, 0]
+
+
+def test_sampled_tokens_follow_the_softmax_and_greedy_rows_take_the_argmax():
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0])
+    n = 20000
+    rows = logits.repeat(n, 1)
+    temperature = torch.full((n,), 0.8)
+    temperature[::2] = 0.0  # every other row greedy
+    keys = torch.arange(n, dtype=torch.long)
+    picked = pick_tokens(
+        rows, temperature, torch.ones(n), keys, torch.zeros(n, dtype=torch.long), any_sampled=True, any_nucleus=False
+    )
+    assert set(picked[::2].tolist()) == {0}
+    sampled = torch.bincount(picked[1::2], minlength=5).float() / (n // 2)
+    assert torch.allclose(sampled, torch.softmax(logits / 0.8, dim=-1), atol=0.015)
+    greedy_only = pick_tokens(
+        rows[:3], torch.zeros(3), torch.ones(3), keys[:3], keys[:3], any_sampled=False, any_nucleus=False
+    )
+    assert greedy_only.tolist() == [0, 0, 0]
+
+
+def test_the_nucleus_is_per_row():
+    probs = torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]])
+    kept = nucleus(probs, torch.tensor([0.6, 1.0]))
+    assert torch.equal(kept, torch.tensor([[0.5, 0.3, 0.0], [0.5, 0.3, 0.2]]))
+
+
+def test_keys_come_from_each_sampled_prompts_own_generator_and_greedy_prompts_draw_none():
+    def gens(*seeds):
+        return [torch.Generator().manual_seed(s) for s in seeds]
+
+    together = row_keys([0, 0, 1, 2, 2], [True, False, True], gens(1, 2, 3), "cpu").tolist()
+    assert together[2] == 0  # the greedy prompt's row has no key
+    assert together[:2] == row_keys([0, 0], [True], gens(1), "cpu").tolist()
+    assert together[3:] == row_keys([0, 0], [True], gens(3), "cpu").tolist()
+    untouched = gens(2)
+    row_keys([0, 1], [True, False], [gens(1)[0], untouched[0]], "cpu")
+    assert torch.rand(1, generator=untouched[0]).item() == torch.rand(1, generator=gens(2)[0]).item()
