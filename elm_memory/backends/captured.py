@@ -11,11 +11,11 @@ What stays the plain loop's: the prefill (soft prompts, a prefix memory's cache,
 prompt shared by its rows), the token choice (:func:`sampling.pick_tokens` with the same per-row keys
 and token indices, so the same tokens), stop-at-answer and EOS. What changes:
 
-- **The token is chosen inside the step.** Each row's draw is a hash of its key and the token's
-  index, so the compiled step picks the next token on the device and feeds it to the next step; the
-  host reads the tokens back every ``read_every`` steps (8 on a GPU) instead of every step, and a row
-  that ended inside those steps keeps only its tokens up to its end (the steps after it were
-  computed and dropped: its tokens do not depend on them).
+- **The token is chosen on the device.** Each row's draw is a hash of its key and the token's
+  index, so the next token is picked from the step's logits on the device and fed to the next step
+  with no host round trip; the host reads the tokens back every ``read_every`` steps (8 on a GPU)
+  instead of every step, and a row that ended inside those steps keeps only its tokens up to its end
+  (the steps after it were computed and dropped: its tokens do not depend on them).
 - **Buckets.** A compiled step exists per (batch rows, cache length) pair. Rows are padded up to
   a power of two (at most ``max_rows``) and the cache length up to a power of two of at least 256
   tokens, so a stream compiles a handful of shapes per process, not one per call. A call that fits
@@ -113,32 +113,20 @@ class CapturedSteps:
         # learner beside the answer path) takes the plain loop instead of waiting or sharing a cache
         self._busy = threading.Lock()
         self.buckets_seen: list[tuple[int, int]] = []  # (rows, cache length) of each bucket met, in order
-        self._step: Callable[..., torch.Tensor] = self._forward_pick
+        self._step: Callable[..., torch.Tensor] = self._forward
         if compile:
             import torch._dynamo
 
-            # one compiled step per bucket (and per kind of token choice): allow every one this runner can meet
+            # one compiled step per bucket: allow every bucket this runner can meet
             buckets = (self.max_rows.bit_length()) * (max(1, (max_cache_len // MIN_CACHE_LEN)).bit_length() + 1)
-            limit = max(int(getattr(torch._dynamo.config, "recompile_limit", 8)), 3 * buckets + 8)
+            limit = max(int(getattr(torch._dynamo.config, "recompile_limit", 8)), buckets + 8)
             torch._dynamo.config.recompile_limit = limit
             self._step = torch.compile(
-                self._forward_pick, mode="reduce-overhead" if on_gpu else None, fullgraph=True, dynamic=False
+                self._forward, mode="reduce-overhead" if on_gpu else None, fullgraph=True, dynamic=False
             )
 
-    def _forward_pick(
-        self,
-        ids: torch.Tensor,
-        positions: torch.Tensor,
-        mask: torch.Tensor,
-        cache: Any,
-        temperature: torch.Tensor,
-        top_p: torch.Tensor,
-        keys: torch.Tensor,
-        counts: torch.Tensor,
-        any_sampled: bool,
-        any_nucleus: bool,
-    ) -> torch.Tensor:
-        """One decode step and the next token of every row (what the plain loop would pick from the logits)."""
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
+        """One decode step: the last position's logits of every row."""
         if self._additive:  # the eager attention adds its mask; sdpa takes the boolean one as it is
             dtype = next(self.model.parameters()).dtype
             mask = torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(~mask, torch.finfo(dtype).min)
@@ -149,9 +137,7 @@ class CapturedSteps:
             past_key_values=cache,
             use_cache=True,
         )
-        return pick_tokens(
-            out.logits[:, -1, :], temperature, top_p, keys, counts, any_sampled=any_sampled, any_nucleus=any_nucleus
-        )
+        return out.logits[:, -1, :]
 
     def _log_once(self, message: str) -> None:
         if message not in self._logged:
@@ -297,8 +283,11 @@ class CapturedSteps:
             counts.fill_(made)
             if self.compiled and device.type == "cuda":
                 torch.compiler.cudagraph_mark_step_begin()
-            picked = self._step(ids, next_pos, attend, cache, temperature, top_p, keys, counts, **flags)
-            history[:, held] = picked  # copied out before the next replay overwrites the graph's output
+            logits = self._step(ids, next_pos, attend, cache)
+            # the choice runs eagerly on the device, before the next replay overwrites the graph's logits
+            # (inductor cannot yet fuse the CDF's scan with the reductions beside it on CUDA)
+            picked = pick_tokens(logits, temperature, top_p, keys, counts, **flags)
+            history[:, held] = picked
             ids[:, 0] = picked
             next_pos += 1
             written += 1
