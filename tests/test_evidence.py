@@ -159,8 +159,13 @@ def test_a_sampled_lookup_row_picks_the_tokens_plain_sampling_picks():
         one = torch.ones(1)
         return int(
             pick_tokens(
-                logits[position : position + 1], one * 0.8, one, torch.tensor([key]), torch.tensor([index]),
-                any_sampled=True, any_nucleus=False,
+                logits[position : position + 1],
+                one * 0.8,
+                one,
+                torch.tensor([key]),
+                torch.tensor([index]),
+                any_sampled=True,
+                any_nucleus=False,
             )[0]
         )
 

@@ -106,3 +106,27 @@ def test_keys_come_from_each_sampled_prompts_own_generator_and_greedy_prompts_dr
     untouched = gens(2)
     row_keys([0, 1], [True, False], [gens(1)[0], untouched[0]], "cpu")
     assert torch.rand(1, generator=untouched[0]).item() == torch.rand(1, generator=gens(2)[0]).item()
+
+
+def test_the_two_level_inverse_cdf_lands_where_the_cdf_crosses_the_draw():
+    """Blocks of 128 then the token inside: the picked token has mass and its CDF interval holds the
+    draw (within float32 rounding of a block's sum), and it is the token a float64 scan over the whole
+    vocabulary picks on all but rounding ties; vocabularies that are and are not a multiple of 128."""
+    g = torch.Generator().manual_seed(0)
+    for vocab in (49152, 1000):
+        probs = torch.softmax(torch.randn(16, vocab, generator=g) * 4, dim=-1)
+        probs[:, 5:300] = 0.0  # whole blocks and parts of blocks without mass
+        same = draws = 0
+        for _ in range(200):
+            u = torch.rand(16, generator=g)
+            picked = inverse_cdf(probs, u)
+            cdf = probs.double().cumsum(dim=-1)
+            target = u.double() * cdf[:, -1]
+            rows = torch.arange(16)
+            upper = cdf[rows, picked]
+            lower = upper - probs[rows, picked].double()
+            assert (probs[rows, picked] > 0).all()
+            assert ((lower <= target + 1e-7) & (target <= upper + 1e-7)).all()
+            flat = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
+            same, draws = same + int((picked == flat).sum()), draws + 16
+        assert same >= draws - 3, f"{draws - same} of {draws} draws differ from the flat scan"

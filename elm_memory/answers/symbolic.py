@@ -149,7 +149,10 @@ class _LazyMathVerify:
                     math_verify.grader.TIMEOUT_WARNING_SHOWN = True
                     math_verify.parser.TIMEOUT_WARNING_SHOWN = True
                     self._module = math_verify
-                except Exception:
+                except ImportError as exc:  # not installed: say so in one line
+                    logger.warning("math-verify unavailable (%s); answers compared as strings only", exc)
+                    self._failed = True
+                except Exception:  # installed but broken: the traceback says how
                     logger.warning("math-verify unavailable; answers compared as strings only", exc_info=True)
                     self._failed = True
         return self._module

@@ -13,10 +13,11 @@ prompts that carry it (forward hooks, or a KV cache starting with its prefix): p
 by memory and each group is decoded as its own batch, so the zero-shot and memory candidates of
 one question are two decode batches for those kinds (one for a soft prompt).
 
-Seeds: each prompt is sampled from its own generator, seeded by ``PromptInput.seed`` or else
-by ``SamplingParams.seed + i * n`` (as the vLLM backend), so a prompt's samples are the same
-alone or in any batch, up to float rounding of the batched forward. Without any seed the
-global generator is used.
+Seeds: each prompt has its own generator, seeded by ``PromptInput.seed`` or else by
+``SamplingParams.seed + i * n`` (as the vLLM backend); it draws one key per row, and each token's
+draw is a hash of the key and the token's index (:mod:`elm_memory.backends.sampling`), so a
+prompt's samples are the same alone or in any batch, up to float rounding of the batched forward.
+Without any seed the global generator draws the keys.
 """
 
 from __future__ import annotations

@@ -22,6 +22,7 @@ import torch
 
 MASK32 = 0xFFFFFFFF
 KEY_BOUND = 1 << 32
+BLOCK = 128  # tokens per block of the two-level inverse CDF
 
 
 def _mul32(x: torch.Tensor, constant: int) -> torch.Tensor:
@@ -70,18 +71,33 @@ def row_keys(
 
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of unnormalised ``probs`` [B, V], the first token whose CDF exceeds ``u`` [B] (in [0, 1))
-    times the row's mass: a zero-probability token is never picked, even where rounding puts the
-    target at the total mass (the row's last token with mass is taken then).
+    times the row's mass. A zero-probability token is never picked, even where rounding puts the
+    target at the end of the mass (the last token with mass is taken then).
 
-    The CDF is summed in float64: in float32 a running sum near 0.2 moves in steps of 1.5e-8, so the
-    tail's tiny probabilities bump it by a whole step or by nothing, and which tail token a draw lands on
-    turned on the last bit of a logit."""
-    cdf = probs.double().cumsum(dim=-1)
-    total = cdf[:, -1:].contiguous()
-    target = u.to(cdf.dtype).unsqueeze(1) * total
-    picked = torch.searchsorted(cdf, target, right=True)
-    last_with_mass = torch.searchsorted(cdf, total, right=False)
-    return torch.minimum(picked, last_with_mass).squeeze(1)
+    In two levels, in float64 where sums run long: the CDF over blocks of ``BLOCK`` tokens finds the
+    block, then the CDF inside that block finds the token. In exact arithmetic this is the plain
+    inverse CDF; it reads the vocabulary once (a block sum), where a vocabulary-long scan took 0.23 ms a
+    step on an H200 and grows with the rows on a CPU. float64 matters: in float32 a running sum near
+    0.2 moves in steps of 1.5e-8, so the tail's tiny probabilities bump it by a whole step or by
+    nothing, and which tail token a draw lands on turned on the last bit of a logit."""
+    rows, vocab = probs.shape
+    pad = (-vocab) % BLOCK
+    if pad:
+        probs = torch.nn.functional.pad(probs, (0, pad))
+    blocks = probs.view(rows, -1, BLOCK)
+    block_cdf = blocks.sum(dim=-1).double().cumsum(dim=-1)
+    total = block_cdf[:, -1:].contiguous()
+    target = u.double().unsqueeze(1) * total
+    block = torch.minimum(
+        torch.searchsorted(block_cdf, target, right=True), torch.searchsorted(block_cdf, total, right=False)
+    )
+    before = torch.where(block > 0, block_cdf.gather(1, (block - 1).clamp(min=0)), 0.0)
+    inside = blocks.gather(1, block.unsqueeze(-1).expand(rows, 1, BLOCK)).squeeze(1).double().cumsum(dim=-1)
+    token = torch.minimum(
+        torch.searchsorted(inside, target - before, right=True),
+        torch.searchsorted(inside, inside[:, -1:].contiguous(), right=False),
+    )
+    return (block * BLOCK + token).squeeze(1)
 
 
 def nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
