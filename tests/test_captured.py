@@ -142,6 +142,13 @@ def test_a_prefix_memory_decodes_as_in_the_plain_loop_and_lora_takes_the_plain_l
     assert fast == plain and untouched.buckets_seen == []  # hooks run every forward: never captured
 
 
+def test_zero_new_tokens_decode_nothing_on_either_path(smol, batch):
+    _, input_ids, mask = batch
+    captured = _steps(smol, read_every=4)
+    plain, fast = _both(smol, mask, DecodeOptions(0, temperature=0.8, n=2), captured, input_ids=input_ids, seeds=(1, 2))
+    assert fast == plain == [([], "length")] * 4 and captured.buckets_seen == []
+
+
 def test_read_every_below_one_is_refused(smol):
     with pytest.raises(ValueError, match="read_every"):
         _steps(smol, read_every=0)

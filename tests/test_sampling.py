@@ -130,3 +130,14 @@ def test_the_two_level_inverse_cdf_lands_where_the_cdf_crosses_the_draw():
             flat = torch.searchsorted(cdf, target.unsqueeze(1), right=True).squeeze(1)
             same, draws = same + int((picked == flat).sum()), draws + 16
         assert same >= draws - 3, f"{draws - same} of {draws} draws differ from the flat scan"
+
+
+def test_a_batch_with_no_greedy_row_skips_the_argmax_and_picks_the_same_tokens():
+    logits = torch.randn(6, 300, generator=torch.Generator().manual_seed(3))
+    temperature, top_p = torch.full((6,), 0.7), torch.full((6,), 0.9)
+    keys, counts = torch.arange(6, dtype=torch.long) * 11, torch.full((6,), 4, dtype=torch.long)
+    both = [
+        pick_tokens(logits, temperature, top_p, keys, counts, any_sampled=True, any_nucleus=True, any_greedy=g)
+        for g in (True, False)
+    ]
+    assert torch.equal(both[0], both[1])

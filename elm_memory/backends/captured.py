@@ -214,6 +214,8 @@ class CapturedSteps:
         rows, prompt_len = mask.shape
         limit = [per_prompt[p].max_new_tokens for p in row_prompt]
         steps = max(limit)
+        if steps < 1:  # nothing to decode: the plain loop returns the empty rows
+            return None
         length = _bucket(prompt_len + steps, MIN_CACHE_LEN)
         if rows > self.max_rows or length > self.max_cache_len:
             self._log_once(
@@ -233,12 +235,14 @@ class CapturedSteps:
         attend[:rows, 0, 0, :prompt_len] = mask.bool()
         attend[rows:, 0, 0, 0] = True  # padding rows attend to one position: no row is all masked
         next_pos = padded(positions[:, -1:] + 1, 0, rows)
-        # padding rows are greedy with no draws; their tokens are never read
-        temperature = padded(choice.temperature, 0.0, rows)
+        # padding rows take the kind of choice the real rows take (no argmax pass just for them); their
+        # tokens are never read
+        pad_temperature = 0.0 if choice.any_greedy else 1.0
+        temperature = padded(choice.temperature, pad_temperature, rows)
         top_p = padded(choice.top_p, 1.0, rows)
         keys = padded(choice.keys, 0, rows)
         counts = torch.zeros(width, dtype=torch.long, device=device)  # the index of the token each row picks next
-        flags = {"any_sampled": choice.any_sampled, "any_nucleus": choice.any_nucleus}
+        flags = choice.flags
         history = torch.zeros(width, self.read_every, dtype=torch.long, device=device)
         ids = padded(choice.pick(logits, choice.temperature, choice.top_p, choice.keys, counts[:rows]), 0, rows)
         ids = ids.unsqueeze(1)
@@ -273,7 +277,7 @@ class CapturedSteps:
                     attend[kept:, 0, 0, 0] = True
                     next_pos = padded(next_pos.index_select(0, keep), 0, kept)
                     ids = padded(ids.index_select(0, keep), 0, kept)
-                    temperature = padded(temperature.index_select(0, keep), 0.0, kept)
+                    temperature = padded(temperature.index_select(0, keep), pad_temperature, kept)
                     top_p = padded(top_p.index_select(0, keep), 1.0, kept)
                     keys = padded(keys.index_select(0, keep), 0, kept)
                     counts = counts.new_zeros(width)

@@ -231,6 +231,7 @@ class _Choice:
     keys: torch.Tensor
     any_sampled: bool
     any_nucleus: bool
+    any_greedy: bool
 
     @staticmethod
     def of(
@@ -248,6 +249,7 @@ class _Choice:
             keys=row_keys(row_prompt, sampled, generators, device),
             any_sampled=any(sampled),
             any_nucleus=any(o.top_p < 1.0 for o, s in zip(per_prompt, sampled, strict=True) if s),
+            any_greedy=not all(sampled[p] for p in row_prompt),
         )
 
     def pick(
@@ -259,9 +261,12 @@ class _Choice:
         counts: torch.Tensor,
     ) -> torch.Tensor:
         """One token per row of ``logits``, the rows' settings and keys given (a subset of this call's rows)."""
-        return pick_tokens(
-            logits, temperature, top_p, keys, counts, any_sampled=self.any_sampled, any_nucleus=self.any_nucleus
-        )
+        return pick_tokens(logits, temperature, top_p, keys, counts, **self.flags)
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        """What the host knows of the rows, for :func:`sampling.pick_tokens`."""
+        return {"any_sampled": self.any_sampled, "any_nucleus": self.any_nucleus, "any_greedy": self.any_greedy}
 
 
 def _decode_lookup(

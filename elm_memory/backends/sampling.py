@@ -117,20 +117,23 @@ def pick_tokens(
     *,
     any_sampled: bool,
     any_nucleus: bool,
+    any_greedy: bool = True,
 ) -> torch.Tensor:
     """One token per row of ``logits`` [B, V]: the argmax where ``temperature[row] <= 0``, else a draw
     at that temperature (and ``top_p[row]``) by inverting the row's CDF at ``uniforms(keys, counts)``.
 
-    ``any_sampled`` / ``any_nucleus`` are the host's knowledge of the batch (no row sampled: no
-    softmax; no top_p below 1: no sort), so the function never branches on device values and runs
-    unchanged inside a captured step."""
-    best = logits.argmax(dim=-1)
+    ``any_sampled`` / ``any_nucleus`` / ``any_greedy`` are the host's knowledge of the batch (no row
+    sampled: no softmax; no top_p below 1: no sort; no greedy row: no argmax, which costs as much as the
+    softmax on a CPU), so the function never branches on device values."""
     if not any_sampled:
-        return best
-    greedy = temperature <= 0
-    scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+        return logits.argmax(dim=-1)
+    if any_greedy:
+        greedy = temperature <= 0
+        scale = torch.where(greedy, torch.ones_like(temperature), temperature)
+    else:
+        scale = temperature
     probs = torch.softmax(logits.float() / scale.unsqueeze(1), dim=-1)
     if any_nucleus:
         probs = nucleus(probs, top_p)
     drawn = inverse_cdf(probs, uniforms(keys, counts))
-    return torch.where(greedy, best, drawn)
+    return torch.where(greedy, logits.argmax(dim=-1), drawn) if any_greedy else drawn
