@@ -391,6 +391,7 @@ def _verify(
         torch.arange(emitted, emitted + positions, device=logits.device),
         any_sampled=True,
         any_nucleus=options.top_p < 1.0,
+        any_greedy=False,  # every position samples: no argmax pass over the vocabulary
     ).tolist()
     for a in range(n):
         if choice[a] != draft[a]:
