@@ -37,10 +37,10 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from elm_memory.backends.sampling import pick_tokens
+from elm_memory.backends.sampling import RowChoice, pick_tokens
 
 if TYPE_CHECKING:
-    from elm_memory.backends.decode import DecodeOptions, _Choice
+    from elm_memory.backends.decode import DecodeOptions
 
 log = logging.getLogger(__name__)
 
@@ -182,7 +182,7 @@ class CapturedSteps:
         row_prompt: list[int],
         per_prompt: list[DecodeOptions],
         eos: torch.Tensor,
-        choice: _Choice,
+        choice: RowChoice,
         should_stop: Callable[[int, list[int], int], bool] | None,
     ) -> list[tuple[list[int], str]] | None:
         """The decode loop after a prefill (``prefilled``: its dynamic cache, one row per output row;
@@ -206,7 +206,7 @@ class CapturedSteps:
         row_prompt: list[int],
         per_prompt: list[DecodeOptions],
         eos: torch.Tensor,
-        choice: _Choice,
+        choice: RowChoice,
         should_stop: Callable[[int, list[int], int], bool] | None,
     ) -> list[tuple[list[int], str]] | None:
         from elm_memory.backends.decode import _append

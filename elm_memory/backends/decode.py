@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from elm_memory.backends.lookup import LookupDrafter
-from elm_memory.backends.sampling import pick_tokens, row_keys
+from elm_memory.backends.sampling import RowChoice, pick_tokens
 from elm_memory.memory.kinds import AppliedMemory
 from elm_memory.models.logits import last_positions
 
@@ -170,7 +170,7 @@ def _sample(
         cache.batch_select_indices(expand)
         logits, mask, positions = logits[expand], mask[expand], positions[expand]
 
-    choice = _Choice.of(row_prompt, per_prompt, generators, device)
+    choice = RowChoice.of(row_prompt, per_prompt, generators, device)
     if options.lookup_draft_tokens > 0:
         if prompt_tokens is None:
             raise ValueError("speculative lookup with inputs_embeds needs prompt_tokens")
@@ -221,54 +221,6 @@ def _sample(
     return list(zip(tokens, reasons, strict=True))
 
 
-@dataclass(frozen=True)
-class _Choice:
-    """How each output row picks its tokens: per-row temperature and top-p, and the row's draw key
-    (:mod:`elm_memory.backends.sampling`); all on the logits' device."""
-
-    temperature: torch.Tensor
-    top_p: torch.Tensor
-    keys: torch.Tensor
-    any_sampled: bool
-    any_nucleus: bool
-    any_greedy: bool
-
-    @staticmethod
-    def of(
-        row_prompt: list[int],
-        per_prompt: list[DecodeOptions],
-        generators: Sequence[torch.Generator | None] | None,
-        device: torch.device,
-    ) -> _Choice:
-        sampled = [o.temperature > 0.0 for o in per_prompt]
-        temps = [max(per_prompt[p].temperature, 0.0) for p in row_prompt]
-        tops = [per_prompt[p].top_p for p in row_prompt]
-        return _Choice(
-            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
-            top_p=torch.tensor(tops, dtype=torch.float32, device=device),
-            keys=row_keys(row_prompt, sampled, generators, device),
-            any_sampled=any(sampled),
-            any_nucleus=any(o.top_p < 1.0 for o, s in zip(per_prompt, sampled, strict=True) if s),
-            any_greedy=not all(sampled[p] for p in row_prompt),
-        )
-
-    def pick(
-        self,
-        logits: torch.Tensor,
-        temperature: torch.Tensor,
-        top_p: torch.Tensor,
-        keys: torch.Tensor,
-        counts: torch.Tensor,
-    ) -> torch.Tensor:
-        """One token per row of ``logits``, the rows' settings and keys given (a subset of this call's rows)."""
-        return pick_tokens(logits, temperature, top_p, keys, counts, **self.flags)
-
-    @property
-    def flags(self) -> dict[str, bool]:
-        """What the host knows of the rows, for :func:`sampling.pick_tokens`."""
-        return {"any_sampled": self.any_sampled, "any_nucleus": self.any_nucleus, "any_greedy": self.any_greedy}
-
-
 def _decode_lookup(
     model: torch.nn.Module,
     cache: Any,
@@ -279,7 +231,7 @@ def _decode_lookup(
     per_prompt: list[DecodeOptions],
     drafter: LookupDrafter,
     eos: torch.Tensor,
-    choice: _Choice,
+    choice: RowChoice,
     should_stop: Callable[[int, list[int], int], bool] | None,
 ) -> list[tuple[list[int], str]]:
     """The decode steps with speculative lookup: each live row feeds its next token plus up to k

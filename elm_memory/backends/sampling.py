@@ -17,8 +17,13 @@ The hash is an integer mixer on 32-bit values held in int64 tensors; every produ
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:
+    from elm_memory.backends.decode import DecodeOptions
 
 MASK32 = 0xFFFFFFFF
 KEY_BOUND = 1 << 32
@@ -137,3 +142,51 @@ def pick_tokens(
         probs = nucleus(probs, top_p)
     drawn = inverse_cdf(probs, uniforms(keys, counts))
     return torch.where(greedy, logits.argmax(dim=-1), drawn) if any_greedy else drawn
+
+
+@dataclass(frozen=True)
+class RowChoice:
+    """How each output row picks its tokens: per-row temperature and top-p, and the row's draw key
+    (see above); all on the logits' device."""
+
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    keys: torch.Tensor
+    any_sampled: bool
+    any_nucleus: bool
+    any_greedy: bool
+
+    @staticmethod
+    def of(
+        row_prompt: Sequence[int],
+        per_prompt: Sequence[DecodeOptions],
+        generators: Sequence[torch.Generator | None] | None,
+        device: torch.device,
+    ) -> RowChoice:
+        sampled = [o.temperature > 0.0 for o in per_prompt]
+        temps = [max(per_prompt[p].temperature, 0.0) for p in row_prompt]
+        tops = [per_prompt[p].top_p for p in row_prompt]
+        return RowChoice(
+            temperature=torch.tensor(temps, dtype=torch.float32, device=device),
+            top_p=torch.tensor(tops, dtype=torch.float32, device=device),
+            keys=row_keys(row_prompt, sampled, generators, device),
+            any_sampled=any(sampled),
+            any_nucleus=any(o.top_p < 1.0 for o, s in zip(per_prompt, sampled, strict=True) if s),
+            any_greedy=not all(sampled[p] for p in row_prompt),
+        )
+
+    def pick(
+        self,
+        logits: torch.Tensor,
+        temperature: torch.Tensor,
+        top_p: torch.Tensor,
+        keys: torch.Tensor,
+        counts: torch.Tensor,
+    ) -> torch.Tensor:
+        """One token per row of ``logits``, the rows' settings and keys given (a subset of this call's rows)."""
+        return pick_tokens(logits, temperature, top_p, keys, counts, **self.flags)
+
+    @property
+    def flags(self) -> dict[str, bool]:
+        """What the host knows of the rows, for :func:`sampling.pick_tokens`."""
+        return {"any_sampled": self.any_sampled, "any_nucleus": self.any_nucleus, "any_greedy": self.any_greedy}
