@@ -110,12 +110,14 @@ class Placement:
     dtype: str  # "bfloat16" | "float32" | "float16"
     num_threads: int
     attn_implementation: str = "sdpa"  # transformers' attention kernel: "eager" | "sdpa"
+    cpu_allocator: str = "system"  # "reuse": glibc keeps large freed buffers (see apply_allocator) | "system"
     reasons: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> str:
         return (
-            f"{self.device}, {self.dtype}, {self.num_threads} threads, {self.attn_implementation} attention "
+            f"{self.device}, {self.dtype}, {self.num_threads} threads, {self.attn_implementation} attention, "
+            f"{self.cpu_allocator} allocator "
             f"({'; '.join(self.reasons)})"
         )
 
@@ -145,6 +147,8 @@ def resolve_placement(model_cfg: Any, hardware: Hardware | None = None, *, warn:
         attn, why = _resolve_attention(device, hw.cpu)
         reasons.append(f"attention auto: {attn} ({why})")
 
+    allocator = _resolve_allocator(getattr(model_cfg, "cpu_allocator", "auto"), device, reasons, notes)
+
     if warn:
         for note in notes:
             warnings.warn(note, PerformanceWarning, stacklevel=2)
@@ -153,6 +157,7 @@ def resolve_placement(model_cfg: Any, hardware: Hardware | None = None, *, warn:
         dtype=dtype,
         num_threads=threads,
         attn_implementation=attn,
+        cpu_allocator=allocator,
         reasons=tuple(reasons),
         warnings=tuple(notes),
     )
@@ -216,6 +221,66 @@ def _resolve_threads(requested: int | None, cpu: CPUInfo, reasons: list[str], no
     threads = max(1, min(cpu.physical_cores, cpu.usable_cores))
     reasons.append(f"{threads} threads: one per physical core")
     return threads
+
+
+def _resolve_allocator(requested: str, device: str, reasons: list[str], notes: list[str]) -> str:
+    """``reuse`` or ``system`` (see :func:`apply_allocator`); ``auto`` reuses on a CPU device with glibc."""
+    if device.startswith("cuda"):
+        return "system"  # the CPU side of a GPU run allocates little; leave the process as it is
+    if requested == "system":
+        return "system"
+    if not glibc():
+        if requested == "reuse":
+            notes.append("model.cpu_allocator=reuse needs glibc's malloc; this process has another, left as it is")
+        else:
+            reasons.append("allocator auto: system (not glibc)")
+        return "system"
+    reasons.append(f"allocator {requested}: reuse large freed buffers")
+    return "reuse"
+
+
+@functools.lru_cache(maxsize=1)
+def glibc() -> bool:
+    """Whether this process runs on glibc (whose ``mallopt`` :func:`apply_allocator` calls)."""
+    return platform.system() == "Linux" and platform.libc_ver()[0] == "glibc"
+
+
+#: glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD = -1
+_M_MMAP_THRESHOLD = -3
+#: Large enough that no buffer of a decode or learning step is mmapped (a 64-row step's float32 logits
+#: are 39 MB). Where glibc refuses a threshold that high, its documented maximum (32 MiB) is used.
+_MMAP_THRESHOLDS = (1 << 30, 32 << 20)
+
+
+def apply_allocator(placement: Placement) -> bool:
+    """With ``placement.cpu_allocator == "reuse"``, keep large freed buffers in the process.
+
+    Why: glibc serves every allocation above its mmap threshold (at most 32 MiB by default) with a
+    fresh mmap and returns it to the system when freed, so the next one faults in every page again
+    and the kernel zeroes it. A decode step allocates and frees its logits, and a growing KV cache
+    copies itself, each step: on the 2-core AMX Xeon, M=8 memories learning together (64 decode
+    rows) took 0.81x the time with the buffers kept (docs/performance.md). The price is a resident
+    size that stays at its peak. Process-wide and idempotent; returns whether it took effect."""
+    if placement.cpu_allocator != "reuse":
+        return False
+    return _raise_malloc_thresholds()
+
+
+@functools.lru_cache(maxsize=1)
+def _raise_malloc_thresholds() -> bool:
+    import ctypes
+
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    mallopt.restype = ctypes.c_int
+    if not any(mallopt(_M_MMAP_THRESHOLD, value) for value in _MMAP_THRESHOLDS):
+        return False
+    mallopt(_M_TRIM_THRESHOLD, _MMAP_THRESHOLDS[0])
+    return True
 
 
 def resolve_device(device: str, hardware: Hardware | None = None) -> str:

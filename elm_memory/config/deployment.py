@@ -48,6 +48,15 @@ class ModelConfig(ConfigSection):
     num_threads: int | None = Field(
         default=None, ge=1, le=4096, description="torch intra-op threads on CPU; None: one per physical core."
     )
+    cpu_allocator: Literal["auto", "reuse", "system"] = Field(
+        default="auto",
+        description=(
+            "How freed CPU memory is handled. `reuse`: raise glibc malloc's mmap and trim thresholds so large "
+            "freed buffers (a decode step's logits, the KV cache as it grows) are reused instead of returned "
+            "to the system and faulted in again each step; process-wide, glibc only. `system`: leave malloc "
+            "as it is. `auto`: `reuse` on a CPU device with glibc. See docs/performance.md."
+        ),
+    )
 
 
 class StoreConfig(ConfigSection):

@@ -11,7 +11,7 @@ from typing import Any, cast
 
 from elm_memory.config import ModelConfig
 from elm_memory.errors import ModelNotFoundError
-from elm_memory.hardware import Placement, apply_threads, resolve_device, resolve_placement
+from elm_memory.hardware import Placement, apply_allocator, apply_threads, resolve_device, resolve_placement
 from elm_memory.models.fingerprint import embedding_fingerprint
 from elm_memory.models.packaged import PACKAGED_PREFIX
 from elm_memory.models.prepare import is_prepared, prepare_model, prepared_dir, stored_fingerprint
@@ -112,6 +112,7 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model.to(device)
     model.eval()
     model.requires_grad_(False)  # the base model is frozen, always
+    apply_allocator(placement)  # after loading: the weights' own allocations are left as they were
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     fingerprint = stored_fingerprint(path) or embedding_fingerprint(model)
