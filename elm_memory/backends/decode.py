@@ -148,9 +148,9 @@ def _sample(
     row_prompt = [p for p, o in enumerate(per_prompt) for _ in range(o.n)]  # the prompt of each row
     expand = torch.tensor(row_prompt, device=device) if len(row_prompt) > len(per_prompt) else None
 
-    from transformers import DynamicCache
+    from elm_memory.backends import growing_cache
 
-    cache = applied.cache if applied.cache is not None else DynamicCache()
+    cache = applied.cache if applied.cache is not None else growing_cache.GrowingCache()
     if expand is not None and not options.share_prompt_kv:  # the reference: each row's prompt prefilled
         input_ids = None if input_ids is None else input_ids[expand]
         inputs_embeds = None if inputs_embeds is None else inputs_embeds[expand]
