@@ -124,8 +124,8 @@ def _args() -> argparse.Namespace:
 def _prompts(loaded: Any, cfg: Any, args: argparse.Namespace) -> tuple[list[Any], list[Any], list[Any], list[Any]]:
     """(problems, built prompts, plain inputs, inputs with a question-initialised soft prompt)."""
     from elm_memory.backends.base import PromptInput
+    from elm_memory.backends.prompting import PromptBuilder
     from elm_memory.eval.datasets import load_dataset
-    from elm_memory.models.prompting import PromptBuilder
     from elm_memory.training.initialization import init_soft_prompt
 
     pb = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)

@@ -155,10 +155,10 @@ def main() -> None:
     import transformers
 
     from elm_memory.backends.hf import HFBackend
+    from elm_memory.backends.prompting import PromptBuilder
     from elm_memory.config import ELMConfig
     from elm_memory.hardware import resolve_placement
     from elm_memory.models.loading import load_model
-    from elm_memory.models.prompting import PromptBuilder
 
     model_cfg = {"device": args.device, "dtype": args.dtype}
     placement = resolve_placement(ELMConfig.load(overrides={"model": model_cfg}).model)

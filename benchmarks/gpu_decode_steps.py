@@ -27,8 +27,8 @@ from benchmarks.gpu_check import _random_model_folder, _sync, answer_pair
 
 def _cases(loaded: Any, length: int) -> dict[str, tuple[list[Any], Any]]:
     from elm_memory.backends.base import PromptInput, SamplingParams
+    from elm_memory.backends.prompting import PromptBuilder
     from elm_memory.config import ELMConfig
-    from elm_memory.models.prompting import PromptBuilder
 
     cfg = ELMConfig()
     prompts = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)

@@ -82,8 +82,8 @@ def _floor_step(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, 
 def worker(name: str, args: argparse.Namespace) -> dict:
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from elm_memory.backends.hf import HFBackend
+    from elm_memory.backends.prompting import PromptBuilder
     from elm_memory.models.loading import load_model
-    from elm_memory.models.prompting import PromptBuilder
     from elm_memory.training.learn import learn_memory
 
     variants = {

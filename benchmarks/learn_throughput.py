@@ -192,9 +192,9 @@ def measure_rollouts(args: argparse.Namespace) -> dict[str, Any]:
 
     from elm_memory.backends.decode import DecodeOptions, sample
     from elm_memory.backends.hf import HFBackend
+    from elm_memory.backends.prompting import PromptBuilder
     from elm_memory.config import PromptConfig
     from elm_memory.eval.datasets import load_problems
-    from elm_memory.models.prompting import PromptBuilder
 
     loaded = _load(args)
     model, tok = loaded.model, loaded.tokenizer
@@ -277,9 +277,9 @@ def learn_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
     import resource
 
     from elm_memory.backends.hf import HFBackend
+    from elm_memory.backends.prompting import PromptBuilder
     from elm_memory.config import ELMConfig
     from elm_memory.eval.datasets import load_problems
-    from elm_memory.models.prompting import PromptBuilder
     from elm_memory.training.learn import learn_memories, learn_memory
 
     spec = LEARN_VARIANTS[name]

@@ -84,7 +84,7 @@ def _config(args: argparse.Namespace, kind: str) -> Any:
 
 
 def _run_kind(kind: str, args: argparse.Namespace, loaded: Any, backend: Any) -> dict[str, Any]:
-    from elm_memory.models.prompting import PromptBuilder
+    from elm_memory.backends.prompting import PromptBuilder
     from elm_memory.training.learn import learn_memory
 
     cfg = _config(args, kind)

@@ -35,11 +35,11 @@ from typing import Any
 
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import SamplingParams, answer_budget
+from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig
 from elm_memory.elm import ELM
 from elm_memory.environment import collect_env
 from elm_memory.eval.records import RecordLog
-from elm_memory.models.prompting import PromptBuilder
 from elm_memory.verifiers import Candidate, build_verifier
 
 
