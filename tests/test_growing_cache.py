@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _fakes import tiny_qwen2_config
 from transformers import DynamicCache
 
 from elm_memory.backends.decode import DecodeOptions, sample
@@ -54,19 +55,10 @@ def test_holds_what_a_dynamic_cache_holds_through_appends_repeats_drops_and_crop
 
 @pytest.fixture(scope="module")
 def model():
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from transformers import Qwen2ForCausalLM
 
     torch.manual_seed(0)
-    cfg = Qwen2Config(
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=50,
-        max_position_embeddings=1024,
-    )
-    return Qwen2ForCausalLM(cfg).eval().requires_grad_(False)
+    return Qwen2ForCausalLM(tiny_qwen2_config(50, 1024)).eval().requires_grad_(False)
 
 
 @pytest.mark.parametrize("lookup", [0, 2])
