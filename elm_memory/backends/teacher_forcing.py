@@ -89,8 +89,11 @@ def completion_logprobs(
         model, prompts, completions, rows=rows, share_prompt_kv=share_prompt_kv, pad_id=pad_id
     )
     out = []
-    for i in range(len(completions)):  # one row at a time keeps the fp32 copy of (T, vocab) small
-        row = logits[i].float() / temperature
+    # One row at a time keeps the fp32 copy of (T, vocab) small. unbind, not logits[i]: the backward of
+    # an index is a zero-filled copy of all the logits per row, summed (8 rows: 8 fills and 8 adds of
+    # 600 MB each, most of a training step's backward on a CPU); unbind's backward stacks the rows once.
+    for i, row_logits in enumerate(logits.unbind(0)):
+        row = row_logits.float() / temperature
         out.append(row.gather(1, comp[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))
     return torch.stack(out), mask
 
@@ -116,11 +119,14 @@ def _logits_full_rows(
     kwargs: dict[str, Any] = {"use_cache": False}
     if applied.cache is not None:  # a prefix memory: its keys/values come first in every layer
         kwargs = {"use_cache": True, "past_key_values": applied.cache}
+    length = full.shape[1]
     if _keeps_logits(model):
-        kwargs["logits_to_keep"] = last_positions(T + 1, full.shape[1], full.device)
+        # exactly the T positions that predict completion tokens (position t predicts token t + 1): a
+        # slice of the logits afterwards would cost a zero-filled copy of them all in the backward
+        kwargs["logits_to_keep"] = torch.arange(length - T - 1, length - 1, device=full.device)
     positions = (attn.cumsum(-1) - 1).clamp(min=0)
     logits = model(inputs_embeds=full, attention_mask=applied.mask(attn), position_ids=positions, **kwargs).logits
-    return logits[:, -(T + 1) : -1, :]  # position t predicts token t + 1
+    return logits if logits.shape[1] == T else logits[:, -(T + 1) : -1, :]
 
 
 def _logits_shared_prompt(
@@ -157,15 +163,20 @@ def _logits_shared_prompt(
     first = out.logits[:, -1, :][which]  # predicts each completion's first token
     attn = applied.mask(torch.cat([prompt_mask[which], mask], dim=1))
     positions = lengths[which].unsqueeze(1) + torch.arange(T, device=device).unsqueeze(0)
+    # the completion's last token predicts nothing we score: keep positions 0..T-2 only (a slice of
+    # the logits afterwards would cost a zero-filled copy of them all in the backward)
+    keep = torch.arange(T - 1, device=device) if T > 1 else last_positions(1, T, device)
     rest = model(
         inputs_embeds=model.get_input_embeddings()(comp),
         attention_mask=attn,
         position_ids=positions,
         past_key_values=cache,
         use_cache=True,
-        logits_to_keep=last_positions(T, T, device),
+        logits_to_keep=keep,
     ).logits
-    return torch.cat([first.unsqueeze(1), rest[:, : T - 1, :]], dim=1)
+    if rest.shape[1] != T - 1:  # even a slice of every position has a zero-filling backward
+        rest = rest[:, : T - 1, :]
+    return torch.cat([first.unsqueeze(1), rest], dim=1)
 
 
 def _left_padded(
