@@ -258,10 +258,9 @@ def apply_allocator(placement: Placement) -> bool:
 
     Why: glibc serves every allocation above its mmap threshold (at most 32 MiB by default) with a
     fresh mmap and returns it to the system when freed, so the next one faults in every page again
-    and the kernel zeroes it. A decode step allocates and frees its logits, and a growing KV cache
-    copies itself, each step: on the 2-core AMX Xeon, M=8 memories learning together (64 decode
-    rows) took 0.81x the time with the buffers kept (docs/performance.md). The price is a resident
-    size that stays at its peak. Process-wide and idempotent; returns whether it took effect."""
+    and the kernel zeroes it. A decode step allocates and frees its logits and a training step its
+    activations, every step (measured: docs/performance.md). The price is a resident size that stays
+    at its peak. Process-wide and idempotent; returns whether it took effect."""
     if placement.cpu_allocator != "reuse":
         return False
     return _raise_malloc_thresholds()

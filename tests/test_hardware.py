@@ -11,7 +11,7 @@ import pytest
 
 from elm_memory.config import ELMConfig, ModelConfig
 from elm_memory.errors import ConfigError
-from elm_memory.hardware import CPUInfo, GPUInfo, Hardware, PerformanceWarning, resolve_placement
+from elm_memory.hardware import CPUInfo, GPUInfo, Hardware, PerformanceWarning, glibc, resolve_placement
 
 
 def cpu(*flags: str, name: str = "Fake CPU", physical: int = 4, usable: int = 8, arch: str = "x86_64") -> CPUInfo:
@@ -205,7 +205,7 @@ print(took, min(faults[2:]))
 """
 
 
-@pytest.mark.skipif(not __import__("elm_memory.hardware").hardware.glibc(), reason="mallopt is glibc's")
+@pytest.mark.skipif(not glibc(), reason="mallopt is glibc's")
 def test_reuse_stops_a_freed_logits_buffer_from_faulting_in_again():
     def run(mode: str) -> tuple[str, int]:
         r = subprocess.run([sys.executable, "-c", _FAULTS, mode], capture_output=True, text=True, timeout=120)

@@ -90,8 +90,7 @@ def completion_logprobs(
     )
     out = []
     # One row at a time keeps the fp32 copy of (T, vocab) small. unbind, not logits[i]: the backward of
-    # an index is a zero-filled copy of all the logits per row, summed (8 rows: 8 fills and 8 adds of
-    # 600 MB each, most of a training step's backward on a CPU); unbind's backward stacks the rows once.
+    # an index is a zero-filled copy of all the logits per row, then summed; unbind's stacks the rows once.
     for i, row_logits in enumerate(logits.unbind(0)):
         row = row_logits.float() / temperature
         out.append(row.gather(1, comp[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))

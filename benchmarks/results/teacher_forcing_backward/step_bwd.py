@@ -1,3 +1,10 @@
+"""One memory's teacher-forced forward and backward (8 x 256 tokens, soft prompt): three timed steps,
+or with --profile one profiled step.
+
+    python benchmarks/results/teacher_forcing_backward/step_bwd.py [--profile]
+"""
+
+import sys
 import time
 
 import torch
@@ -29,9 +36,16 @@ def step():
 
 
 step()
-ts = []
-for _ in range(3):
-    t = time.perf_counter()
-    step()
-    ts.append(round(time.perf_counter() - t, 2))
-print("steps s", ts, flush=True)
+if "--profile" in sys.argv:  # one profiled step (what found the fills)
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step()
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=22))
+else:  # three timed steps
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        step()
+        ts.append(round(time.perf_counter() - t, 2))
+    print("steps s", ts, flush=True)
