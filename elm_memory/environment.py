@@ -61,6 +61,7 @@ def collect_env(config: Any, hardware: Hardware | None = None) -> dict[str, Any]
             "num_threads": placement.num_threads,
             "attn_implementation": placement.attn_implementation,
             "cpu_allocator": placement.cpu_allocator,
+            "weight_prepack": placement.weight_prepack,
             "backend": config.backend.name,
             "training_engine": config.training.engine,
             "verifier": config.verifier.name,
@@ -93,7 +94,8 @@ def format_env(report: dict[str, Any]) -> str:
     lines += [
         f"model           {res['model']}",
         f"resolved        device {res['device']}, dtype {res['dtype']} (requested {res['dtype_requested']}), "
-        f"{res['num_threads']} threads, {res['attn_implementation']} attention, {res['cpu_allocator']} allocator",
+        f"{res['num_threads']} threads, {res['attn_implementation']} attention, {res['cpu_allocator']} allocator, "
+        f"{'prepacked' if res.get('weight_prepack') else 'plain'} weights",
         f"why             {'; '.join(res['reasons'])}",
         f"backend         {res['backend']} (training engine {res['training_engine']}, verifier {res['verifier']})",
     ]

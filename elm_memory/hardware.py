@@ -111,13 +111,14 @@ class Placement:
     num_threads: int
     attn_implementation: str = "sdpa"  # transformers' attention kernel: "eager" | "sdpa"
     cpu_allocator: str = "system"  # "reuse": glibc keeps large freed buffers (see apply_allocator) | "system"
+    weight_prepack: bool = False  # frozen linear weights kept in oneDNN's layout (models/prepack.py)
     reasons: tuple[str, ...] = ()
     warnings: tuple[str, ...] = field(default=(), compare=False)
 
     def summary(self) -> str:
         return (
             f"{self.device}, {self.dtype}, {self.num_threads} threads, {self.attn_implementation} attention, "
-            f"{self.cpu_allocator} allocator "
+            f"{self.cpu_allocator} allocator, {'prepacked' if self.weight_prepack else 'plain'} weights "
             f"({'; '.join(self.reasons)})"
         )
 
@@ -148,6 +149,7 @@ def resolve_placement(model_cfg: Any, hardware: Hardware | None = None, *, warn:
         reasons.append(f"attention auto: {attn} ({why})")
 
     allocator = _resolve_allocator(getattr(model_cfg, "cpu_allocator", "auto"), device, reasons, notes)
+    prepack = _resolve_prepack(getattr(model_cfg, "cpu_weight_prepack", "auto"), device, dtype, reasons, notes)
 
     if warn:
         for note in notes:
@@ -158,6 +160,7 @@ def resolve_placement(model_cfg: Any, hardware: Hardware | None = None, *, warn:
         num_threads=threads,
         attn_implementation=attn,
         cpu_allocator=allocator,
+        weight_prepack=prepack,
         reasons=tuple(reasons),
         warnings=tuple(notes),
     )
@@ -237,6 +240,23 @@ def _resolve_allocator(requested: str, device: str, reasons: list[str], notes: l
         return "system"
     reasons.append(f"allocator {requested}: reuse large freed buffers")
     return "reuse"
+
+
+def _resolve_prepack(requested: str, device: str, dtype: str, reasons: list[str], notes: list[str]) -> bool:
+    """Whether frozen linear weights are reordered once for oneDNN (``models/prepack.py``); CPU only.
+    ``auto`` only in bf16, where the packed kernels give F.linear's results bit for bit."""
+    if device.startswith("cuda") or requested == "off":
+        return False
+    if requested == "on":
+        if dtype == "float16":
+            notes.append("model.cpu_weight_prepack=on is not used in float16 on a CPU; weights left as they are")
+            return False
+        reasons.append("weights prepack on")
+        return True
+    if dtype != "bfloat16":
+        return False
+    reasons.append("weights prepack auto: bf16 on a CPU")
+    return True
 
 
 @functools.lru_cache(maxsize=1)

@@ -57,6 +57,15 @@ class ModelConfig(ConfigSection):
             "as it is. `auto`: `reuse` on a CPU device with glibc. See docs/performance.md."
         ),
     )
+    cpu_weight_prepack: Literal["auto", "on", "off"] = Field(
+        default="auto",
+        description=(
+            "Keep a second copy of the frozen linear weights in oneDNN's blocked layout so CPU matmuls stop "
+            "reordering them on every call (costs that copy's memory). `auto`: on for a CPU device in bfloat16, "
+            "where the results are the same bit for bit; `on` also in float32 (its rounding changes slightly); "
+            "`off`: plain `F.linear`. See docs/performance.md."
+        ),
+    )
 
 
 class StoreConfig(ConfigSection):

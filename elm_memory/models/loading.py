@@ -90,6 +90,18 @@ def pick_device(device: str) -> str:
     return resolve_device(device)
 
 
+def _prepack(model: Any, placement: Placement) -> Placement:
+    """Reorder the frozen linear weights for oneDNN; a placement saying so if this torch cannot."""
+    from dataclasses import replace
+
+    from elm_memory.models.prepack import prepack_linears
+
+    if prepack_linears(model):
+        return placement
+    reason = "weights plain: this torch build has no oneDNN packed linear ops"
+    return replace(placement, weight_prepack=False, reasons=(*placement.reasons, reason))
+
+
 def load_model(cfg: ModelConfig) -> LoadedModel:
     """Load tokenizer + causal LM, frozen and in eval mode, on the configured device and dtype."""
     import torch
@@ -113,6 +125,8 @@ def load_model(cfg: ModelConfig) -> LoadedModel:
     model.eval()
     model.requires_grad_(False)  # the base model is frozen, always
     apply_allocator(placement)  # after loading: the weights' own allocations are left as they were
+    if placement.weight_prepack:
+        placement = _prepack(model, placement)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     fingerprint = stored_fingerprint(path) or embedding_fingerprint(model)
