@@ -61,9 +61,8 @@ class ModelConfig(ConfigSection):
         default="auto",
         description=(
             "Keep a second copy of the frozen linear weights in oneDNN's blocked layout so CPU matmuls stop "
-            "reordering them on every call (costs that copy's memory). `auto`: on for a CPU device in bfloat16, "
-            "where the results are the same bit for bit; `on` also in float32 (its rounding changes slightly); "
-            "`off`: plain `F.linear`. See docs/performance.md."
+            "reordering them on every call (costs that copy's memory; results equal up to rounding). `auto`: on "
+            "for a CPU device in bfloat16; `on`: also in float32; `off`: plain `F.linear`. See docs/performance.md."
         ),
     )
 

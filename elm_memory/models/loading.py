@@ -98,7 +98,7 @@ def _prepack(model: Any, placement: Placement) -> Placement:
 
     if prepack_linears(model):
         return placement
-    reason = "weights plain: this torch build has no oneDNN packed linear ops"
+    reason = f"weights plain: this torch build or CPU has no oneDNN packed linear ops in {placement.dtype}"
     return replace(placement, weight_prepack=False, reasons=(*placement.reasons, reason))
 
 

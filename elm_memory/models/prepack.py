@@ -3,11 +3,12 @@
 Why: for every bf16 ``F.linear`` on a CPU, oneDNN first copies the weight into the blocked layout its
 AMX / AVX512-BF16 kernels read. A decode step is bound by reading the weights, so that copy costs
 about a quarter of the step (docs/performance.md). The base model is frozen, so each weight is
-reordered once, after loading, and every forward reads the reordered copy. With a batch hint of 64
-the kernels are the ones ``F.linear`` picks, and the results are the same bit for bit (tested).
+reordered once, after loading, and every forward reads the reordered copy. The product is the same
+up to rounding: at most row counts oneDNN runs the same kernel either way, at some it blocks the sum
+differently (bf16 results then differ in the last bit, as they do between batch sizes already).
 
 The price is a second copy of the linear weights in memory (about 1.3 GB for the 0.5B model in bf16).
-Backward passes (soft-prompt training) use the plain weight, so gradients are unchanged too.
+Backward passes (soft-prompt training) take the input's gradient from the plain weight.
 
 Weights are reordered once: a model whose linear weights are changed afterwards (merging an adapter
 into them, say) must be loaded with ``model.cpu_weight_prepack: off``. A forward that finds its weight
@@ -17,6 +18,7 @@ replaced, or that runs on another device, under ``torch.compile`` or with a trai
 
 from __future__ import annotations
 
+import functools
 import logging
 from typing import Any
 
@@ -25,18 +27,23 @@ import torch.nn.functional as F
 
 logger = logging.getLogger(__name__)
 
-#: The batch size oneDNN is told to expect. 8 and 64 both gave kernels bit-identical to F.linear's
-#: from 1 to 2048 rows on an AMX Xeon; 1 did not (it picks another kernel past 64 rows).
+#: The batch size oneDNN is told to expect. On an AMX Xeon, 8 to 128 all matched F.linear's results
+#: at the same row counts (all but a few between 76 and 96, and 512); 16 also differed at one row.
 BATCH_HINT = 64
 
 
-def prepack_available() -> bool:
-    """Whether this torch build has oneDNN's packed linear ops."""
+@functools.lru_cache(maxsize=4)
+def prepack_available(dtype: torch.dtype) -> bool:
+    """Whether this torch build and CPU run oneDNN's packed linear ops in ``dtype``."""
     ops = torch.ops.mkldnn
     try:
-        return bool(torch.backends.mkldnn.is_available()) and all(
-            callable(getattr(ops, name, None)) for name in ("_reorder_linear_weight", "_linear_pointwise")
-        )
+        if not torch.backends.mkldnn.is_available():
+            return False
+        if not all(callable(getattr(ops, name, None)) for name in ("_reorder_linear_weight", "_linear_pointwise")):
+            return False
+        if dtype == torch.bfloat16:
+            return bool(ops._is_mkldnn_bf16_supported())
+        return dtype == torch.float32
     except (RuntimeError, AttributeError):
         return False
 
@@ -89,17 +96,15 @@ class PackedLinear(torch.nn.Linear):
 def prepack_linears(model: torch.nn.Module) -> int:
     """Reorder every frozen ``nn.Linear`` weight of ``model`` (on a CPU) into oneDNN's layout; returns how many.
 
-    Only plain ``nn.Linear`` modules with a frozen floating-point weight are changed; call it after the
+    Only plain ``nn.Linear`` modules with a frozen bf16 or float32 weight are changed; call it after the
     model is on its device and frozen."""
-    if not prepack_available():
-        return 0
     count = 0
     with torch.no_grad():
         for module in model.modules():
             if type(module) is not torch.nn.Linear:
                 continue
             weight = module.weight
-            if weight.device.type != "cpu" or weight.requires_grad or not weight.is_floating_point():
+            if weight.device.type != "cpu" or weight.requires_grad or not prepack_available(weight.dtype):
                 continue
             packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
             module.__class__ = PackedLinear
