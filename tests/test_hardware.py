@@ -199,6 +199,15 @@ def test_weights_are_prepacked_on_a_cpu_in_bf16_unless_set():
         ELMConfig.load(overrides={"model": {"cpu_weight_prepack": "yes please"}})
 
 
+def test_a_bare_off_on_the_command_line_is_the_word_not_yamls_false():
+    from elm_memory.config.loading import parse_overrides
+
+    cfg = ELMConfig.load(overrides=parse_overrides(["model.cpu_weight_prepack=off", "backend.decode_graphs=off"]))
+    assert cfg.model.cpu_weight_prepack == "off" and cfg.backend.decode_graphs == "off"
+    cfg = ELMConfig.load(overrides=parse_overrides(["model.cpu_weight_prepack=on", "backend.decode_graphs=on"]))
+    assert cfg.model.cpu_weight_prepack == "on" and cfg.backend.decode_graphs == "on"
+
+
 def test_unknown_allocator_is_a_config_error():
     with pytest.raises(ConfigError):
         ELMConfig.load(overrides={"model": {"cpu_allocator": "jemalloc"}})

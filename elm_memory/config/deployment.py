@@ -9,7 +9,7 @@ from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from elm_memory.config.section import ConfigSection, registered_name
+from elm_memory.config.section import ConfigSection, registered_name, switch_word
 
 
 class ModelConfig(ConfigSection):
@@ -65,6 +65,8 @@ class ModelConfig(ConfigSection):
             "for a CPU device in bfloat16; `on`: also in float32; `off`: plain `F.linear`. See docs/performance.md."
         ),
     )
+
+    _prepack_word = field_validator("cpu_weight_prepack", mode="before")(switch_word)
 
 
 class StoreConfig(ConfigSection):
@@ -267,6 +269,8 @@ class BackendConfig(ConfigSection):
         ge=1,
         description="Most sequences decoded together by the `hf` backend (prompts x samples per call).",
     )
+
+    _graphs_word = field_validator("decode_graphs", mode="before")(switch_word)
 
     @model_validator(mode="after")
     def _lookup_needs_elm_loop(self) -> BackendConfig:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
@@ -22,6 +23,13 @@ class ConfigSection(BaseModel):
     validated as loading is."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def switch_word(value: Any) -> Any:
+    """``on``/``off`` for a YAML boolean: YAML reads a bare ``off`` (in a file or ``--set x=off``) as False."""
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return value
 
 
 def registered_name(registry: str, value: str) -> str:
