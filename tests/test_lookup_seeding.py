@@ -48,7 +48,7 @@ def _soft_prompts(seed: int) -> list[torch.Tensor]:
     return [torch.randn(4, HIDDEN, generator=g) for _ in PROMPTS]
 
 
-def _run(model, batch, lookup: int, earlier=(), n: int = 8, seed: int = 5):
+def _run(model, batch, lookup: int, earlier=(), n: int = 8, seed: int = 5, max_rows: int = 64):
     """``batch``: (token ids, soft prompt) pairs, the soft prompt as a prefix; left padding as the backend."""
     emb = model.get_input_embeddings()
     rows = [torch.cat([soft, emb(torch.tensor(ids))]) for ids, soft in batch]
@@ -60,7 +60,7 @@ def _run(model, batch, lookup: int, earlier=(), n: int = 8, seed: int = 5):
     return sample(
         model,
         mask,
-        DecodeOptions(60, temperature=1.0, n=n, lookup_draft_tokens=lookup),
+        DecodeOptions(60, temperature=1.0, n=n, lookup_draft_tokens=lookup, lookup_max_rows=max_rows),
         inputs_embeds=x,
         eos_ids=[],
         generators=[torch.Generator().manual_seed(seed) for _ in batch],
@@ -100,3 +100,29 @@ def test_n_rows_get_the_tokens_plain_sampling_gives(model):
 def test_a_fresh_backend_with_the_same_seed_replays_a_step(model):
     batch = list(zip(PROMPTS, _soft_prompts(1), strict=True))
     assert _run(model, batch, 3, _earlier(model)) == _run(model, batch, 3, ())
+
+
+def test_a_call_with_more_rows_than_lookup_max_rows_decodes_one_token_a_forward(model):
+    """Wide forwards cost more than drafts save in a big batch, so such a call drafts nothing; its
+    tokens are plain sampling's either way."""
+    batch = list(zip(PROMPTS, _soft_prompts(1), strict=True))  # 3 prompts x 8 rows
+    widths: list[int] = []
+    handle = model.register_forward_pre_hook(
+        lambda _m, args, kwargs: widths.append(
+            (kwargs.get("input_ids") if kwargs.get("input_ids") is not None else kwargs["inputs_embeds"]).shape[1]
+        ),
+        with_kwargs=True,
+    )
+    try:
+        plain = _run(model, batch, 0)
+        widths.clear()
+        capped = _run(model, batch, 3, max_rows=16)
+        capped_widths = widths[1:]  # after the prefill
+        widths.clear()
+        drafted = _run(model, batch, 3, max_rows=24)
+        drafted_widths = widths[1:]
+    finally:
+        handle.remove()
+    assert capped == plain == drafted
+    assert set(capped_widths) == {1}
+    assert max(drafted_widths) > 1  # within the cap, rows are fed drafts

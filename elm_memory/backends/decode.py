@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -55,6 +55,7 @@ class DecodeOptions:
     share_prompt_kv: bool = True
     drop_finished: bool = True
     lookup_draft_tokens: int = 0  # >0: speculative decoding with drafts looked up in the rows' text
+    lookup_max_rows: int = 8  # a call with more rows decodes without drafts (wide forwards cost more than they save)
 
 
 @torch.no_grad()
@@ -138,6 +139,9 @@ def _sample(
     inputs = input_ids if input_ids is not None else inputs_embeds
     assert inputs is not None
     options = per_prompt[0]
+    row_prompt = [p for p, o in enumerate(per_prompt) for _ in range(o.n)]  # the prompt of each row
+    if len(row_prompt) > options.lookup_max_rows:
+        options = replace(options, lookup_draft_tokens=0)
     if options.lookup_draft_tokens > 0 and prompt_tokens is None and input_ids is not None:
         pairs = zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
         prompt_tokens = [[t for t, m in zip(ids, keep, strict=True) if m] for ids, keep in pairs]
@@ -145,7 +149,6 @@ def _sample(
     mask = attention_mask.to(device=device, dtype=torch.long)
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     eos = torch.tensor(sorted(set(eos_ids)) or [-1], device=device)
-    row_prompt = [p for p, o in enumerate(per_prompt) for _ in range(o.n)]  # the prompt of each row
     expand = torch.tensor(row_prompt, device=device) if len(row_prompt) > len(per_prompt) else None
 
     from elm_memory.backends import growing_cache

@@ -86,6 +86,7 @@ class HFBackend:
         share_prompt_kv: bool = True,
         drop_finished: bool = True,
         lookup_draft_tokens: int = 0,
+        lookup_max_rows: int = 8,
         decode_graphs: str = "auto",
     ):
         if decode_graphs not in ("auto", "on", "off", "static"):
@@ -101,6 +102,7 @@ class HFBackend:
         self.share_prompt_kv = share_prompt_kv
         self.drop_finished = drop_finished
         self.lookup_draft_tokens = lookup_draft_tokens
+        self.lookup_max_rows = lookup_max_rows
         self.recent = RecentOutputs()  # what lookup drafts may copy from besides the batch itself
         self._closes_brace: dict[int, bool] = {}  # token id -> its text contains "}" (stop-at-answer check)
         self.device = torch.device(loaded.info.device)
@@ -122,6 +124,7 @@ class HFBackend:
             share_prompt_kv=b.share_prompt_kv,
             drop_finished=b.drop_finished,
             lookup_draft_tokens=b.lookup_draft_tokens,
+            lookup_max_rows=b.lookup_max_rows,
             decode_graphs=b.decode_graphs,
         )
 
@@ -337,6 +340,7 @@ class HFBackend:
             share_prompt_kv=self.share_prompt_kv,
             drop_finished=self.drop_finished,
             lookup_draft_tokens=self.lookup_draft_tokens,
+            lookup_max_rows=self.lookup_max_rows,
         )
 
     def _answer_closed(self, row: int, tokens: list[int], token: int) -> bool:

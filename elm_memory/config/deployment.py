@@ -249,9 +249,17 @@ class BackendConfig(ConfigSection):
             "tokens guessed from the text already there (the prompt, the row's own output, the other rows of the same "
             "prompt text, the backend's recent outputs for that text) and keeps those the model agrees with "
             "(elm_memory/backends/lookup.py). Greedy rows keep "
-            "their tokens up to bf16 rounding, sampled rows their distribution (not their draws). Pays where a "
+            "their tokens up to bf16 rounding, sampled rows their draws. Pays where a "
             "forward of a few tokens per row costs little more than one, as on a CPU (benchmarks/verify_cost.py). "
             "Default 0 = off. The vLLM backends do not use it and say so. See docs/performance.md."
+        ),
+    )
+    lookup_max_rows: int = Field(
+        default=8,
+        ge=1,
+        description=(
+            "A decode call with more rows than this runs without lookup drafts: a forward of several tokens per "
+            "row costs little more than one only while the batch is small (see docs/performance.md)."
         ),
     )
     decode_graphs: Literal["auto", "on", "off", "static"] = Field(
