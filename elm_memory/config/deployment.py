@@ -248,8 +248,8 @@ class BackendConfig(ConfigSection):
             "Speculative decoding without a draft model (`elm` loop): each step feeds every row up to this many "
             "tokens guessed from the text already there (the prompt, the row's own output, the other rows of the same "
             "prompt text, the backend's recent outputs for that text) and keeps those the model agrees with "
-            "(elm_memory/backends/lookup.py). Greedy rows keep "
-            "their tokens up to bf16 rounding, sampled rows their draws. Pays where a "
+            "(elm_memory/backends/lookup.py). Rows keep their tokens up to bf16 rounding (a forward of several "
+            "tokens rounds differently); sampled rows their draws. Pays where a "
             "forward of a few tokens per row costs little more than one, as on a CPU (benchmarks/verify_cost.py). "
             "Default 0 = off. The vLLM backends do not use it and say so. See docs/performance.md."
         ),
