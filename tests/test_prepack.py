@@ -1,7 +1,7 @@
 """Frozen linear weights prepacked for oneDNN (``elm_memory/models/prepack.py``) give the plain
-model's logits, decoded tokens and soft-prompt gradients up to rounding, and fall back to ``F.linear``
-wherever the packed copy could be stale or cannot run. Not bit for bit: at some row counts oneDNN
-blocks the sum differently with a packed weight than without."""
+model's logits and decoded tokens up to rounding (not bit for bit: at some row counts oneDNN blocks the
+sum differently with a packed weight), leave training forwards to ``F.linear``, and fall back to it
+wherever the packed copy could be stale or cannot run."""
 
 from __future__ import annotations
 
@@ -66,7 +66,7 @@ def test_greedy_and_seeded_tokens_are_the_plain_models_in_float32():
         assert outs[0] == outs[1] and len(outs[0]) == 3 * options.n
 
 
-def test_a_soft_prompts_log_probs_and_gradient_are_the_plain_models_up_to_rounding(pair):
+def test_a_soft_prompts_log_probs_and_gradient_are_the_plain_models(pair):
     results = []
     for model in pair:
         soft = (0.05 * torch.randn(4, 64, generator=torch.Generator().manual_seed(5))).to(torch.bfloat16)
@@ -75,8 +75,9 @@ def test_a_soft_prompts_log_probs_and_gradient_are_the_plain_models_up_to_roundi
         lp, mask = completion_logprobs(model, [prompt], [[5, 6, 7], [8, 9]], temperature=0.7)
         (lp * mask).sum().backward()
         results.append((lp.detach(), soft.grad))
-    assert _close(results[1][0], results[0][0], 1e-2)
-    assert _close(results[1][1], results[0][1], 2e-2) and results[0][1].abs().sum() > 0
+    # a forward that builds a graph runs F.linear: training is the plain model's, bit for bit
+    assert torch.equal(results[1][0], results[0][0])
+    assert torch.equal(results[1][1], results[0][1]) and results[0][1].abs().sum() > 0
 
 
 def test_hooks_and_isinstance_see_the_module_they_saw_before(pair):

@@ -8,12 +8,13 @@ up to rounding: at most row counts oneDNN runs the same kernel either way, at so
 differently (bf16 results then differ in the last bit, as they do between batch sizes already).
 
 The price is a second copy of the linear weights in memory (about 1.3 GB for the 0.5B model in bf16).
-Backward passes (soft-prompt training) take the input's gradient from the plain weight.
+Forwards that build a graph (soft-prompt training) use ``F.linear``: with thousands of rows the products
+are bound by arithmetic, and a packed training step measured no faster.
 
 Weights are reordered once: a model whose linear weights are changed afterwards (merging an adapter
 into them, say) must be loaded with ``model.cpu_weight_prepack: off``. A forward that finds its weight
 replaced, or that runs on another device, under ``torch.compile`` or with a trainable weight, uses
-``F.linear`` instead.
+``F.linear`` too.
 """
 
 from __future__ import annotations
@@ -48,20 +49,6 @@ def prepack_available(dtype: torch.dtype) -> bool:
         return False
 
 
-class _PackedLinearFunction(torch.autograd.Function):
-    """The packed forward, and the input's gradient from the plain weight (what F.linear's backward does)."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, packed: torch.Tensor, weight: torch.Tensor, bias: Any) -> torch.Tensor:
-        ctx.save_for_backward(weight)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
-        (weight,) = ctx.saved_tensors
-        return grad.matmul(weight), None, None, None
-
-
 class PackedLinear(torch.nn.Linear):
     """An ``nn.Linear`` whose frozen weight also lives in oneDNN's layout (see the module docstring).
 
@@ -77,12 +64,11 @@ class PackedLinear(torch.nn.Linear):
             x.device.type != "cpu"
             or x.dtype != weight.dtype
             or weight.requires_grad
+            or (x.requires_grad and torch.is_grad_enabled())
             or weight.data_ptr() != self._packed_from
             or torch.compiler.is_compiling()
         ):
             return F.linear(x, weight, self.bias)
-        if torch.is_grad_enabled() and x.requires_grad:
-            return _PackedLinearFunction.apply(x, self._packed, weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
 
     def __getstate__(self) -> dict[str, Any]:
