@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.nn.functional as F
@@ -92,10 +92,10 @@ def prepack_linears(model: torch.nn.Module) -> int:
             weight = module.weight
             if weight.device.type != "cpu" or weight.requires_grad or not prepack_available(weight.dtype):
                 continue
-            packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
             module.__class__ = PackedLinear
-            module._packed = packed
-            module._packed_from = weight.data_ptr()
+            packed_module = cast(PackedLinear, module)
+            packed_module._packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), BATCH_HINT)
+            packed_module._packed_from = weight.data_ptr()
             count += 1
     logger.debug("prepacked %d linear weights", count)
     return count
@@ -105,8 +105,9 @@ def unpack_linears(model: torch.nn.Module) -> int:
     """Undo :func:`prepack_linears` (frees the packed copies); returns how many modules it changed."""
     count = 0
     for module in model.modules():
-        if type(module) is PackedLinear:
+        if isinstance(module, PackedLinear):
             del module._packed, module._packed_from
-            module.__class__ = torch.nn.Linear
+            plain: torch.nn.Module = module
+            plain.__class__ = torch.nn.Linear
             count += 1
     return count
