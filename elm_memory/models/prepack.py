@@ -73,8 +73,7 @@ class PackedLinear(torch.nn.Linear):
 
     def __getstate__(self) -> dict[str, Any]:
         """Copies and pickles leave the opaque packed tensor behind and run ``F.linear``."""
-        state = super().__getstate__() if hasattr(super(), "__getstate__") else self.__dict__
-        state = {k: v for k, v in state.items() if k != "_packed"}
+        state = {k: v for k, v in self.__dict__.items() if k != "_packed"}
         state["_packed_from"] = -1
         return state
 
