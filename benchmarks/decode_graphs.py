@@ -8,8 +8,9 @@ with what the answer and rollout paths use (a soft prompt, per-prompt seeds, sto
 - ``rollouts x64``: eight such prompts, 8 samples each;
 - ``answer pair``: ELM's greedy zero-shot + memory prompts.
 
-A step's cost is ``(t(steps + 8) - t(8)) / steps``: prefill and per-call work cancel out. The first
-call per case and path is timed apart (``first_call_s``: it compiles each bucket on the captured path).
+A step's cost is ``(t(steps + short) - t(short)) / steps`` (``--short-tokens``, 8 unless set): prefill and
+per-call work cancel out. The first call per case and path is timed apart (``first_call_s``: it compiles
+each bucket on the captured path).
 
 ``--paths`` may also name ``bare``: the reference of what the step itself can cost, timed in the same
 process: a bare loop over ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` on a
@@ -71,11 +72,13 @@ def _timed(backend: Any, prompts: list[Any], params: Any) -> float:
     return time.perf_counter() - t0
 
 
-def _measure(backend: Any, prompts: list[Any], params: Any, steps: int, repeats: int) -> dict[str, Any]:
+def _measure(
+    backend: Any, prompts: list[Any], params: Any, steps: int, repeats: int, short_tokens: int = 8
+) -> dict[str, Any]:
     import dataclasses
 
-    long = dataclasses.replace(params, max_new_tokens=steps + 8)
-    short = dataclasses.replace(params, max_new_tokens=8)
+    long = dataclasses.replace(params, max_new_tokens=steps + short_tokens)
+    short = dataclasses.replace(params, max_new_tokens=short_tokens)
     first = _timed(backend, prompts, long)  # compiles the captured path's buckets for this case
     _timed(backend, prompts, short)
     per_step = []
@@ -119,8 +122,8 @@ def _bare_loop(loaded: Any, rows: int, steps: int, repeats: int) -> dict[str, An
     return {"ms_per_step": min(per_step), "all_ms_per_step": per_step, "first_call_s": round(compile_s, 2)}
 
 
-def _profile(backend: Any, prompts: list[Any], params: Any, out: Path) -> None:
-    """Top operators by self CPU and by device time over one 40-token call, as a text table."""
+def _profile(backend: Any, prompts: list[Any], params: Any, out: Path, tokens: int = 40) -> None:
+    """Top operators by self CPU and by device time over one ``tokens``-token call, as a text table."""
     import dataclasses
 
     from torch.profiler import ProfilerActivity, profile
@@ -130,7 +133,7 @@ def _profile(backend: Any, prompts: list[Any], params: Any, out: Path) -> None:
 
     if torch.cuda.is_available():
         activities.append(ProfilerActivity.CUDA)
-    call = dataclasses.replace(params, max_new_tokens=40)
+    call = dataclasses.replace(params, max_new_tokens=tokens)
     _timed(backend, prompts, call)
     with profile(activities=activities) as prof:
         _timed(backend, prompts, call)
@@ -149,6 +152,13 @@ def main() -> None:
     ap.add_argument("--cases", default="rollouts x8,rollouts x64,answer pair")
     ap.add_argument("--steps", type=int, default=128, help="decode steps timed per call")
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument(
+        "--short-tokens",
+        type=int,
+        default=8,
+        help="tokens of the short call subtracted from the long one (120: both calls in one cache bucket, "
+        "so the captured path compiles one shape per case instead of two)",
+    )
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=None)
@@ -184,6 +194,7 @@ def main() -> None:
         "torch": torch.__version__,
         "transformers": transformers.__version__,
         "steps": args.steps,
+        "short_tokens": args.short_tokens,
         "prompt_tokens": PROMPT_TOKENS,
         "soft_prompt_tokens": SOFT_TOKENS,
         "cases": {},
@@ -199,7 +210,7 @@ def main() -> None:
         backend = HFBackend(loaded, decode_graphs=path)
         for name in wanted:
             prompts, params = cases[name]
-            row = _measure(backend, prompts, params, args.steps, args.repeats)
+            row = _measure(backend, prompts, params, args.steps, args.repeats, args.short_tokens)
             if backend._captured is not None:
                 row["buckets_so_far"] = list(backend._captured.buckets_seen)  # this backend's, all cases so far
             result["cases"].setdefault(name, {})[path] = row
@@ -208,7 +219,8 @@ def main() -> None:
                 args.out.write_text(json.dumps(result, indent=2) + "\n")
         if args.profile:  # where a step's time goes: the first case, short, after its buckets are compiled
             prompts, params = cases[wanted[0]]
-            _profile(backend, prompts, params, args.profile / f"profile_{path}.txt")
+            tokens = max(40, args.short_tokens)  # a bucket the timings compiled already
+            _profile(backend, prompts, params, args.profile / f"profile_{path}.txt", tokens)
     for by_path in result["cases"].values():
         if "off" in by_path and "on" in by_path:
             by_path["speedup_on_vs_off"] = round(by_path["off"]["ms_per_step"] / by_path["on"]["ms_per_step"], 2)

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 from elm_memory.backends.sampling import (
@@ -60,6 +61,23 @@ def test_a_draw_is_a_function_of_its_key_and_index_alone():
     u = uniforms(keys, counts).tolist()
     assert u[0] == u[3] and u[0] != u[1] and u[0] != u[2]
     assert uniforms(keys[3:], counts[3:]).tolist() == [u[3]]  # alone or in a batch: the same number
+
+
+@pytest.mark.slow
+def test_the_compiled_hash_gives_the_same_bits():
+    """Captured decode steps compile :func:`uniforms` into one kernel: its draws must be the eager ones."""
+    rng = random.Random(1)
+    keys = torch.tensor([0, M32, 0x80000000] + [rng.getrandbits(32) for _ in range(509)], dtype=torch.long)
+    counts = torch.tensor([0, 1, 4095] + [rng.randrange(1 << 20) for _ in range(509)], dtype=torch.long)
+    compiled = torch.compile(uniforms, fullgraph=True, dynamic=False)
+    assert torch.equal(compiled(keys, counts), uniforms(keys, counts))
+    probs = torch.softmax(torch.randn(512, 300, generator=torch.Generator().manual_seed(0)), dim=-1)
+    flags = {"any_sampled": True, "any_nucleus": False, "any_greedy": False}
+    ones = torch.ones(512)
+    assert torch.equal(
+        pick_tokens(probs.log(), ones, ones, keys, counts, draws=compiled, **flags),
+        pick_tokens(probs.log(), ones, ones, keys, counts, **flags),
+    )
 
 
 def test_inverse_cdf_never_picks_a_token_without_mass():

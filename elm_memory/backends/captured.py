@@ -1,29 +1,34 @@
-"""Captured decode steps: a static KV cache and one compiled step per shape bucket.
+"""Captured decode steps: a static KV cache and one CUDA graph per shape bucket.
 
 A 0.5B model's decode step is a few hundred small kernels. The plain loop
 (:mod:`elm_memory.backends.decode`) issues them one by one from Python, so on a GPU a step costs
 what the host takes to launch them, far above what the GPU takes to run them. Here the step runs
 on a static KV cache (``transformers.StaticCache``: fixed shapes, fixed addresses) through
-``torch.compile``; on CUDA with ``mode="reduce-overhead"``, so each step replays a captured CUDA
-graph. On a CPU the same compiled step only fuses kernels (no graphs).
+``torch.compile`` (fused kernels), and on CUDA ``read_every`` steps -- the forwards, the token
+choices and the bookkeeping between them -- are captured as **one CUDA graph**: the host launches
+one graph per ``read_every`` tokens and reads the tokens back, and nothing else runs on the host
+between steps (no guards, no input copies, no per-step launches). On a CPU the same steps run
+without a graph (inductor kernels when compiled).
 
 What stays the plain loop's: the prefill (soft prompts, a prefix memory's cache, one prefill per
 prompt shared by its rows), the token choice (:func:`sampling.pick_tokens` with the same per-row keys
 and token indices, so the same tokens), stop-at-answer and EOS. What changes:
 
 - **The token is chosen on the device.** Each row's draw is a hash of its key and the token's
-  index, so the next token is picked from the step's logits on the device and fed to the next step
-  with no host round trip; the host reads the tokens back every ``read_every`` steps (8 on a GPU)
-  instead of every step, and a row that ended inside those steps keeps only its tokens up to its end
-  (the steps after it were computed and dropped: its tokens do not depend on them).
-- **Buckets.** A compiled step exists per (batch rows, cache length) pair. Rows are padded up to
+  index, so the next token is picked from the step's logits on the device and fed to the next step;
+  the host reads the tokens back every ``read_every`` steps (8 on a GPU), and a row that ended
+  inside those steps keeps only its tokens up to its end (the steps after it were computed and
+  dropped: its tokens do not depend on them).
+- **Slots.** Everything a step reads or writes (the cache, the fed tokens, positions, mask, draw
+  counters, the tokens picked) lives in tensors made once per bucket, updated in place, so a
+  captured graph replays on whatever call filled them.
+- **Buckets.** Slots and graphs exist per (batch rows, cache length) pair. Rows are padded up to
   a power of two (at most ``max_rows``) and the cache length up to a power of two of at least 256
   tokens, so a stream compiles a handful of shapes per process, not one per call. A call that fits
   no bucket (longer than ``max_cache_len``) is decoded by the plain loop, with one log line.
 - **Finished rows stay in place, masked**, instead of leaving the batch (a shape change would mean
-  another compiled step); once the live rows fit a bucket a quarter of the size, they move to it.
-- **One call at a time** owns the static caches; a call from another thread meanwhile takes the plain
-  loop.
+  another graph); once the live rows fit a bucket a quarter of the size, they move to it.
+- **One call at a time** owns the slots; a call from another thread meanwhile takes the plain loop.
 - **The attention mask is built here**, one boolean row per sequence over the whole cache, and
   given to the model ready-made, so no mask logic runs inside the compiled step.
 """
@@ -33,11 +38,12 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from elm_memory.backends.sampling import RowChoice, pick_tokens
+from elm_memory.backends.sampling import RowChoice, pick_tokens, uniforms
 
 if TYPE_CHECKING:
     from elm_memory.backends.decode import DecodeOptions
@@ -76,12 +82,33 @@ def unsupported_reason(model: torch.nn.Module) -> str | None:
     return None
 
 
+@dataclass
+class _Slots:
+    """A bucket's static tensors: the KV cache and every value a decode step reads or writes."""
+
+    cache: Any
+    ids: torch.Tensor  # [rows, 1] the token each row feeds next
+    next_pos: torch.Tensor  # [rows, 1] its position id
+    attend: torch.Tensor  # [rows, 1, 1, length] which cache positions each row attends to
+    written: torch.Tensor  # [1] the cache position the next step writes
+    counts: torch.Tensor  # [rows] the index of the token each row picks next (its draw's counter)
+    temperature: torch.Tensor
+    top_p: torch.Tensor
+    keys: torch.Tensor
+    history: torch.Tensor  # [rows, read_every] the tokens picked since the host last read them
+    graphs: dict[tuple[bool, bool, bool], Any] = field(default_factory=dict)  # per kind of token choice
+
+    @property
+    def rows(self) -> int:
+        return self.ids.shape[0]
+
+
 class CapturedSteps:
     """Decode steps for one model on static caches, compiled once per shape bucket.
 
-    ``compile``: run the step through ``torch.compile`` (``reduce-overhead``: CUDA graphs on a GPU;
-    inductor kernels on a CPU). Without it the step runs eagerly on the same static cache, the
-    same buckets and masks: what the tests compare against the plain loop on any machine.
+    ``compile``: run the step's forward through ``torch.compile`` (inductor kernels), and on CUDA
+    capture ``read_every`` steps as one CUDA graph. Without it the steps run eagerly on the same
+    slots, buckets and masks: what the tests compare against the plain loop on any machine.
     """
 
     def __init__(
@@ -102,28 +129,33 @@ class CapturedSteps:
         self.max_rows = _bucket(max_rows)
         self.max_cache_len = max_cache_len
         self.compiled = compile
-        on_gpu = next(model.parameters()).device.type == "cuda"
-        # on a GPU the host queues steps ahead of the device unless it waits for each step's tokens; on a
-        # CPU nothing runs ahead, and reading every step wastes no steps past a row's end
-        self.read_every = read_every if read_every is not None else (8 if on_gpu else 1)
+        self.on_gpu = next(model.parameters()).device.type == "cuda"
+        # on a GPU one graph runs read_every steps and the host waits only for its tokens; on a CPU nothing
+        # runs ahead, and reading every step wastes no steps past a row's end
+        self.read_every = read_every if read_every is not None else (8 if self.on_gpu else 1)
+        self.graphs = compile and self.on_gpu
+        self._graph_failure: str | None = None  # why capturing failed once (then the steps run without graphs)
+        self._pool: Any = None
         self._additive = model.config._attn_implementation == "eager"  # type: ignore[union-attr]
-        self._caches: dict[tuple[int, int], Any] = {}
+        self._slots: dict[tuple[int, int], _Slots] = {}
         self._logged: set[str] = set()
-        # one decode at a time owns the static caches; a call from another thread meanwhile (a background
-        # learner beside the answer path) takes the plain loop instead of waiting or sharing a cache
+        # one decode at a time owns the slots; a call from another thread meanwhile (a background learner
+        # beside the answer path) takes the plain loop instead of waiting or sharing a cache
         self._busy = threading.Lock()
         self.buckets_seen: list[tuple[int, int]] = []  # (rows, cache length) of each bucket met, in order
         self._step: Callable[..., torch.Tensor] = self._forward
+        self._draws: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = uniforms
         if compile:
             import torch._dynamo
 
-            # one compiled step per bucket: allow every bucket this runner can meet
+            # one compiled forward per bucket: allow every bucket this runner can meet
             buckets = (self.max_rows.bit_length()) * (max(1, (max_cache_len // MIN_CACHE_LEN)).bit_length() + 1)
             limit = max(int(getattr(torch._dynamo.config, "recompile_limit", 8)), buckets + 8)
             torch._dynamo.config.recompile_limit = limit
-            self._step = torch.compile(
-                self._forward, mode="reduce-overhead" if on_gpu else None, fullgraph=True, dynamic=False
-            )
+            # no compiler-made CUDA graphs: the graph captured here holds the whole step, token choice included
+            self._step = torch.compile(self._forward, fullgraph=True, dynamic=False)
+            # the draws' hash is a few dozen integer operations: one fused kernel, bit for bit the same
+            self._draws = torch.compile(uniforms, fullgraph=True, dynamic=False)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, cache: Any) -> torch.Tensor:
         """One decode step: the last position's logits of every row."""
@@ -144,24 +176,43 @@ class CapturedSteps:
             self._logged.add(message)
             log.info(message)
 
-    def _cache(self, rows: int, length: int, like: Any) -> Any:
-        """The static cache of a bucket, made once (its tensors' addresses are what a captured graph reads)."""
+    def _slots_for(self, rows: int, length: int, like: Any, device: torch.device) -> _Slots:
+        """The slots of a bucket, made once (their addresses are what a captured graph reads)."""
         from transformers import StaticCache
 
         key = (rows, length)
-        cache = self._caches.get(key)
-        if cache is None:
-            made: Any = StaticCache(config=cast(Any, self.model).config, max_cache_len=length)
-            for static, dynamic in zip(made.layers, like.layers, strict=True):
+        slots = self._slots.get(key)
+        if slots is None:
+            cache: Any = StaticCache(config=cast(Any, self.model).config, max_cache_len=length)
+            for static, dynamic in zip(cache.layers, like.layers, strict=True):
                 k, v = dynamic.keys, dynamic.values
                 static.lazy_initialization(
                     k.new_zeros(rows, k.shape[1], 1, k.shape[3]), v.new_zeros(rows, v.shape[1], 1, v.shape[3])
                 )
-            self._caches[key] = cache = made
+
+            def longs(*shape: int) -> torch.Tensor:
+                return torch.zeros(*shape, dtype=torch.long, device=device)
+
+            def floats() -> torch.Tensor:
+                return torch.ones(rows, dtype=torch.float32, device=device)
+
+            slots = _Slots(
+                cache=cache,
+                ids=longs(rows, 1),
+                next_pos=longs(rows, 1),
+                attend=torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=device),
+                written=longs(1),
+                counts=longs(rows),
+                temperature=floats(),
+                top_p=floats(),
+                keys=longs(rows),
+                history=longs(rows, self.read_every),
+            )
+            self._slots[key] = slots
             self.buckets_seen.append(key)
             if self.compiled:
                 self._log_once(f"captured decode: compiling the step for {rows} rows x {length} cache positions")
-        return cache
+        return slots
 
     @staticmethod
     def _fill(cache: Any, source: Any, rows: torch.Tensor | None, length: int) -> None:
@@ -172,6 +223,61 @@ class CapturedSteps:
             static.keys[: k.shape[0], :, :length].copy_(k[:, :, :length])
             static.values[: v.shape[0], :, :length].copy_(v[:, :, :length])
             static.cumulative_length.fill_(length)
+
+    def _advance(self, s: _Slots, flags: dict[str, bool]) -> None:
+        """``read_every`` decode steps on a bucket's slots, all in place (what a graph captures): each
+        step marks the position it writes as attended, runs the forward, picks every row's token and
+        feeds it to the next step."""
+        for i in range(self.read_every):
+            s.attend.index_fill_(3, s.written, True)
+            logits = self._step(s.ids, s.next_pos, s.attend, s.cache)
+            picked = pick_tokens(logits, s.temperature, s.top_p, s.keys, s.counts, draws=self._draws, **flags)
+            s.history[:, i].copy_(picked)
+            s.ids[:, 0].copy_(picked)
+            s.next_pos.add_(1)
+            s.written.add_(1)
+            s.counts.add_(1)
+
+    def _graph(self, s: _Slots, flags: dict[str, bool]) -> Any:
+        """The CUDA graph of ``_advance`` on these slots for this kind of choice, captured on first use
+        (None once capturing has failed: the steps then run without graphs). Capture comes before the
+        call fills the slots: the warm-up runs write into them."""
+        if not self.graphs or self._graph_failure is not None:
+            return None
+        kind = (flags["any_sampled"], flags["any_nucleus"], flags["any_greedy"])
+        graph = s.graphs.get(kind)
+        if graph is not None:
+            return graph
+        try:
+            s.written.zero_()  # warm-up steps write from position 0 of the cache, never past its end
+            for layer in s.cache.layers:
+                layer.cumulative_length.zero_()
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # compile the forward, set up cuBLAS and the allocator off the capture
+                self._advance(s, flags)
+                self._advance(s, flags)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            # thread_local: a learner thread's CUDA work meanwhile does not break the capture
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._advance(s, flags)
+        except Exception as error:  # a capture that fails leaves correct, slower steps: say so once
+            self._graph_failure = f"{type(error).__name__}: {error}"
+            log.warning("captured decode: capturing a CUDA graph failed (%s); decoding without graphs", error)
+            return None
+        s.graphs[kind] = graph
+        return graph
+
+    def _run(self, s: _Slots, flags: dict[str, bool], graph: Any) -> list[list[int]]:
+        """``read_every`` steps; the tokens they picked, per bucket row."""
+        if graph is not None:
+            graph.replay()
+        else:
+            self._advance(s, flags)
+        return cast(list[list[int]], s.history.tolist())
 
     def decode(
         self,
@@ -188,7 +294,7 @@ class CapturedSteps:
         """The decode loop after a prefill (``prefilled``: its dynamic cache, one row per output row;
         ``logits``: the prefill's last-position logits; ``mask`` (rows, T0) and ``positions`` as the
         plain loop holds them; ``choice``: the rows' temperatures, top-p and draw keys). None when no
-        bucket fits or another call holds the caches: the caller decodes with the plain loop."""
+        bucket fits or another call holds the slots: the caller decodes with the plain loop."""
         if not self._busy.acquire(blocking=False):
             self._log_once("captured decode: busy with another call; decoding this one with the plain loop")
             return None
@@ -216,7 +322,8 @@ class CapturedSteps:
         steps = max(limit)
         if steps < 1:  # nothing to decode: the plain loop returns the empty rows
             return None
-        length = _bucket(prompt_len + steps, MIN_CACHE_LEN)
+        # the last read may run up to read_every - 1 steps past the longest row: room for them in the cache
+        length = _bucket(prompt_len + steps + self.read_every, MIN_CACHE_LEN)
         if rows > self.max_rows or length > self.max_cache_len:
             self._log_once(
                 f"captured decode: {rows} rows x {prompt_len + steps} positions fit no bucket "
@@ -224,77 +331,85 @@ class CapturedSteps:
             )
             return None
         device = logits.device
-        width = _bucket(rows)
-        cache = self._cache(width, length, prefilled)
-        self._fill(cache, prefilled, None, prompt_len)
-
-        def padded(t: torch.Tensor, fill: float | int | bool, rows_now: int) -> torch.Tensor:
-            return torch.cat([t, t.new_full((width - rows_now, *t.shape[1:]), fill)]) if width > rows_now else t
-
-        attend = torch.zeros(width, 1, 1, length, dtype=torch.bool, device=device)
-        attend[:rows, 0, 0, :prompt_len] = mask.bool()
-        attend[rows:, 0, 0, 0] = True  # padding rows attend to one position: no row is all masked
-        next_pos = padded(positions[:, -1:] + 1, 0, rows)
+        flags = choice.flags
         # padding rows take the kind of choice the real rows take (no argmax pass just for them); their
         # tokens are never read
         pad_temperature = 0.0 if choice.any_greedy else 1.0
-        temperature = padded(choice.temperature, pad_temperature, rows)
-        top_p = padded(choice.top_p, 1.0, rows)
-        keys = padded(choice.keys, 0, rows)
-        counts = torch.zeros(width, dtype=torch.long, device=device)  # the index of the token each row picks next
-        flags = choice.flags
-        history = torch.zeros(width, self.read_every, dtype=torch.long, device=device)
-        ids = padded(choice.pick(logits, choice.temperature, choice.top_p, choice.keys, counts[:rows]), 0, rows)
-        ids = ids.unsqueeze(1)
-        history[:, 0] = ids[:, 0]
 
+        def load(
+            s: _Slots, n: int, attend: torch.Tensor, next_pos: torch.Tensor, ids: torch.Tensor, **per_row: Any
+        ) -> None:
+            """Put ``n`` live rows' values in the first rows of ``s`` and padding after them."""
+            s.attend.zero_()
+            s.attend[:n].copy_(attend)
+            s.attend[n:, 0, 0, 0] = True  # padding rows attend to one position: no row is all masked
+            for slot, value, pad in (
+                (s.next_pos, next_pos, 0),
+                (s.ids, ids, 0),
+                (s.temperature, per_row["temperature"], pad_temperature),
+                (s.top_p, per_row["top_p"], 1.0),
+                (s.keys, per_row["keys"], 0),
+            ):
+                slot[:n].copy_(value)
+                slot[n:].fill_(pad)
+
+        first = choice.pick(logits, choice.temperature, choice.top_p, choice.keys, torch.zeros_like(choice.keys))
         eos_set = set(eos.tolist())
         options = per_prompt[0]
         tokens: list[list[int]] = [[] for _ in range(rows)]
         reasons = ["length"] * rows
+        alive = [_append(r, tok, tokens, reasons, limit, eos_set, should_stop) for r, tok in enumerate(first.tolist())]
+        if not any(alive):
+            return list(zip(tokens, reasons, strict=True))
+
+        s = self._slots_for(_bucket(rows), length, prefilled, device)
+        graph = self._graph(s, flags)
+        self._fill(s.cache, prefilled, None, prompt_len)
+        prompt_attend = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=device)
+        prompt_attend[:, 0, 0, :prompt_len] = mask.bool()
+        load(
+            s,
+            rows,
+            prompt_attend,
+            positions[:, -1:] + 1,
+            first.unsqueeze(1),
+            temperature=choice.temperature,
+            top_p=choice.top_p,
+            keys=choice.keys,
+        )
+        s.written.fill_(prompt_len)
+        s.counts.fill_(1)
         live = list(range(rows))  # the output row at each batch position (padding rows excluded)
-        alive = [True] * rows
-        written = prompt_len  # cache positions written so far (the next step writes here)
-        held, made = 1, 1  # tokens in ``history`` not read yet; tokens every row has been given
+        written, made = prompt_len, 1  # cache positions written; tokens every row has been given
         while True:
-            if held == self.read_every or made == steps:
-                for b, got in enumerate(history[: len(live), :held].tolist()):
-                    for tok in got:  # a row that ended inside these steps keeps its tokens up to its end
-                        if not alive[b]:
-                            break
-                        alive[b] = _append(live[b], tok, tokens, reasons, limit, eos_set, should_stop)
-                held = 0
-                if made == steps or not any(alive):
-                    break
-                smaller = _bucket(sum(alive))
-                if options.drop_finished and smaller * SHRINK_FACTOR <= width:  # move the live rows to a smaller bucket
-                    keep = torch.tensor([b for b, a in enumerate(alive) if a], device=device)
-                    old = cache
-                    cache = self._cache(smaller, length, prefilled)
-                    self._fill(cache, old, keep, written)
-                    width, kept = smaller, len(keep)
-                    attend = padded(attend.index_select(0, keep), False, kept)
-                    attend[kept:, 0, 0, 0] = True
-                    next_pos = padded(next_pos.index_select(0, keep), 0, kept)
-                    ids = padded(ids.index_select(0, keep), 0, kept)
-                    temperature = padded(temperature.index_select(0, keep), pad_temperature, kept)
-                    top_p = padded(top_p.index_select(0, keep), 1.0, kept)
-                    keys = padded(keys.index_select(0, keep), 0, kept)
-                    counts = counts.new_zeros(width)
-                    history = history.new_zeros(width, self.read_every)
-                    live, alive = [live[b] for b in keep.tolist()], [True] * kept
-            attend[:, 0, 0, written] = True
-            counts.fill_(made)
-            if self.compiled and device.type == "cuda":
-                torch.compiler.cudagraph_mark_step_begin()
-            logits = self._step(ids, next_pos, attend, cache)
-            # the choice runs eagerly on the device, before the next replay overwrites the graph's logits
-            # (inductor cannot yet fuse the CDF's scan with the reductions beside it on CUDA)
-            picked = pick_tokens(logits, temperature, top_p, keys, counts, **flags)
-            history[:, held] = picked
-            ids[:, 0] = picked
-            next_pos += 1
-            written += 1
-            held += 1
-            made += 1
+            picked = self._run(s, flags, graph)
+            written += self.read_every
+            made += self.read_every
+            for b, got in enumerate(picked[: len(live)]):
+                for tok in got:  # a row that ended inside these steps keeps its tokens up to its end
+                    if not alive[b]:
+                        break
+                    alive[b] = _append(live[b], tok, tokens, reasons, limit, eos_set, should_stop)
+            if made >= steps or not any(alive):
+                break
+            smaller = _bucket(sum(alive))
+            if options.drop_finished and smaller * SHRINK_FACTOR <= s.rows:  # move the live rows to a smaller bucket
+                keep = torch.tensor([b for b, a in enumerate(alive) if a], device=device)
+                old = s
+                s = self._slots_for(smaller, length, prefilled, device)
+                graph = self._graph(s, flags)
+                self._fill(s.cache, old.cache, keep, written)
+                load(
+                    s,
+                    len(keep),
+                    old.attend.index_select(0, keep),
+                    old.next_pos.index_select(0, keep),
+                    old.ids.index_select(0, keep),
+                    temperature=old.temperature.index_select(0, keep),
+                    top_p=old.top_p.index_select(0, keep),
+                    keys=old.keys.index_select(0, keep),
+                )
+                s.written.fill_(written)
+                s.counts.fill_(made)
+                live, alive = [live[b] for b in keep.tolist()], [True] * len(keep)
         return list(zip(tokens, reasons, strict=True))

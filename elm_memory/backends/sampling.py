@@ -16,7 +16,7 @@ The hash is an integer mixer on 32-bit values held in int64 tensors; every produ
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -123,13 +123,15 @@ def pick_tokens(
     any_sampled: bool,
     any_nucleus: bool,
     any_greedy: bool = True,
+    draws: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
 ) -> torch.Tensor:
     """One token per row of ``logits`` [B, V]: the argmax where ``temperature[row] <= 0``, else a draw
     at that temperature (and ``top_p[row]``) by inverting the row's CDF at ``uniforms(keys, counts)``.
 
     ``any_sampled`` / ``any_nucleus`` / ``any_greedy`` are the host's knowledge of the batch (no row
     sampled: no softmax; no top_p below 1: no sort; no greedy row: no argmax, which costs as much as the
-    softmax on a CPU), so the function never branches on device values."""
+    softmax on a CPU), so the function never branches on device values. ``draws``: what computes
+    :func:`uniforms` (a compiled copy: the same bits, one kernel instead of a few dozen)."""
     if not any_sampled:
         return logits.argmax(dim=-1)
     if any_greedy:
@@ -140,7 +142,7 @@ def pick_tokens(
     probs = torch.softmax(logits.float() / scale.unsqueeze(1), dim=-1)
     if any_nucleus:
         probs = nucleus(probs, top_p)
-    drawn = inverse_cdf(probs, uniforms(keys, counts))
+    drawn = inverse_cdf(probs, (draws or uniforms)(keys, counts))
     return torch.where(greedy, logits.argmax(dim=-1), drawn) if any_greedy else drawn
 
 
