@@ -186,7 +186,16 @@ class RowChoice:
         counts: torch.Tensor,
     ) -> torch.Tensor:
         """One token per row of ``logits``, the rows' settings and keys given (a subset of this call's rows)."""
-        return pick_tokens(logits, temperature, top_p, keys, counts, **self.flags)
+        return pick_tokens(
+            logits,
+            temperature,
+            top_p,
+            keys,
+            counts,
+            any_sampled=self.any_sampled,
+            any_nucleus=self.any_nucleus,
+            any_greedy=self.any_greedy,
+        )
 
     @property
     def flags(self) -> dict[str, bool]:
