@@ -8,6 +8,8 @@ with **random weights**, through the library's own loader, backend and trainer:
   temperature 0.8) at a given S and completion cap, faithful (every group back-propagated, no early
   stop). Random weights never write ``\\boxed{}`` or stop, so every rollout runs to the cap: the
   times are the worst case for that cap, and the rewards (all 0) mean nothing.
+- ``learn_together`` (``--memories M``): M memories at the same settings trained together, their
+  rollouts decoded as one batch (:func:`learn_memories`); memories per hour beside ``learn``'s one.
 - ``answer``: ELM's dual generation, the zero-shot and the memory-conditioned prompt decoded
   greedily in one batch, to the same cap.
 
@@ -95,6 +97,35 @@ def _learn(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, Any]:
     }
 
 
+def _learn_together(cfg: Any, loaded: Any, backend: Any, prompts: Any, memories: int) -> dict[str, Any]:
+    """``memories`` memories trained together (:func:`learn_memories`: their rollouts decode as one batch)."""
+    import torch
+
+    from elm_memory.training.learn import learn_memories
+
+    questions = [QUESTION.replace("48", str(48 + i)) for i in range(memories)]
+    if torch.cuda.is_available():
+        torch.cuda.reset_peak_memory_stats()
+    _sync()
+    t0 = time.perf_counter()
+    learned = learn_memories(questions, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
+    _sync()
+    seconds = time.perf_counter() - t0
+    stats = [m.meta.stats for m in learned]
+    return {
+        "memories": memories,
+        "steps": cfg.training.steps,
+        "num_generations": cfg.training.num_generations,
+        "max_completion_length": cfg.training.max_completion_length,
+        "seconds": round(seconds, 2),
+        "seconds_per_memory": round(seconds / memories, 2),
+        "memories_per_hour": round(3600 * memories / seconds, 1),
+        "completion_tokens": sum(st.completion_tokens for st in stats),
+        "finite": all(bool(torch.isfinite(m.soft_prompt).all()) for m in learned),
+        "peak_gpu_gib": _peak_gib(),
+    }
+
+
 def answer_pair(cfg: Any, loaded: Any, prompts: Any) -> list[Any]:
     """ELM's two answer prompts: zero-shot, and with a question-initialised memory (on the CPU, as a
     stored memory is)."""
@@ -146,6 +177,9 @@ def main() -> None:
     ap.add_argument("--dtype", default="auto")
     ap.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
     ap.add_argument("--decode-graphs", default="auto", help="backend.decode_graphs: auto, on, off or static")
+    ap.add_argument(
+        "--memories", type=int, default=1, help="also train this many memories together at each run's settings"
+    )
     args = ap.parse_args()
     if not (args.config_dir / "config.json").is_file():
         raise SystemExit(f"{args.config_dir} has no config.json")
@@ -204,6 +238,11 @@ def main() -> None:
         answered = _answer(cfg, loaded, backend, prompts, length)
         result["answer"].append(answered)
         print(json.dumps({"answer": answered}), flush=True)
+        if args.memories > 1:
+            _learn_together(cfg.model_copy(update={"training": short}), loaded, backend, prompts, args.memories)
+            together = _learn_together(cfg, loaded, backend, prompts, args.memories)
+            result.setdefault("learn_together", []).append(together)
+            print(json.dumps({"learn_together": together}), flush=True)
         if args.out:  # after every run: a run cut off by a time limit keeps what finished
             args.out.write_text(json.dumps(result, indent=2) + "\n")
     shutil.rmtree(folder, ignore_errors=True)
