@@ -265,11 +265,11 @@ class BackendConfig(ConfigSection):
     decode_graphs: Literal["auto", "on", "off", "static"] = Field(
         default="auto",
         description=(
-            "Captured decode steps for the `elm` loop (elm_memory/backends/captured.py): a static KV cache and one "
-            "`torch.compile`d step per shape bucket, replayed as a CUDA graph on a GPU. `auto`: on for CUDA, off on "
-            "a CPU; `on`: also on a CPU (inductor kernels, no graphs); `off`: the plain loop; `static`: the static "
-            "cache and buckets without compiling (for checking). The first call of each bucket compiles (tens of "
-            "seconds on a GPU). LoRA memories and lookup drafts always take the plain loop."
+            "Captured decode steps for the `elm` loop (elm_memory/backends/captured.py): a static KV cache and a "
+            "`torch.compile`d step per shape bucket; on a GPU eight steps replay as one CUDA graph. `auto`: on for "
+            "CUDA, off on a CPU; `on`: also on a CPU (inductor kernels, no graphs); `off`: the plain loop; "
+            "`static`: the static cache and buckets without compiling (for checking). The first call of each "
+            "bucket compiles (tens of seconds on a GPU). LoRA memories and lookup drafts always take the plain loop."
         ),
     )
     max_batch_rows: int = Field(
