@@ -169,6 +169,26 @@ def test_a_call_no_bucket_fits_is_decoded_by_the_plain_loop_with_one_log_line(sm
     assert len(lines) == 1, "logged once per process, not per call"
 
 
+def test_a_failed_graph_capture_warns_once_and_decodes_the_same_tokens_without_graphs(smol, batch, caplog, monkeypatch):
+    """Capturing a CUDA graph can fail (a driver, an operation that cannot be captured); the steps then
+    run uncaptured on the same slots. Here the capture is made to fail on purpose."""
+    _, input_ids, mask = batch
+    captured = _steps(smol, read_every=4)
+    captured.graphs = True  # as on a GPU with compiling on
+
+    def refuse(*args, **kwargs):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", refuse)
+    options = DecodeOptions(12, temperature=0.8, n=4)
+    with caplog.at_level(logging.WARNING, logger="elm_memory.backends.captured"):
+        for _ in range(2):
+            plain, fast = _both(smol, mask, options, captured, input_ids=input_ids, seeds=(3, 4))
+            assert fast == plain
+    assert captured._graph_failure is not None and "not permitted" in captured._graph_failure
+    assert len([r for r in caplog.records if "capturing a CUDA graph failed" in r.getMessage()]) == 1
+
+
 def test_a_call_while_another_holds_the_caches_takes_the_plain_loop(smol, batch):
     """A background learner's rollouts beside the answer path: the second call never shares a static cache."""
     _, input_ids, mask = batch
