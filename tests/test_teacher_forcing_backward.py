@@ -75,3 +75,37 @@ def test_the_backward_never_zero_fills_all_the_logits(model, share_prompt_kv):
         and torch.Size(e.input_shapes[0]).numel() >= logits_numel
     ]
     assert not fills, fills
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_log_probs_from_pieces_equal_the_plain_expression_and_its_gradient_bit_for_bit(temperature):
+    """The written-out log-probs (logits in pieces along T, an empty piece too) give autograd's values and
+    gradients for ``(row.float() / t).gather(targets) - logsumexp(row.float() / t)`` exactly, so training
+    is unchanged by it."""
+    from elm_memory.backends.teacher_forcing import _TokenLogprobs
+
+    g = torch.Generator().manual_seed(3)
+    rows, length, vocab = 3, 7, 1000
+    logits = (3 * torch.randn(rows, length, vocab, generator=g)).to(torch.bfloat16)
+    targets = torch.randint(0, vocab, (rows, length), generator=g)
+    upstream = torch.randn(rows, length, generator=g)
+    upstream[1, 4:] = 0.0  # masked positions: no gradient from them
+
+    plain_in = logits.clone().requires_grad_(True)
+    out = []
+    for i, r in enumerate(plain_in.unbind(0)):  # what completion_logprobs computed before, row by row
+        row = r.float() / temperature
+        out.append(row.gather(1, targets[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))
+    plain = torch.stack(out)
+    plain.backward(upstream)
+
+    pieces = [logits[:, :1].clone(), logits[:, 1:1].clone(), logits[:, 1:].clone()]
+    for p in pieces:
+        p.requires_grad_(True)
+    mine = _TokenLogprobs.apply(temperature, targets, *pieces)
+    mine.backward(upstream)
+
+    assert torch.equal(mine, plain)
+    assert torch.equal(torch.cat([p.grad for p in pieces], dim=1), plain_in.grad)
+    with torch.no_grad():  # as the reference policy's pass: the values alone
+        assert torch.equal(_TokenLogprobs.apply(temperature, targets, logits), plain.detach())

@@ -21,7 +21,7 @@ from __future__ import annotations
 import inspect
 from collections.abc import Sequence
 from contextlib import nullcontext
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,6 +44,24 @@ def completion_logits(
     Completion ``i`` is read under ``prompts[rows[i]]`` (every completion under ``prompts[0]``
     without ``rows``). Completions are right-padded with ``pad_id`` to the longest, T >= 1.
     """
+    pieces, comp, mask = _completion_logit_pieces(
+        model, prompts, completions, rows=rows, share_prompt_kv=share_prompt_kv, pad_id=pad_id
+    )
+    return (pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=1)), comp, mask
+
+
+def _completion_logit_pieces(
+    model: Any,
+    prompts: Sequence[PromptInput],
+    completions: Sequence[Sequence[int]],
+    *,
+    rows: Sequence[int] | None,
+    share_prompt_kv: bool,
+    pad_id: int,
+) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
+    """:func:`completion_logits` with the logits as consecutive pieces along T (the shared-prompt path
+    gets the first position from the prompt's forward and the rest from the completion's): joining
+    them copies every logit, and the log-probs need no join."""
     if rows is None:
         rows = [0] * len(completions)
     embed = model.get_input_embeddings()
@@ -64,10 +82,10 @@ def completion_logits(
     forward_rows = len(composed) if share_prompt_kv else B  # the batch of the first forward
     with memory.apply(model, forward_rows) if memory is not None else nullcontext(AppliedMemory()) as applied:
         if share_prompt_kv:
-            logits = _logits_shared_prompt(model, composed, rows, comp, mask, applied)
+            pieces = _logits_shared_prompt(model, composed, rows, comp, mask, applied)
         else:
-            logits = _logits_full_rows(model, composed, rows, comp, mask, applied)
-    return logits, comp, mask
+            pieces = [_logits_full_rows(model, composed, rows, comp, mask, applied)]
+    return pieces, comp, mask
 
 
 def completion_logprobs(
@@ -85,16 +103,63 @@ def completion_logprobs(
     ``temperature``: the distribution the completions were sampled from (as TRL scores
     rollouts); 1 for the model's own distribution. Arguments as :func:`completion_logits`.
     """
-    logits, comp, mask = completion_logits(
+    pieces, comp, mask = _completion_logit_pieces(
         model, prompts, completions, rows=rows, share_prompt_kv=share_prompt_kv, pad_id=pad_id
     )
-    out = []
-    # One row at a time keeps the fp32 copy of (T, vocab) small. unbind, not logits[i]: the backward of
-    # an index is a zero-filled copy of all the logits per row, then summed; unbind's stacks the rows once.
-    for i, row_logits in enumerate(logits.unbind(0)):
-        row = row_logits.float() / temperature
-        out.append(row.gather(1, comp[i].unsqueeze(1)).squeeze(1) - torch.logsumexp(row, dim=-1))
-    return torch.stack(out), mask
+    return cast(torch.Tensor, _TokenLogprobs.apply(temperature, comp, *pieces)), mask
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits / temperature) at the target tokens, (B, T) float32, from logits given as
+    pieces along T; the gradient is what autograd gives the plain expression
+    ``(row.float() / t).gather(targets) - logsumexp(row.float() / t)``, bit for bit (tested).
+
+    Written out because the plain expression keeps a float32 copy of every row's (T, vocab) logits
+    for its backward and runs about ten passes over them there; this keeps only the logits and the
+    log-normalisers, and its backward makes each row's gradient in place in one float32 buffer
+    (measured in docs/performance.md)."""
+
+    @staticmethod
+    def forward(ctx: Any, temperature: float, targets: torch.Tensor, *pieces: torch.Tensor) -> torch.Tensor:
+        rows = targets.shape[0]
+        out = torch.empty(targets.shape, dtype=torch.float32, device=targets.device)
+        norms = torch.empty_like(out)
+        col = 0
+        for piece in pieces:  # one row at a time keeps the float32 copy of (T, vocab) small
+            n = piece.shape[1]
+            for i in range(rows if n else 0):
+                row = piece[i].float() / temperature
+                norm = torch.logsumexp(row, dim=-1)
+                out[i, col : col + n] = row.gather(1, targets[i, col : col + n].unsqueeze(1)).squeeze(1) - norm
+                norms[i, col : col + n] = norm
+            col += n
+        ctx.temperature = temperature
+        ctx.save_for_backward(targets, norms, *pieces)
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        targets, norms, *pieces = ctx.saved_tensors
+        temperature = ctx.temperature
+        grads: list[torch.Tensor | None] = []
+        col = 0
+        for k, piece in enumerate(pieces):
+            n = piece.shape[1]
+            if not ctx.needs_input_grad[2 + k]:
+                grads.append(None)
+                col += n
+                continue
+            piece_grad = torch.empty_like(piece)
+            for i in range(piece.shape[0] if n else 0):
+                g = grad[i, col : col + n].unsqueeze(1)
+                # autograd's order: the softmax term (-g) * exp(x/t - lse), the target's g added, then / t
+                d = piece[i].float() / temperature
+                d.sub_(norms[i, col : col + n].unsqueeze(1)).exp_().mul_(-g)
+                d.scatter_add_(1, targets[i, col : col + n].unsqueeze(1), g)
+                piece_grad[i].copy_(d.div_(temperature))
+            grads.append(piece_grad)
+            col += n
+        return (None, None, *grads)
 
 
 def _logits_full_rows(
@@ -135,10 +200,11 @@ def _logits_shared_prompt(
     comp: torch.Tensor,
     mask: torch.Tensor,
     applied: AppliedMemory,
-) -> torch.Tensor:
+) -> list[torch.Tensor]:
     """As :func:`_logits_full_rows`, but each prompt goes through the model once and its KV cache is
     repeated for its rows: G rollouts of a memory cost one prompt forward/backward instead of G.
-    Gradients reach the soft prompt through the cached keys/values."""
+    Gradients reach the soft prompt through the cached keys/values. Two pieces along T: the first
+    position (from the prompt's forward) and the rest."""
     from transformers import DynamicCache
 
     T = comp.shape[1]
@@ -175,7 +241,7 @@ def _logits_shared_prompt(
     ).logits
     if rest.shape[1] != T - 1:  # even a slice of every position has a zero-filling backward
         rest = rest[:, : T - 1, :]
-    return torch.cat([first.unsqueeze(1), rest], dim=1)
+    return [first.unsqueeze(1), rest]
 
 
 def _left_padded(
