@@ -67,18 +67,27 @@ def _peak_gib() -> float | None:
     return round(torch.cuda.max_memory_allocated() / 2**30, 2)
 
 
-def _learn(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, Any]:
+def _timed_learning(call: Any) -> tuple[Any, float]:
+    """``call()``'s result and its seconds, the GPU's peak memory counted from its start."""
     import torch
-
-    from elm_memory.training.learn import learn_memory
 
     if torch.cuda.is_available():
         torch.cuda.reset_peak_memory_stats()
     _sync()
     t0 = time.perf_counter()
-    memory = learn_memory(QUESTION, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
+    out = call()
     _sync()
-    seconds = time.perf_counter() - t0
+    return out, time.perf_counter() - t0
+
+
+def _learn(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, Any]:
+    import torch
+
+    from elm_memory.training.learn import learn_memory
+
+    memory, seconds = _timed_learning(
+        lambda: learn_memory(QUESTION, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
+    )
     s = memory.meta.stats
     tokens = s.completion_tokens
     return {
@@ -104,13 +113,9 @@ def _learn_together(cfg: Any, loaded: Any, backend: Any, prompts: Any, memories:
     from elm_memory.training.learn import learn_memories
 
     questions = [QUESTION.replace("48", str(48 + i)) for i in range(memories)]
-    if torch.cuda.is_available():
-        torch.cuda.reset_peak_memory_stats()
-    _sync()
-    t0 = time.perf_counter()
-    learned = learn_memories(questions, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
-    _sync()
-    seconds = time.perf_counter() - t0
+    learned, seconds = _timed_learning(
+        lambda: learn_memories(questions, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
+    )
     stats = [m.meta.stats for m in learned]
     return {
         "memories": memories,

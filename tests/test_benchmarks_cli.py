@@ -72,23 +72,15 @@ def test_the_decode_roofline_counts_the_weights_a_step_reads(tied):
     """An untied input embedding table is gathered one row per sequence, not read whole: it stays out of
     the decode floor; a tied one is the output layer and stays in."""
     import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
+    from _fakes import tiny_qwen2_config
+    from transformers import Qwen2ForCausalLM
 
     from benchmarks.learn_throughput import decode_params, roofline_tok_s
 
-    cfg = Qwen2Config(
-        vocab_size=1000,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        tie_word_embeddings=tied,
-    )
     torch.manual_seed(0)
-    model = Qwen2ForCausalLM(cfg)
+    model = Qwen2ForCausalLM(tiny_qwen2_config(1000, 64, tie_word_embeddings=tied))
     total = sum(p.numel() for p in model.parameters())
-    assert decode_params(model) == (total if tied else total - 1000 * 32)
+    assert decode_params(model) == (total if tied else total - 1000 * model.config.hidden_size)
     machine = {"read_bandwidth_gb_s": 1.0, "gemm_gflop_s": {"bfloat16": 1e6}}
     roof = roofline_tok_s(machine, decode_params(model), "bfloat16", 1)
     assert roof["bound"] == "memory" and roof["step_ms"] == round(decode_params(model) * 2 / 1e9 * 1e3, 1)
