@@ -5,7 +5,8 @@
 #   bash benchmarks/gpu_session.sh 2>&1 | tee $OUT/run.log
 # Order: the captured steps (the issue's targets), the bare compiled reference beside them, the CUDA tests
 # (tokens equal the plain loop's), a memory at S=10, G=8. The plain loop is left out: 25-28 ms a step on
-# every earlier run, and slow to time.
+# every earlier run, and slow to time. Ran as is on 2026-11-27 in 342 s (benchmarks/results/decode_graphs_h200_slots/).
+# Not in it: transformers' compiled generate (hf_decode_limits.py), whose first call compiles for 3-6 minutes.
 set -u
 T0=$(date +%s); el() { echo "== $1 at +$(( $(date +%s) - T0 ))s"; }
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 3
