@@ -159,3 +159,18 @@ def test_a_batch_with_no_greedy_row_skips_the_argmax_and_picks_the_same_tokens()
         for g in (True, False)
     ]
     assert torch.equal(both[0], both[1])
+
+
+def test_the_choice_scales_a_copy_and_gives_the_plain_softmaxs_tokens():
+    """The temperature is applied in place on a float32 copy: float32 logits are left as they were, and the
+    tokens are those of ``softmax(logits.float() / t)`` inverted at the same draws."""
+    g = torch.Generator().manual_seed(4)
+    logits = 3 * torch.randn(16, 500, generator=g)
+    before = logits.clone()
+    temperature = torch.rand(16, generator=g) + 0.3
+    keys, counts = torch.randint(0, 1 << 32, (16,), generator=g), torch.arange(16)
+    flags = {"any_sampled": True, "any_nucleus": False, "any_greedy": False}
+    picked = pick_tokens(logits, temperature, torch.ones(16), keys, counts, **flags)
+    assert torch.equal(logits, before)
+    plain = inverse_cdf(torch.softmax(logits.float() / temperature.unsqueeze(1), dim=-1), uniforms(keys, counts))
+    assert torch.equal(picked, plain)

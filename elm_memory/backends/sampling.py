@@ -139,7 +139,10 @@ def pick_tokens(
         scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     else:
         scale = temperature
-    probs = torch.softmax(logits.float() / scale.unsqueeze(1), dim=-1)
+    # the scaling in place on the float32 copy: the same values as ``logits.float() / scale``, one buffer
+    # of rows x vocabulary fewer (copy=True: float32 logits must not be scaled in the caller's tensor)
+    scaled = logits.to(torch.float32, copy=True).div_(scale.unsqueeze(1))
+    probs = torch.softmax(scaled, dim=-1)
     if any_nucleus:
         probs = nucleus(probs, top_p)
     drawn = inverse_cdf(probs, (draws or uniforms)(keys, counts))
