@@ -336,22 +336,41 @@ class CapturedSteps:
         # tokens are never read
         pad_temperature = 0.0 if choice.any_greedy else 1.0
 
-        def load(
-            s: _Slots, n: int, attend: torch.Tensor, next_pos: torch.Tensor, ids: torch.Tensor, **per_row: Any
-        ) -> None:
-            """Put ``n`` live rows' values in the first rows of ``s`` and padding after them."""
+        def enter(
+            width: int,
+            source: Any,
+            select: torch.Tensor | None,
+            written: int,
+            made: int,
+            attend: torch.Tensor,
+            next_pos: torch.Tensor,
+            ids: torch.Tensor,
+            temperature: torch.Tensor,
+            top_p: torch.Tensor,
+            keys: torch.Tensor,
+        ) -> tuple[_Slots, Any]:
+            """The bucket of ``width`` rows and its graph, captured before anything is filled (the capture's
+            warm-up writes into the slots); then the cache's first ``written`` positions from ``source``
+            (rows ``select``, all if None), the live rows' values with padding after them, and the counters."""
+            s = self._slots_for(width, length, prefilled, device)
+            graph = self._graph(s, flags)
+            self._fill(s.cache, source, select, written)
+            n = ids.shape[0]
             s.attend.zero_()
             s.attend[:n].copy_(attend)
             s.attend[n:, 0, 0, 0] = True  # padding rows attend to one position: no row is all masked
             for slot, value, pad in (
                 (s.next_pos, next_pos, 0),
                 (s.ids, ids, 0),
-                (s.temperature, per_row["temperature"], pad_temperature),
-                (s.top_p, per_row["top_p"], 1.0),
-                (s.keys, per_row["keys"], 0),
+                (s.temperature, temperature, pad_temperature),
+                (s.top_p, top_p, 1.0),
+                (s.keys, keys, 0),
             ):
                 slot[:n].copy_(value)
                 slot[n:].fill_(pad)
+            s.written.fill_(written)
+            s.counts.fill_(made)
+            return s, graph
 
         first = choice.pick(logits, choice.temperature, choice.top_p, choice.keys, torch.zeros_like(choice.keys))
         eos_set = set(eos.tolist())
@@ -362,23 +381,21 @@ class CapturedSteps:
         if not any(alive):
             return list(zip(tokens, reasons, strict=True))
 
-        s = self._slots_for(_bucket(rows), length, prefilled, device)
-        graph = self._graph(s, flags)
-        self._fill(s.cache, prefilled, None, prompt_len)
         prompt_attend = torch.zeros(rows, 1, 1, length, dtype=torch.bool, device=device)
         prompt_attend[:, 0, 0, :prompt_len] = mask.bool()
-        load(
-            s,
-            rows,
+        s, graph = enter(
+            _bucket(rows),
+            prefilled,
+            None,
+            prompt_len,
+            1,
             prompt_attend,
             positions[:, -1:] + 1,
             first.unsqueeze(1),
-            temperature=choice.temperature,
-            top_p=choice.top_p,
-            keys=choice.keys,
+            choice.temperature,
+            choice.top_p,
+            choice.keys,
         )
-        s.written.fill_(prompt_len)
-        s.counts.fill_(1)
         live = list(range(rows))  # the output row at each batch position (padding rows excluded)
         written, made = prompt_len, 1  # cache positions written; tokens every row has been given
         while True:
@@ -396,20 +413,7 @@ class CapturedSteps:
             if options.drop_finished and smaller * SHRINK_FACTOR <= s.rows:  # move the live rows to a smaller bucket
                 keep = torch.tensor([b for b, a in enumerate(alive) if a], device=device)
                 old = s
-                s = self._slots_for(smaller, length, prefilled, device)
-                graph = self._graph(s, flags)
-                self._fill(s.cache, old.cache, keep, written)
-                load(
-                    s,
-                    len(keep),
-                    old.attend.index_select(0, keep),
-                    old.next_pos.index_select(0, keep),
-                    old.ids.index_select(0, keep),
-                    temperature=old.temperature.index_select(0, keep),
-                    top_p=old.top_p.index_select(0, keep),
-                    keys=old.keys.index_select(0, keep),
-                )
-                s.written.fill_(written)
-                s.counts.fill_(made)
+                kept = (old.attend, old.next_pos, old.ids, old.temperature, old.top_p, old.keys)
+                s, graph = enter(smaller, old.cache, keep, written, made, *(t.index_select(0, keep) for t in kept))
                 live, alive = [live[b] for b in keep.tolist()], [True] * len(keep)
         return list(zip(tokens, reasons, strict=True))
