@@ -74,6 +74,13 @@ def row_keys(
     return keys.to(device)
 
 
+def tempered(logits: torch.Tensor, temperature: torch.Tensor | float) -> torch.Tensor:
+    """``logits.float() / temperature``, the same values, as one new float32 tensor divided in place: a
+    buffer of the logits' size fewer, and never the caller's tensor (float32 logits are copied too).
+    The sampler's distribution, and the one teacher forcing scores rollouts under."""
+    return logits.to(torch.float32, copy=True).div_(temperature)
+
+
 def inverse_cdf(probs: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     """Per row of unnormalised ``probs`` [B, V], the first token whose CDF exceeds ``u`` [B] (in [0, 1))
     times the row's mass. A zero-probability token is never picked, even where rounding puts the
@@ -139,10 +146,7 @@ def pick_tokens(
         scale = torch.where(greedy, torch.ones_like(temperature), temperature)
     else:
         scale = temperature
-    # the scaling in place on the float32 copy: the same values as ``logits.float() / scale``, one buffer
-    # of rows x vocabulary fewer (copy=True: float32 logits must not be scaled in the caller's tensor)
-    scaled = logits.to(torch.float32, copy=True).div_(scale.unsqueeze(1))
-    probs = torch.softmax(scaled, dim=-1)
+    probs = torch.softmax(tempered(logits, scale.unsqueeze(1)), dim=-1)
     if any_nucleus:
         probs = nucleus(probs, top_p)
     drawn = inverse_cdf(probs, (draws or uniforms)(keys, counts))

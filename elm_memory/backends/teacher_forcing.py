@@ -26,6 +26,7 @@ from typing import Any, cast
 import torch
 
 from elm_memory.backends.base import PromptInput, compose_embeddings
+from elm_memory.backends.sampling import tempered
 from elm_memory.memory.kinds import AppliedMemory, shared_memory
 from elm_memory.models.logits import last_positions
 
@@ -128,7 +129,7 @@ class _TokenLogprobs(torch.autograd.Function):
         for piece in pieces:  # one row at a time keeps the float32 copy of (T, vocab) small
             n = piece.shape[1]
             for i in range(rows if n else 0):
-                row = piece[i].to(torch.float32, copy=True).div_(temperature)  # = .float() / t, one buffer
+                row = tempered(piece[i], temperature)
                 norm = torch.logsumexp(row, dim=-1)
                 out[i, col : col + n] = row.gather(1, targets[i, col : col + n].unsqueeze(1)).squeeze(1) - norm
                 norms[i, col : col + n] = norm
@@ -153,7 +154,7 @@ class _TokenLogprobs(torch.autograd.Function):
             for i in range(piece.shape[0] if n else 0):
                 g = grad[i, col : col + n].unsqueeze(1)
                 # autograd's order: the softmax term (-g) * exp(x/t - lse), the target's g added, then / t
-                d = piece[i].to(torch.float32, copy=True).div_(temperature)
+                d = tempered(piece[i], temperature)  # the forward's row again, then in place
                 d.sub_(norms[i, col : col + n].unsqueeze(1)).exp_().mul_(-g)
                 d.scatter_add_(1, targets[i, col : col + n].unsqueeze(1), g)
                 piece_grad[i].copy_(d.div_(temperature))
