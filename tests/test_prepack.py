@@ -104,6 +104,17 @@ def test_a_replaced_or_trainable_weight_is_never_read_from_the_stale_copy():
     assert layer.weight.grad is not None and layer.weight.grad.abs().sum() > 0
 
 
+def test_a_compiled_forward_traces_the_plain_linear():
+    """Under torch.compile a packed layer is F.linear (the compiler cannot trace the stale-copy check), so
+    captured decode steps compile on a prepacked CPU model."""
+    layer = _model().model.layers[0].mlp.down_proj
+    prepack_linears(layer)
+    assert isinstance(layer, PackedLinear)
+    x = torch.randn(3, layer.in_features, dtype=torch.bfloat16)
+    compiled = torch.compile(layer, fullgraph=True, backend="eager")
+    assert torch.equal(compiled(x), F.linear(x, layer.weight))
+
+
 def test_copies_and_pickles_run_plain_and_unpack_restores_the_class(pair):
     _, packed = pair
     ids = torch.randint(0, VOCAB, (2, 5), generator=torch.Generator().manual_seed(9))

@@ -61,12 +61,12 @@ class PackedLinear(torch.nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         if (
-            x.device.type != "cpu"
+            torch.compiler.is_compiling()  # first: the compiler cannot trace the data_ptr comparison below
+            or x.device.type != "cpu"
             or x.dtype != weight.dtype
             or weight.requires_grad
             or (x.requires_grad and torch.is_grad_enabled())
             or weight.data_ptr() != self._packed_from
-            or torch.compiler.is_compiling()
         ):
             return F.linear(x, weight, self.bias)
         return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
