@@ -12,7 +12,9 @@ A step's cost is ``(t(steps + short) - t(short)) / steps`` (``--short-tokens``, 
 per-call work cancel out. The first call per case and path is timed apart (``first_call_s``: it compiles
 each bucket on the captured path).
 
-``--paths`` may also name ``bare``: the reference of what the step itself can cost, timed in the same
+``--paths`` may also name ``on-repeat``: the captured steps with transformers' attention, which copies
+each key/value head per query head (:mod:`elm_memory.backends.packed_attention` is what ``on`` uses
+instead); and ``bare``: the reference of what the step itself can cost, timed in the same
 process: a bare loop over ``torch.compile(model.forward, mode="reduce-overhead", fullgraph=True)`` on a
 static cache with ``torch.multinomial`` sampling, as many rows as the case (the method of
 ``hf_decode_limits.py``'s ``compiled_forward_loop``, without the library: no soft prompt, seeds or stops).
@@ -148,7 +150,9 @@ def _profile(backend: Any, prompts: list[Any], params: Any, out: Path, tokens: i
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config-dir", type=Path, required=True, help="the model's config.json and tokenizer files")
-    ap.add_argument("--paths", default="off,on", help="backend.decode_graphs values to compare (off,on,static)")
+    ap.add_argument(
+        "--paths", default="off,on", help="backend.decode_graphs values to compare (off,on,static), on-repeat, bare"
+    )
     ap.add_argument("--cases", default="rollouts x8,rollouts x64,answer pair")
     ap.add_argument("--steps", type=int, default=128, help="decode steps timed per call")
     ap.add_argument("--repeats", type=int, default=2)
@@ -165,8 +169,8 @@ def main() -> None:
     ap.add_argument("--profile", type=Path, default=None, help="after the timings, profile one call per path here")
     args = ap.parse_args()
     paths = args.paths.split(",")
-    if bad := [p for p in paths if p not in ("off", "on", "static", "auto", "bare")]:
-        raise SystemExit(f"--paths: unknown {bad}; choose from off, on, static, auto, bare")
+    if bad := [p for p in paths if p not in ("off", "on", "on-repeat", "static", "auto", "bare")]:
+        raise SystemExit(f"--paths: unknown {bad}; choose from off, on, on-repeat, static, auto, bare")
     if not (args.config_dir / "config.json").is_file():
         raise SystemExit(f"{args.config_dir} has no config.json")
 
@@ -207,7 +211,11 @@ def main() -> None:
                 result["cases"].setdefault(name, {})[path] = row
                 print(json.dumps({"case": name, "path": path, **row}), flush=True)
             continue
-        backend = HFBackend(loaded, decode_graphs=path)
+        backend = HFBackend(loaded, decode_graphs="on" if path == "on-repeat" else path)
+        if path == "on-repeat":  # captured steps whose attention copies the key/value heads (before packing)
+            steps = backend._captured_steps()
+            assert steps is not None
+            steps.pack_query_heads = False
         for name in wanted:
             prompts, params = cases[name]
             row = _measure(backend, prompts, params, args.steps, args.repeats, args.short_tokens)
@@ -224,6 +232,10 @@ def main() -> None:
     for by_path in result["cases"].values():
         if "off" in by_path and "on" in by_path:
             by_path["speedup_on_vs_off"] = round(by_path["off"]["ms_per_step"] / by_path["on"]["ms_per_step"], 2)
+        if "on-repeat" in by_path and "on" in by_path:
+            by_path["speedup_packed_vs_repeat"] = round(
+                by_path["on-repeat"]["ms_per_step"] / by_path["on"]["ms_per_step"], 2
+            )
         if "bare" in by_path and "on" in by_path:
             by_path["on_over_bare"] = round(by_path["on"]["ms_per_step"] / by_path["bare"]["ms_per_step"], 2)
     print(json.dumps(result["cases"]), flush=True)

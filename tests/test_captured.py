@@ -7,11 +7,13 @@ the step with inductor on the CPU; ``tests/test_cuda.py`` compiles it to CUDA gr
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import pytest
 import torch
 
+from elm_memory.backends import packed_attention
 from elm_memory.backends.base import PromptInput, SamplingParams
 from elm_memory.backends.captured import CapturedSteps
 from elm_memory.backends.decode import DecodeOptions, sample
@@ -42,6 +44,18 @@ def _steps(loaded, **kw):
         max_cache_len=kw.pop("L", 2048),
         read_every=kw.pop("read_every", None),
     )
+
+
+@contextlib.contextmanager
+def _attention(loaded, implementation):
+    """The model on another attention implementation for the block (the CPU's pick is in hardware.py)."""
+    config = loaded.model.config
+    before = config._attn_implementation
+    config._attn_implementation = implementation
+    try:
+        yield
+    finally:
+        config._attn_implementation = before
 
 
 def _stop_after(lengths):
@@ -96,18 +110,31 @@ def test_seeded_samples_equal_the_plain_loops_while_rows_finish_and_move_to_smal
     assert [b for b, _ in captured.buckets_seen] == [16, smaller]
 
 
+@pytest.mark.parametrize("pack", [True, False])
+def test_steps_read_each_key_value_head_once_and_keep_the_tokens(smol, batch, monkeypatch, pack):
+    """SmolLM2 has 9 query heads over 3 key/value heads: the captured steps' attention packs a group's
+    query heads over their shared head (no copies of the cache) unless told not to, with the same tokens."""
+    _, input_ids, mask = batch
+    packed = []
+    real = packed_attention.packed_sdpa
+    monkeypatch.setattr(packed_attention, "packed_sdpa", lambda *a, **kw: packed.append(a[1].shape) or real(*a, **kw))
+    with _attention(smol, "sdpa"):
+        captured = CapturedSteps(smol.model, compile=False, max_rows=64, max_cache_len=2048, pack_query_heads=pack)
+        plain, fast = _both(smol, mask, DecodeOptions(6), captured, input_ids=input_ids)
+    assert fast == plain
+    layers = smol.model.config.num_hidden_layers
+    # the plain loop never asks; the captured steps ask on each of 5 steps (the first token comes from the prefill)
+    assert len(packed) == (5 * layers if pack else 0)
+    assert all(shape == (2, 9, 1, 64) for shape in packed)
+
+
 def test_the_eager_attention_takes_an_additive_mask_and_keeps_the_tokens(smol, batch):
     """sdpa takes the boolean mask as it is; the eager attention adds it, so it gets 0 / dtype-min."""
     _, input_ids, mask = batch
-    config = smol.model.config
-    before = config._attn_implementation
-    config._attn_implementation = "eager"
-    try:
+    with _attention(smol, "eager"):
         captured = _steps(smol)
         assert captured._additive
         plain, fast = _both(smol, mask, DecodeOptions(10), captured, input_ids=input_ids)
-    finally:
-        config._attn_implementation = before
     assert fast == plain
 
 
@@ -223,9 +250,12 @@ def test_the_backend_answers_and_rolls_out_the_same_through_captured_steps(smol)
 
 
 @pytest.mark.slow
-def test_the_step_compiled_with_inductor_on_the_cpu_keeps_greedy_tokens(smol, batch):
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])  # sdpa: packed query heads, compiled
+def test_the_step_compiled_with_inductor_on_the_cpu_keeps_greedy_tokens(smol, batch, attention):
     _, input_ids, mask = batch
-    captured = CapturedSteps(smol.model, compile=True, max_rows=8, max_cache_len=2048)
-    for _ in range(2):  # the second call replays what the first compiled
-        plain, fast = _both(smol, mask, DecodeOptions(12), captured, input_ids=input_ids)
-        assert fast == plain
+    with _attention(smol, attention):
+        captured = CapturedSteps(smol.model, compile=True, max_rows=8, max_cache_len=2048)
+        assert captured.pack_query_heads == (attention == "sdpa")
+        for _ in range(2):  # the second call replays what the first compiled
+            plain, fast = _both(smol, mask, DecodeOptions(12), captured, input_ids=input_ids)
+            assert fast == plain

@@ -43,6 +43,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from elm_memory.backends import packed_attention
 from elm_memory.backends.sampling import RowChoice, pick_tokens, uniforms
 
 if TYPE_CHECKING:
@@ -119,6 +120,7 @@ class CapturedSteps:
         max_rows: int,
         max_cache_len: int,
         read_every: int | None = None,
+        pack_query_heads: bool = True,
     ):
         reason = unsupported_reason(model)
         if reason is not None:
@@ -137,6 +139,10 @@ class CapturedSteps:
         self._graph_failure: str | None = None  # why capturing failed once (then the steps run without graphs)
         self._pool: Any = None
         self._additive = model.config._attn_implementation == "eager"  # type: ignore[union-attr]
+        # sdpa steps read each key/value head once (packed_attention); False keeps transformers' copies
+        self.pack_query_heads = pack_query_heads and not self._additive
+        if self.pack_query_heads:
+            packed_attention.install()
         self._slots: dict[tuple[int, int], _Slots] = {}
         self._logged: set[str] = set()
         # one decode at a time owns the slots; a call from another thread meanwhile (a background learner
@@ -168,6 +174,7 @@ class CapturedSteps:
             attention_mask=mask,  # 4D: transformers takes a ready mask as it is
             past_key_values=cache,
             use_cache=True,
+            **({packed_attention.PACK_KEYWORD: True} if self.pack_query_heads else {}),
         )
         return out.logits[:, -1, :]
 
