@@ -18,14 +18,14 @@ nvidia-smi -L; python3 -c "import torch,transformers;print(torch.__version__,tra
 quiet() { grep -v -i "warn\|shards\|weights\|profiler_st"; }
 # --short-tokens 120: both timed calls of a case fall in one cache bucket (one compile and capture per case)
 el decode_graphs_packed_vs_repeat
-timeout 200 python3 -m benchmarks.decode_graphs --config-dir .gpu/qwen --paths on,on-repeat \
-  --cases "rollouts x8,rollouts x64" --steps 128 --short-tokens 120 --repeats 3 \
+timeout 190 python3 -m benchmarks.decode_graphs --config-dir .gpu/qwen --paths on,on-repeat --profile $OUT \
+  --cases "rollouts x64,rollouts x8" --steps 128 --short-tokens 120 --repeats 3 \
   --out $OUT/decode_graphs.json 2>&1 | quiet | tail -6
 el tests
-timeout 120 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee $OUT/cuda_tests.log | tail -4
+timeout 110 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee $OUT/cuda_tests.log | tail -4
 el gpu_check
-timeout 100 python3 -m benchmarks.gpu_check --config-dir .gpu/qwen --runs 10x256 --out $OUT/gpu_check_gpu.json 2>&1 | tail -3
+timeout 90 python3 -m benchmarks.gpu_check --config-dir .gpu/qwen --runs 10x256 --out $OUT/gpu_check_gpu.json 2>&1 | tail -3
 el hf_decode_limits
 # the image's transformers (no /tmp/site): the version the issue's reference rows were measured with
-PYTHONPATH= timeout 200 python3 .gpu/hf_decode_limits.py .gpu/qwen --out $OUT/hf_decode_limits.json 2>&1 | quiet | tail -3
+PYTHONPATH= timeout 190 python3 .gpu/hf_decode_limits.py .gpu/qwen --out $OUT/hf_decode_limits.json 2>&1 | quiet | tail -3
 el done
