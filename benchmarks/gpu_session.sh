@@ -2,7 +2,7 @@
 # One GPU check for issue 37, ready for a session that is lent a GPU (about 7 minutes on an H200).
 # Run from the repository root through the device tool, carrying .gpu (the default model's config.json and
 # tokenizer files, no weights; shared/bench/hf_decode_limits.py copied in) and .whl (transformers 5.23, peft,
-# pydantic and its needs, tokenizers):
+# pydantic and its needs, tokenizers; not huggingface_hub 2.x, which needs httpx2: the image's 1.33 serves):
 #   bash benchmarks/gpu_session.sh 2>&1 | tee $OUT/run.log
 # Order: the captured steps with packed attention against the same steps with transformers' copied key/value
 # heads (the change being measured), the CUDA tests (tokens equal the plain loop's, memories equal the CPU's),
@@ -25,6 +25,7 @@ el tests
 timeout 110 python3 -m pytest -q -m cuda tests/test_cuda.py -p no:cacheprovider 2>&1 | tee $OUT/cuda_tests.log | tail -4
 el gpu_check
 timeout 90 python3 -m benchmarks.gpu_check --config-dir .gpu/qwen --runs 10x256 --out $OUT/gpu_check_gpu.json 2>&1 | tail -3
+[ -n "${SKIP_LIMITS:-}" ] && { el done; exit 0; }  # the reference rows ran already in this session
 el hf_decode_limits
 # the image's transformers (no /tmp/site): the version the issue's reference rows were measured with
 PYTHONPATH= timeout 190 python3 .gpu/hf_decode_limits.py .gpu/qwen --out $OUT/hf_decode_limits.json 2>&1 | quiet | tail -3
