@@ -110,21 +110,25 @@ def test_seeded_samples_equal_the_plain_loops_while_rows_finish_and_move_to_smal
     assert [b for b, _ in captured.buckets_seen] == [16, smaller]
 
 
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])
 @pytest.mark.parametrize("pack", [True, False])
-def test_steps_read_each_key_value_head_once_and_keep_the_tokens(smol, batch, monkeypatch, pack):
-    """SmolLM2 has 9 query heads over 3 key/value heads: the captured steps' attention packs a group's
-    query heads over their shared head (no copies of the cache) unless told not to, with the same tokens."""
+def test_steps_read_each_key_value_head_once_and_keep_the_tokens(smol, batch, monkeypatch, pack, attention):
+    """SmolLM2 has 9 query heads over 3 key/value heads: decode steps pack a group's query heads over
+    their shared head (no copies of the cache), in the plain loop and, unless told not to, in the captured
+    steps, with the same tokens."""
     _, input_ids, mask = batch
     packed = []
-    real = packed_attention.packed_sdpa
-    monkeypatch.setattr(packed_attention, "packed_sdpa", lambda *a, **kw: packed.append(a[1].shape) or real(*a, **kw))
-    with _attention(smol, "sdpa"):
+    for name in ("packed_sdpa", "packed_eager"):
+        real = getattr(packed_attention, name)
+        spy = lambda *a, real=real, **kw: packed.append(a[1].shape) or real(*a, **kw)  # noqa: E731
+        monkeypatch.setattr(packed_attention, name, spy)
+    with _attention(smol, attention):
         captured = CapturedSteps(smol.model, compile=False, max_rows=64, max_cache_len=2048, pack_query_heads=pack)
         plain, fast = _both(smol, mask, DecodeOptions(6), captured, input_ids=input_ids)
     assert fast == plain
     layers = smol.model.config.num_hidden_layers
-    # the plain loop never asks; the captured steps ask on each of 5 steps (the first token comes from the prefill)
-    assert len(packed) == (5 * layers if pack else 0)
+    # 5 decode steps a call (the first token comes from the prefill): the plain loop's, then the captured's
+    assert len(packed) == 5 * layers * (2 if pack else 1)
     assert all(shape == (2, 9, 1, 64) for shape in packed)
 
 
@@ -250,12 +254,12 @@ def test_the_backend_answers_and_rolls_out_the_same_through_captured_steps(smol)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("attention", ["eager", "sdpa"])  # sdpa: packed query heads, compiled
+@pytest.mark.parametrize("attention", ["eager", "sdpa"])  # both with packed query heads, compiled
 def test_the_step_compiled_with_inductor_on_the_cpu_keeps_greedy_tokens(smol, batch, attention):
     _, input_ids, mask = batch
     with _attention(smol, attention):
         captured = CapturedSteps(smol.model, compile=True, max_rows=8, max_cache_len=2048)
-        assert captured.pack_query_heads == (attention == "sdpa")
+        assert captured.pack_query_heads
         for _ in range(2):  # the second call replays what the first compiled
             plain, fast = _both(smol, mask, DecodeOptions(12), captured, input_ids=input_ids)
             assert fast == plain

@@ -139,8 +139,8 @@ class CapturedSteps:
         self._graph_failure: str | None = None  # why capturing failed once (then the steps run without graphs)
         self._pool: Any = None
         self._additive = model.config._attn_implementation == "eager"  # type: ignore[union-attr]
-        # sdpa steps read each key/value head once (packed_attention); False keeps transformers' copies
-        self.pack_query_heads = pack_query_heads and not self._additive
+        # steps read each key/value head once (packed_attention); False keeps transformers' copies
+        self.pack_query_heads = pack_query_heads
         if self.pack_query_heads:
             packed_attention.install()
         self._slots: dict[tuple[int, int], _Slots] = {}

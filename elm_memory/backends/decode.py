@@ -36,6 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from elm_memory.backends import packed_attention
 from elm_memory.backends.lookup import LookupDrafter
 from elm_memory.backends.sampling import RowChoice, pick_tokens
 from elm_memory.memory.kinds import AppliedMemory
@@ -44,6 +45,9 @@ from elm_memory.models.logits import last_positions
 if TYPE_CHECKING:
     from elm_memory.backends.captured import CapturedSteps
     from elm_memory.memory.kinds import MemoryAdapter
+
+# passed to the model's forward on decode steps: attention reads each key/value head once (packed_attention)
+PACKED = {packed_attention.PACK_KEYWORD: True}
 
 
 @dataclass(frozen=True)
@@ -136,6 +140,7 @@ def _sample(
     captured: CapturedSteps | None = None,
 ) -> list[tuple[list[int], str]]:
     """:func:`sample` under an applied memory (whose cache, if any, already holds a prefix)."""
+    packed_attention.install()  # decode steps read each key/value head once (asked for with PACKED)
     inputs = input_ids if input_ids is not None else inputs_embeds
     assert inputs is not None
     options = per_prompt[0]
@@ -218,6 +223,7 @@ def _sample(
             position_ids=next_pos.unsqueeze(1),
             past_key_values=cache,
             use_cache=True,
+            **PACKED,
         )
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
@@ -275,7 +281,12 @@ def _decode_lookup(
         step_pos = next_pos.unsqueeze(1) + torch.arange(width, device=device)
         mask = torch.cat([mask, torch.ones(mask.shape[0], width, dtype=mask.dtype, device=device)], dim=1)
         out = model(
-            input_ids=feed.to(device), attention_mask=mask, position_ids=step_pos, past_key_values=cache, use_cache=True
+            input_ids=feed.to(device),
+            attention_mask=mask,
+            position_ids=step_pos,
+            past_key_values=cache,
+            use_cache=True,
+            **PACKED,
         )
         accepted, picked, alive = [], [], []
         for b, row in enumerate(live):
