@@ -147,7 +147,7 @@ def _model_eager(module: torch.nn.Module) -> Callable[..., Any]:
             f"{type(module).__module__} defines no eager_attention_forward; elm_memory's packed attention cannot "
             "tell which eager attention this model uses (load it with attn_implementation='sdpa')"
         )
-    return function  # type: ignore[no-any-return]
+    return function
 
 
 def _dispatch_eager(
