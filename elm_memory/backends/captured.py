@@ -174,7 +174,7 @@ class CapturedSteps:
             attention_mask=mask,  # 4D: transformers takes a ready mask as it is
             past_key_values=cache,
             use_cache=True,
-            **({packed_attention.PACK_KEYWORD: True} if self.pack_query_heads else {}),
+            **(packed_attention.REQUEST if self.pack_query_heads else {}),
         )
         return out.logits[:, -1, :]
 

@@ -46,9 +46,6 @@ if TYPE_CHECKING:
     from elm_memory.backends.captured import CapturedSteps
     from elm_memory.memory.kinds import MemoryAdapter
 
-# passed to the model's forward on decode steps: attention reads each key/value head once (packed_attention)
-PACKED = {packed_attention.PACK_KEYWORD: True}
-
 
 @dataclass(frozen=True)
 class DecodeOptions:
@@ -140,7 +137,7 @@ def _sample(
     captured: CapturedSteps | None = None,
 ) -> list[tuple[list[int], str]]:
     """:func:`sample` under an applied memory (whose cache, if any, already holds a prefix)."""
-    packed_attention.install()  # decode steps read each key/value head once (asked for with PACKED)
+    packed_attention.install()  # decode steps read each key/value head once (asked for with REQUEST)
     inputs = input_ids if input_ids is not None else inputs_embeds
     assert inputs is not None
     options = per_prompt[0]
@@ -223,7 +220,7 @@ def _sample(
             position_ids=next_pos.unsqueeze(1),
             past_key_values=cache,
             use_cache=True,
-            **PACKED,
+            **packed_attention.REQUEST,
         )
         logits = out.logits[:, -1, :]
         next_pos = next_pos + 1
@@ -286,7 +283,7 @@ def _decode_lookup(
             position_ids=step_pos,
             past_key_values=cache,
             use_cache=True,
-            **PACKED,
+            **packed_attention.REQUEST,
         )
         accepted, picked, alive = [], [], []
         for b, row in enumerate(live):

@@ -25,20 +25,28 @@ from typing import Any
 import torch
 
 PACK_KEYWORD = "elm_pack_query_heads"  # passed to the model's forward by the callers that want packing
+REQUEST = {PACK_KEYWORD: True}  # ``model(..., **REQUEST)``
 MAX_PACKED_TOKENS = 16  # decode steps and lookup drafts; a prefill keeps transformers' attention
 _install_lock = threading.Lock()
 _stock_sdpa: Callable[..., Any] | None = None
 
 
-def _packed_shapes(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+def _unpackable(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> str | None:
+    """Why these shapes cannot be packed (None: they can)."""
     heads, tokens, kv_heads = query.shape[1], query.shape[2], key.shape[1]
     if tokens > MAX_PACKED_TOKENS or heads % kv_heads:
-        raise ValueError(
+        return (
             f"packed attention takes at most {MAX_PACKED_TOKENS} query tokens per row and a whole number of "
             f"query heads per key/value head, got query {tuple(query.shape)} and key {tuple(key.shape)}"
         )
     if attention_mask is not None and attention_mask.shape[1] != 1:
-        raise ValueError(f"packed attention takes a mask shared by all heads, got {tuple(attention_mask.shape)}")
+        return f"packed attention takes a mask shared by all heads, got {tuple(attention_mask.shape)}"
+    return None
+
+
+def _packed_shapes(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None) -> None:
+    if (reason := _unpackable(query, key, attention_mask)) is not None:
+        raise ValueError(reason)
 
 
 def _pack(query: torch.Tensor, kv_heads: int, attention_mask: torch.Tensor | None) -> tuple[torch.Tensor, Any]:
@@ -113,10 +121,8 @@ def packed_eager(
 def _can_pack(query: torch.Tensor, key: torch.Tensor, attention_mask: torch.Tensor | None, kwargs: Any) -> bool:
     return (
         bool(kwargs.pop(PACK_KEYWORD, False))
-        and query.shape[2] <= MAX_PACKED_TOKENS
-        and key.shape[1] < query.shape[1]
-        and query.shape[1] % key.shape[1] == 0
-        and (attention_mask is None or attention_mask.shape[1] == 1)
+        and key.shape[1] < query.shape[1]  # grouped-query heads: something to save
+        and _unpackable(query, key, attention_mask) is None
         and not {"position_bias", "cache", "softcap", "s_aux"} & {k for k, v in kwargs.items() if v is not None}
     )
 
