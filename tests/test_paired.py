@@ -89,6 +89,19 @@ def test_summary_pools_runs_by_distinct_question():
     ]  # fmt: skip
     assert "| 0.75 | 2/2 | 0/2 | 0/2 | 2/2 | 0/2 |" in markdown_paired(s)
     assert paired_summary([[tie]], "elm_kv") is None
+    assert s["never_moved"] == 0 and "never moved" not in markdown_paired(s)
+
+
+def test_summary_counts_memories_that_never_moved():
+    # a memory whose every step skipped its update is its init exactly: moved 0.0
+    moved = _record("q1", "7", greedy="3", memory="7", samples=["7", "7", "3"], answer="7", twin="3")
+    moved["extra"]["untrained_twin"]["moved"] = 0.2
+    still = _record("q2", "5", greedy="5", memory="4", samples=["5", "5"], answer="5", twin="4")
+    still["extra"]["untrained_twin"]["moved"] = 0.0
+    s = paired_summary([[moved, still]], "elm_input", ON)
+    assert s is not None and (s["never_moved"], s["with_moved"]) == (1, 2)
+    assert s["mean_moved"] == pytest.approx(0.1)
+    assert "10.0% of their norm from their init, on average, 1 of 2 never moved" in markdown_paired(s)
 
 
 def test_replay_settings_read_the_runs_verifier():

@@ -279,6 +279,9 @@ def paired_summary(
         "comparisons": comparisons,
         "by_majority_share": _by_share(per_run),
         "mean_moved": sum(moves) / len(moves) if moves else None,
+        # a memory every step of which skipped its update (weak rollout majorities) is its init exactly
+        "never_moved": sum(m == 0.0 for m in moves),
+        "with_moved": len(moves),
     }
 
 
@@ -301,6 +304,11 @@ def markdown_paired(summary: Mapping[str, Any]) -> str:
         f"{summary['replayed'] - summary['replay_mismatches']} of {summary['replayed']}"
         + (
             f"; the memories used sat {100 * summary['mean_moved']:.1f}% of their norm from their init, on average"
+            + (
+                f", {summary['never_moved']} of {summary['with_moved']} never moved"
+                if summary.get("never_moved")
+                else ""
+            )
             if summary.get("mean_moved") is not None
             else ""
         )
