@@ -67,7 +67,7 @@ def test_the_previous_sigterm_handler_comes_back() -> None:
 
 
 def test_sigterm_stops_elm_stream_between_questions(tmp_path: Path) -> None:
-    """The real command: a stream on the small model, stopped mid-run, keeps what it recorded and resumes."""
+    """The real command: a stream on the small model, stopped mid-run, exits 143 with its records whole."""
     out = tmp_path / "run"
     args = [sys.executable, "-m", "elm_memory.cli", "stream", "--dataset", "synth-arith", "--limit", "200"]
     args += ["-m", "zero_shot", "--preset", "cpu-tiny", "--batch-size", "1", "--no-plots", "--out", str(out)]
