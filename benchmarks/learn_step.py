@@ -11,8 +11,13 @@ on the same model, dtype, question, seed, G and completion length:
 - ``floor``: one batched generation of the G rollouts + one forward/backward on them
   (the least a step can cost with this backend)
 
+A native variant named ``NAME@mbN`` runs with ``training.micro_batch_size = N`` (rollouts per
+forward/backward); the rollouts are the same tokens, so the rows differ only in how the backward is
+batched, and ``peak_rss_mb`` shows what each batching holds.
+
     .venv/bin/python -m benchmarks.learn_step                    # default model, G=4, 160 tokens, 2 steps
     .venv/bin/python -m benchmarks.learn_step --quick            # SmolLM2 plumbing run
+    .venv/bin/python -m benchmarks.learn_step --variants native-faithful,native-faithful@mb1 --max-len 384
 
 Writes ``benchmarks/results/learn_step.json``.
 """
@@ -32,6 +37,7 @@ from typing import Any
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
 RESULTS = Path(__file__).parent / "results" / "learn_step.json"
+VARIANTS = ("floor", "native-faithful", "native-fast", "trl")
 
 
 def _config(args: argparse.Namespace, **training):
@@ -44,12 +50,25 @@ def _config(args: argparse.Namespace, **training):
         "seed": 0,
     }
     base.update(training)
-    return ELMConfig.load(
-        overrides={"model": {"name_or_path": args.model, "dtype": args.dtype, "device": "cpu"}, "training": base}
-    )
+    model = {"name_or_path": args.model, "dtype": args.dtype, "device": "cpu"}
+    if args.threads:
+        model["num_threads"] = args.threads
+    return ELMConfig.load(overrides={"model": model, "training": base})
 
 
-def _floor_step(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, Any]:
+def _split_variant(name: str) -> tuple[str, int | None]:
+    """``native-faithful@mb2`` -> (``native-faithful``, 2); a name without ``@mb`` -> (name, None)."""
+    base, sep, micro = name.partition("@mb")
+    if base not in VARIANTS:
+        raise SystemExit(f"learn_step: unknown variant {base!r}; known: {', '.join(VARIANTS)}")
+    if not sep:
+        return name, None
+    if not micro.isdigit() or int(micro) < 1 or not base.startswith("native"):
+        raise SystemExit(f"learn_step: bad variant {name!r}: NAME@mbN takes a native variant and N >= 1")
+    return base, int(micro)
+
+
+def _floor_step(cfg: Any, loaded: Any, backend: Any, prompts: Any, question: str) -> dict[str, Any]:
     """The least a step costs: one batched generation of the G rollouts, one forward/backward on them."""
     import torch
 
@@ -57,8 +76,8 @@ def _floor_step(cfg: Any, loaded: Any, backend: Any, prompts: Any) -> dict[str, 
     from elm_memory.training.initialization import init_soft_prompt
     from elm_memory.training.native import NativeTrainer
 
-    built = prompts.build(QUESTION)
-    q_ids = loaded.tokenizer(QUESTION, add_special_tokens=False)["input_ids"]
+    built = prompts.build(question)
+    q_ids = loaded.tokenizer(question, add_special_tokens=False)["input_ids"]
     init = init_soft_prompt(loaded.model.get_input_embeddings(), q_ids, cfg.memory.num_tokens)
     trainer = NativeTrainer(loaded, backend, cfg.training)
     # the trainer's rollout call: G samples with the soft prompt first, one batched generation
@@ -92,16 +111,19 @@ def worker(name: str, args: argparse.Namespace) -> dict:
         "trl": dict(engine="trl", stop_at_answer=False, skip_uniform_rewards=False),
         "floor": dict(engine="native", stop_at_answer=False, skip_uniform_rewards=False),
     }
-    cfg = _config(args, **variants[name])
+    base, micro = _split_variant(name)
+    cfg = _config(args, **variants[base], micro_batch_size=micro)
     loaded = load_model(cfg.model)
     backend = HFBackend(loaded)
     prompts = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)
     out: dict = {"variant": name}
-    if name == "floor":
-        out.update(_floor_step(cfg, loaded, backend, prompts))
+    if base == "floor":
+        out.update(_floor_step(cfg, loaded, backend, prompts, args.question))
     else:
         t0 = time.perf_counter()
-        memory = learn_memory(QUESTION, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False)
+        memory = learn_memory(
+            args.question, config=cfg, loaded=loaded, backend=backend, prompts=prompts, progress=False
+        )
         total = time.perf_counter() - t0
         s = memory.meta.stats
         out.update(
@@ -131,6 +153,7 @@ def _run_variant(name: str, args: argparse.Namespace) -> dict[str, Any]:
         args.dtype,
     ]
     cmd += ["--generations", str(args.generations), "--max-len", str(args.max_len), "--steps", str(args.steps)]
+    cmd += ["--threads", str(args.threads), "--question", args.question]
     print(f"running {name} ...", file=sys.stderr, flush=True)
     proc = subprocess.run(cmd, capture_output=True, text=True)
     line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
@@ -175,7 +198,13 @@ def main() -> None:
     parser.add_argument("--generations", type=int, default=4)
     parser.add_argument("--max-len", type=int, default=160)
     parser.add_argument("--steps", type=int, default=2)
-    parser.add_argument("--variants", default="floor,native-faithful,native-fast,trl")
+    parser.add_argument(
+        "--variants",
+        default="floor,native-faithful,native-fast,trl",
+        help="comma-separated; NAME@mbN: a native variant with training.micro_batch_size=N",
+    )
+    parser.add_argument("--threads", type=int, default=0, help="model.num_threads (0: the library's default)")
+    parser.add_argument("--question", default=QUESTION, help="the question learned from (its answers set the cost)")
     parser.add_argument("--quick", action="store_true", help="SmolLM2, G=2, 32 tokens, 1 step")
     parser.add_argument("--out", type=Path, default=RESULTS)
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -186,7 +215,10 @@ def main() -> None:
         print("RESULT " + json.dumps(worker(args.worker, args)))
         return
 
-    rows = [_run_variant(name, args) for name in args.variants.split(",")]
+    names = args.variants.split(",")
+    for name in names:
+        _split_variant(name)  # a bad name fails before any model loads
+    rows = [_run_variant(name, args) for name in names]
     ratios = _ratios({r["variant"]: r for r in rows if "error" not in r})
     result = {
         "benchmark": "learn_step",
@@ -198,7 +230,8 @@ def main() -> None:
             "G": args.generations,
             "max_completion_length": args.max_len,
             "steps": args.steps,
-            "question": QUESTION,
+            "threads": args.threads or "default",
+            "question": args.question,
         },
         "rows": rows,
         "ratios": ratios,

@@ -166,6 +166,36 @@ def test_m_memories_together_equal_each_memory_alone(rand_loaded, rand_backend, 
     assert [r.stats.skipped_backward for r in together] == [[False] * 3, [False, True, False], [True, False, False]]
 
 
+def test_unset_micro_batch_backs_up_one_rollout_at_a_time_on_a_cpu(rand_loaded, rand_backend, monkeypatch):
+    """On a CPU the group's backward takes one rollout per forward (activation memory) and learns what
+    the whole group in one forward learns; ``micro_batch_size`` set by hand still wins."""
+    from elm_memory.training import native
+
+    rows_with_grad: list[int] = []
+    real = native.completion_logprobs
+
+    def spy(model, prompts, completions, **kw):
+        if torch.is_grad_enabled():
+            rows_with_grad.append(len(completions))
+        return real(model, prompts, completions, **kw)
+
+    monkeypatch.setattr(native, "completion_logprobs", spy)
+    prompt, init, at = _items()[0]
+
+    def trained(**kw):
+        rows_with_grad.clear()
+        trainer = NativeTrainer(rand_loaded, ScriptedRewards(rand_backend, {}), _cfg(steps=2, **kw))
+        return trainer.train(prompt, init, at=at, progress=False).soft_prompt
+
+    unset = trained()
+    assert rows_with_grad == [1] * 8  # 2 steps x G=4 rollouts, one per forward
+    whole = trained(micro_batch_size=4)
+    assert rows_with_grad == [4, 4]
+    assert (unset - init).abs().max().item() > 1e-3  # it trained
+    assert (unset - whole).abs().max().item() < 1e-5
+    assert native.default_micro_batch(rand_loaded.model, 8) == 1
+
+
 def test_train_is_train_many_with_one_memory(rand_loaded, rand_backend):
     cfg = _cfg(steps=2)
     prompt, init, at = _items()[1]

@@ -204,8 +204,7 @@ class TrainingConfig(ConfigSection):
         ge=1,
         description=(
             "Rollouts per forward/backward (gradient accumulation inside a step), counted across the memories "
-            "trained together; None: G (one memory's group), which bounds activation memory when M memories "
-            "train together."
+            "trained together. None: one on a CPU, G (one memory's group) on a GPU (why: docs/performance.md)."
         ),
     )
     seed: int | None = Field(default=42, description="Seed for rollouts and init; None for nondeterministic.")

@@ -254,8 +254,7 @@ class NativeTrainer:
         """
         cfg, completions, step = self.cfg, batch.completions, batch.step
         rows = [(i, j) for i in active for j in range(len(completions[i]))]
-        # default: one group's worth of rows per forward, so M memories cost M x the activations of one only in time
-        micro = cfg.micro_batch_size or cfg.num_generations
+        micro = cfg.micro_batch_size or default_micro_batch(self.model, cfg.num_generations)
         adapters = any(m.adapter is not None for m in mems)
         adv = {
             i: advantages_from_rewards(torch.tensor(group.rewards, dtype=torch.float32), cfg.scale_rewards)
@@ -401,6 +400,17 @@ class NativeTrainer:
         params = SamplingParams(max_new_tokens=self.cfg.max_completion_length, stop_at_answer=self.cfg.stop_at_answer)
         gens = self.backend.generate([PromptInput(tuple(ids)) for ids in prompts], params)
         return [(g.token_ids, extract_answer(g.text)) for [g] in gens]
+
+
+def default_micro_batch(model: torch.nn.Module, group: int) -> int:
+    """Rollouts per forward/backward when ``training.micro_batch_size`` is unset.
+
+    On a CPU, one: a row of a few hundred tokens already fills the matrix units, so batching rows buys
+    no speed, while every row's activations (eager attention's weights among them) wait for the
+    backward; one row at a time was faster and held far less (docs/results/training-memory.md).
+    Elsewhere, the memory's whole group, so M memories cost M x the activations of one only in time."""
+    device = next(model.parameters()).device
+    return 1 if device.type == "cpu" else group
 
 
 def _chunks(rows: list[tuple[int, int]], micro: int, *, per_memory: bool) -> list[list[tuple[int, int]]]:
