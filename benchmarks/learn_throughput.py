@@ -285,6 +285,8 @@ LEARN_VARIANTS = {
     "trl+peft M=1": {"engine": "trl", "memories": 1},
     "native M=1": {"engine": "native", "memories": 1},
     "native M=8": {"engine": "native", "memories": 8},
+    # the whole G=8 group per forward/backward: the CPU default before one rollout at a time
+    "native M=8 group backward": {"engine": "native", "memories": 8, "micro_batch_size": 8},
 }
 
 
@@ -306,6 +308,7 @@ def learn_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
                 "steps": args.steps,
                 "num_generations": args.generations,
                 "max_completion_length": args.max_len,
+                "micro_batch_size": spec.get("micro_batch_size"),
                 "seed": 0,
             },
         }
@@ -409,7 +412,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-memories", type=int, default=8)
-    ap.add_argument("--learn-variants", default=",".join(LEARN_VARIANTS))
+    ap.add_argument("--learn-variants", default="trl+peft M=1,native M=1,native M=8")
     ap.add_argument("--quick", action="store_true", help="SmolLM2, small sizes: checks the script, not the machine")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--learn-worker", help=argparse.SUPPRESS)
