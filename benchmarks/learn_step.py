@@ -37,7 +37,13 @@ from typing import Any
 
 QUESTION = "Tom has 3 apples and buys 4 more. How many apples does he have?"
 RESULTS = Path(__file__).parent / "results" / "learn_step.json"
-VARIANTS = ("floor", "native-faithful", "native-fast", "trl")
+#: the training settings of each variant
+VARIANTS: dict[str, dict[str, Any]] = {
+    "native-faithful": dict(engine="native", stop_at_answer=False, skip_uniform_rewards=False),
+    "native-fast": dict(engine="native", stop_at_answer=True, skip_uniform_rewards=True),
+    "trl": dict(engine="trl", stop_at_answer=False, skip_uniform_rewards=False),
+    "floor": dict(engine="native", stop_at_answer=False, skip_uniform_rewards=False),
+}
 
 
 def _config(args: argparse.Namespace, **training):
@@ -105,14 +111,8 @@ def worker(name: str, args: argparse.Namespace) -> dict:
     from elm_memory.models.loading import load_model
     from elm_memory.training.learn import learn_memory
 
-    variants = {
-        "native-faithful": dict(engine="native", stop_at_answer=False, skip_uniform_rewards=False),
-        "native-fast": dict(engine="native", stop_at_answer=True, skip_uniform_rewards=True),
-        "trl": dict(engine="trl", stop_at_answer=False, skip_uniform_rewards=False),
-        "floor": dict(engine="native", stop_at_answer=False, skip_uniform_rewards=False),
-    }
     base, micro = _split_variant(name)
-    cfg = _config(args, **variants[base], micro_batch_size=micro)
+    cfg = _config(args, **VARIANTS[base], micro_batch_size=micro)
     loaded = load_model(cfg.model)
     backend = HFBackend(loaded)
     prompts = PromptBuilder(loaded.tokenizer, cfg.prompt, loaded.info.max_context)

@@ -288,6 +288,8 @@ LEARN_VARIANTS = {
     # the whole G=8 group per forward/backward: the CPU default before one rollout at a time
     "native M=8 group backward": {"engine": "native", "memories": 8, "micro_batch_size": 8},
 }
+#: what a run measures unless --learn-variants says otherwise
+DEFAULT_LEARN_VARIANTS = ("trl+peft M=1", "native M=1", "native M=8")
 
 
 def learn_worker(name: str, args: argparse.Namespace) -> dict[str, Any]:
@@ -412,7 +414,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-memories", type=int, default=8)
-    ap.add_argument("--learn-variants", default="trl+peft M=1,native M=1,native M=8")
+    ap.add_argument("--learn-variants", default=",".join(DEFAULT_LEARN_VARIANTS))
     ap.add_argument("--quick", action="store_true", help="SmolLM2, small sizes: checks the script, not the machine")
     ap.add_argument("--out", type=Path, default=RESULTS)
     ap.add_argument("--learn-worker", help=argparse.SUPPRESS)

@@ -405,10 +405,9 @@ class NativeTrainer:
 def default_micro_batch(model: torch.nn.Module, group: int) -> int:
     """Rollouts per forward/backward when ``training.micro_batch_size`` is unset.
 
-    On a CPU, one: a row of a few hundred tokens already keeps the matrix units busy, while a batched
-    backward holds every row's activations (eager attention's weights among them) until the
-    backward. One row at a time held far less, and its speed ranged from faster (long rollouts) to 15%
-    slower (eight memories, short rollouts): docs/results/training-memory.md.
+    On a CPU, one: a batched backward holds every row's activations (eager attention's weights among
+    them) at once, and the process keeps that peak, while a row of a few hundred tokens already keeps the
+    matrix units fairly busy. What it costs in time is measured in docs/results/training-memory.md.
     Elsewhere, the memory's whole group, so M memories cost M x the activations of one only in time."""
     device = next(model.parameters()).device
     return 1 if device.type == "cpu" else group
