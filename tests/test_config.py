@@ -40,6 +40,9 @@ def test_presets_exist_and_shrink_the_run():
         assert cfg.training.steps < 10 and cfg.training.num_generations < 8
         assert cfg.training.max_completion_length < 2048
         assert cfg.memory.num_tokens == 20 and cfg.training.learning_rate == 1e-4  # method values kept
+    # the demo votes with the memory beside self-consistency's samples; the method's default is the paper's route
+    assert (demo.verifier.name, demo.verifier.route) == ("consistency", "vote")
+    assert ELMConfig.load().verifier.route == "verify"
 
 
 def test_yaml_round_trip(tmp_path):

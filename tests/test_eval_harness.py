@@ -582,3 +582,27 @@ def test_the_walkthrough_shows_the_paired_rows_from_elms_own_record():
     # the twin's 9 agrees with one sample, greedy's 3 with one: a tie, so ELM with it keeps greedy's 3
     assert "9 ✗" in untrained and "ELM with it: 3 ✗" in untrained
     assert Walkthrough(1, printed.append).paired is None
+
+
+def test_the_walkthrough_says_a_voted_answer_is_self_consistencys_votes_and_the_memorys():
+    """verifier.route=vote (the cpu-demo preset): the ELM line names the memory's vote beside the samples'."""
+    from elm_memory.eval.paired import ReplaySettings
+    from elm_memory.eval.walkthrough import Walkthrough
+
+    base = {"index": 0, "question_id": "q0", "question": "What is 3+4?", "gold": "7", "timings": {}}
+    zero = {**base, "method": "zero_shot", "answer": "3", "correct": False, "route": "zero_shot", "candidates": []}
+    elm = {**base, "method": "elm_input", "answer": "7", "correct": True, "route": "vote", "memory_id": "m1",
+           "similarity": 0.9,
+           "candidates": [{"kind": "zero_shot", "answer": "3"}, {"kind": "memory", "answer": "7"}],
+           "extra": {"verifier_sample_answers": ["7", "3", "9", "8"]}}  # fmt: skip
+    printed: list[str] = []
+    walk = Walkthrough(1, printed.append, paired=ReplaySettings(replay=True, prefer_answered=True, k=4, vote=True))
+    walk(zero)
+    walk(elm)
+    [text] = printed
+    line = next(x for x in text.splitlines() if x.strip().startswith("ELM"))
+    assert "7 ✓" in line and line.endswith("route vote (the votes above and the memory's 7)")
+    elm["route"] = "agree"
+    walk = Walkthrough(1, printed.append, paired=ReplaySettings(replay=True, prefer_answered=True, k=4))
+    line = next(x for x in walk.describe(zero, elm).splitlines() if x.strip().startswith("ELM"))
+    assert line.endswith("route agree")

@@ -109,6 +109,7 @@ def test_agree_route_on_the_default_model(tmp_path, default_loaded, default_back
             "store": {"path": str(tmp_path / "s")},
             "training": {"steps": 0},
             "generation": {"max_new_tokens": 200},
+            "verifier": {"route": "verify"},  # the preset votes; this test is about the paper's route
         },
     )
     with ELM(cfg, loaded=default_loaded, backend=default_backend) as elm:

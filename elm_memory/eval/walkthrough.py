@@ -66,9 +66,11 @@ class Walkthrough:
             lines.append(f"    {label:<10}{elm_answer(other):>10} {MARK[other['correct']]}  votes {shown}")
         if self.paired is not None:
             lines += self._paired_lines(elm)
-        lines += [
-            f"    ELM       {elm_answer(elm):>10} {MARK[elm['correct']]}  route {elm['route']}",
-        ]
+        route = f"route {elm['route']}"
+        memory_candidates = [c for c in elm.get("candidates") or [] if c.get("kind") == "memory"]
+        if elm["route"] == "vote" and memory_candidates:  # verifier.route=vote: self-consistency's votes + one
+            route += f" (the votes above and the memory's {memory_candidates[0].get('answer')!s})"
+        lines.append(f"    ELM       {elm_answer(elm):>10} {MARK[elm['correct']]}  {route}")
         lines.append("              " + self._memory_line(elm))
         extra = elm.get("extra") or {}
         candidates = elm.get("candidates") or []
