@@ -559,50 +559,41 @@ def test_the_walkthrough_waits_for_every_method_and_shows_self_consistencys_vote
     assert lines.index(sc) < next(i for i, x in enumerate(lines) if x.strip().startswith("ELM"))
 
 
-def test_the_walkthrough_shows_the_paired_rows_from_elms_own_record():
+def _walked(route: str, samples: list[str], vote: bool = False, **extra: object) -> str:
+    """What the demo prints for one question: greedy says 3, the memory 7, gold 7."""
     from elm_memory.eval.paired import ReplaySettings
     from elm_memory.eval.walkthrough import Walkthrough
 
     base = {"index": 0, "question_id": "q0", "question": "What is 3+4?", "gold": "7", "timings": {}}
     zero = {**base, "method": "zero_shot", "answer": "3", "correct": False, "route": "zero_shot", "candidates": []}
-    elm = {**base, "method": "elm_input", "answer": "7", "correct": True, "route": "verifier", "memory_id": "m1",
+    elm = {**base, "method": "elm_input", "answer": "7", "correct": True, "route": route, "memory_id": "m1",
            "similarity": 0.9,
            "candidates": [{"kind": "zero_shot", "answer": "3"}, {"kind": "memory", "answer": "7"}],
-           "extra": {"verifier_sample_answers": ["7", "7", "3", "9"],
-                     "untrained_twin": {"memory_id": "m1", "answer": "9"}}}  # fmt: skip
+           "extra": {"verifier_sample_answers": samples, **extra}}  # fmt: skip
     printed: list[str] = []
-    walk = Walkthrough(1, printed.append, paired=ReplaySettings(replay=True, prefer_answered=True, k=4))
+    walk = Walkthrough(1, printed.append, paired=ReplaySettings(replay=True, prefer_answered=True, k=4, vote=vote))
     walk(zero)
     walk(elm)
     [text] = printed
+    return text
+
+
+def test_the_walkthrough_shows_the_paired_rows_from_elms_own_record():
+    from elm_memory.eval.walkthrough import Walkthrough
+
+    text = _walked("verifier", ["7", "7", "3", "9"], untrained_twin={"memory_id": "m1", "answer": "9"})
     lines = text.splitlines()
     sc = next(x for x in lines if x.strip().startswith("self-cons."))
     assert "3 ✗" in sc and "votes 3 x2, 7 x2, 9 x1" in sc  # a 2-2 tie goes to greedy
     untrained = next(x for x in lines if x.strip().startswith("untrained"))
     # the twin's 9 agrees with one sample, greedy's 3 with one: a tie, so ELM with it keeps greedy's 3
     assert "9 ✗" in untrained and "ELM with it: 3 ✗" in untrained
-    assert Walkthrough(1, printed.append).paired is None
+    assert next(x for x in lines if x.strip().startswith("ELM")).endswith("route verifier")
+    assert Walkthrough(1, lambda _: None).paired is None
 
 
 def test_the_walkthrough_says_a_voted_answer_is_self_consistencys_votes_and_the_memorys():
     """verifier.route=vote (the cpu-demo preset): the ELM line names the memory's vote beside the samples'."""
-    from elm_memory.eval.paired import ReplaySettings
-    from elm_memory.eval.walkthrough import Walkthrough
-
-    base = {"index": 0, "question_id": "q0", "question": "What is 3+4?", "gold": "7", "timings": {}}
-    zero = {**base, "method": "zero_shot", "answer": "3", "correct": False, "route": "zero_shot", "candidates": []}
-    elm = {**base, "method": "elm_input", "answer": "7", "correct": True, "route": "vote", "memory_id": "m1",
-           "similarity": 0.9,
-           "candidates": [{"kind": "zero_shot", "answer": "3"}, {"kind": "memory", "answer": "7"}],
-           "extra": {"verifier_sample_answers": ["7", "3", "9", "8"]}}  # fmt: skip
-    printed: list[str] = []
-    walk = Walkthrough(1, printed.append, paired=ReplaySettings(replay=True, prefer_answered=True, k=4, vote=True))
-    walk(zero)
-    walk(elm)
-    [text] = printed
+    text = _walked("vote", ["7", "3", "9", "8"], vote=True)
     line = next(x for x in text.splitlines() if x.strip().startswith("ELM"))
     assert "7 ✓" in line and line.endswith("route vote (the votes above and the memory's 7)")
-    elm["route"] = "agree"
-    walk = Walkthrough(1, printed.append, paired=ReplaySettings(replay=True, prefer_answered=True, k=4))
-    line = next(x for x in walk.describe(zero, elm).splitlines() if x.strip().startswith("ELM"))
-    assert line.endswith("route agree")
