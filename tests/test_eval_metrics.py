@@ -299,6 +299,25 @@ def test_plot_online_writes_pngs(tmp_path):
         plot_online([], tmp_path)
 
 
+def test_the_accuracy_plot_draws_the_paired_curves_beside_the_methods(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    from matplotlib.axes import Axes
+
+    drawn: list[tuple[str, str]] = []
+    plot = Axes.plot
+
+    def spy(self, *args, **kwargs):
+        drawn.append((kwargs.get("label"), kwargs.get("linestyle", "-")))
+        return plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(Axes, "plot", spy)
+    curve = [{"index": 1, "correct": True}, {"index": 0, "correct": False}]
+    paths = plot_online(online_records(), tmp_path, {"elm_input: self-consistency": curve})
+    _assert_png(paths[0])
+    assert ("elm_input: self-consistency", "--") in drawn
+    assert {label for label, style in drawn if style == "-"} >= {"zero_shot", "elm_input"}
+
+
 def test_plot_offline_writes_pngs(tmp_path):
     pytest.importorskip("matplotlib")
     paths = plot_offline(summarize_offline(ZS, PER_MEMORY), tmp_path)

@@ -11,6 +11,7 @@ from elm_memory.eval.paired import (
     ReplaySettings,
     markdown_paired,
     paired_answers,
+    paired_curves,
     paired_summary,
     replay_route,
     replay_settings,
@@ -63,6 +64,22 @@ def test_variants_of_one_record_and_the_replay_check():
     # without samples nothing can be paired; without a consistency verifier nothing is replayed
     assert paired_answers({**plain, "extra": {}}, ON) is None
     assert "elm_untrained" not in paired_answers(r, ReplaySettings(replay=False, prefer_answered=True))
+
+
+def test_curves_to_plot_beside_elm_come_from_its_own_records():
+    win = {**_record("q1", "7", greedy="3", memory="7", samples=["7", "7", "3", "7"], answer="7", twin="3"), "index": 0}
+    plain = {**_record("q2", "5", greedy="5", samples=["4", "4", "5", "4"]), "index": 1}
+    unpaired = {**plain, "question_id": "q3", "index": 2, "extra": {}}  # no samples: left out of both curves
+    zero = {**plain, "method": "zero_shot"}
+    config = {"verifier": {"name": "consistency", "prefer_answered": True}}
+    curves = paired_curves([win, plain, unpaired, zero], ["zero_shot", "elm_input"], config)
+    assert curves == {
+        "elm_input: self-consistency": [{"index": 0, "correct": True}, {"index": 1, "correct": False}],
+        "elm_input: memory untrained": [{"index": 0, "correct": False}, {"index": 1, "correct": True}],
+    }
+    # another verifier: ELM's route cannot be replayed, so only self-consistency is drawn
+    assert list(paired_curves([win], ["elm_input"], {"verifier": {"name": "prm"}})) == ["elm_input: self-consistency"]
+    assert paired_curves([win], ["zero_shot"], config) == {}
 
 
 def test_summary_pools_runs_by_distinct_question():

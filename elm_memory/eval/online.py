@@ -246,7 +246,7 @@ def finish(
     run's (``run.json``), which says how its ELM records are replayed (:mod:`elm_memory.eval.paired`)."""
     from elm_memory.eval.counterfactual import markdown_counterfactuals, self_consistency_counterfactual
     from elm_memory.eval.metrics import summarize_online
-    from elm_memory.eval.paired import markdown_paired, paired_summaries
+    from elm_memory.eval.paired import markdown_paired, paired_curves, paired_summaries
     from elm_memory.eval.report import markdown_online, plot_online
     from elm_memory.eval.significance import head_to_head, markdown_head_to_head
 
@@ -276,5 +276,6 @@ def finish(
         {"head_to_head": pairs, "self_consistency_counterfactual": counterfactuals, "paired": paired},
     )
     (out / "results.md").write_text(table + "\n", encoding="utf-8")
-    written = plot_online(records, out) if plots and records else []
+    curves = paired_curves(records, list(summary), config or {})
+    written = plot_online(records, out, curves) if plots and records else []
     return StreamResult(out_dir=out, summary=summary, records=records, plots=list(written), table=table)

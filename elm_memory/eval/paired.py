@@ -45,6 +45,7 @@ __all__ = [
     "ReplaySettings",
     "markdown_paired",
     "paired_answers",
+    "paired_curves",
     "paired_summaries",
     "paired_summary",
     "replay_route",
@@ -293,6 +294,28 @@ def paired_summaries(
     settings = replay_settings(config)
     summaries = (paired_summary(runs, m, settings) for m in methods if m.startswith("elm_"))
     return [s for s in summaries if s is not None]
+
+
+#: the paired rows drawn beside each ELM method in the accuracy plot, with their legend labels
+CURVES = {"self_consistency": "self-consistency", "elm_untrained": "memory untrained"}
+
+
+def paired_curves(
+    records: Sequence[Mapping[str, Any]], methods: Sequence[str], config: Mapping[str, Any]
+) -> dict[str, list[dict[str, Any]]]:
+    """The :data:`CURVES` rows of each ELM method as records (``index``, ``correct``) to plot beside it,
+    keyed ``"METHOD: label"``; a question a row cannot be read on is left out of that row's curve."""
+    settings = replay_settings(config)
+    curves: dict[str, list[dict[str, Any]]] = {}
+    for method in (m for m in methods if m.startswith("elm_")):
+        for r in records:
+            if r.get("method") != method or (answers := paired_answers(r, settings)) is None:
+                continue
+            for variant, label in CURVES.items():
+                if variant in answers:
+                    right = bool(equivalent(answers[variant], r["gold"]))
+                    curves.setdefault(f"{method}: {label}", []).append({"index": r["index"], "correct": right})
+    return curves
 
 
 def markdown_paired(summary: Mapping[str, Any]) -> str:

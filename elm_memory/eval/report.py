@@ -235,11 +235,16 @@ def _by_method(records: Iterable[Record]) -> dict[str, list[Record]]:
     return {method: ordered_records(rows) for method, rows in groups.items()}
 
 
-def _plot_accuracy(groups: Mapping[str, list[Record]], out_dir: Path) -> Path:
+def _plot_accuracy(groups: Mapping[str, list[Record]], out_dir: Path, paired: Mapping[str, Sequence[Record]]) -> Path:
     fig = _figure()
     ax = fig.add_subplot()
     for method, rows in groups.items():
         ax.plot([r["index"] for r in rows], [100 * a for a in running_accuracy(rows)], label=method, marker=".")
+    for label, curve in paired.items():  # read from an ELM method's own records: dashed, no markers
+        ordered = ordered_records(curve)
+        ax.plot(
+            [r["index"] for r in ordered], [100 * a for a in running_accuracy(ordered)], label=label, linestyle="--"
+        )
     ax.set(title="Running accuracy over the question stream", xlabel="question index", ylabel="accuracy (%)")
     _integer_axis(ax.xaxis)
     ax.set_ylim(0, 100)
@@ -281,14 +286,18 @@ def _plot_pool(groups: Mapping[str, list[Record]], out_dir: Path) -> Path | None
     return _save(fig, out_dir, "pool_growth.png")
 
 
-def plot_online(records: Iterable[Record], out_dir: str | os.PathLike[str]) -> list[Path]:
-    """Stream accuracy, route mix and pool growth figures; ``pool_growth.png`` only if a pool grew."""
+def plot_online(
+    records: Iterable[Record], out_dir: str | os.PathLike[str], paired: Mapping[str, Sequence[Record]] | None = None
+) -> list[Path]:
+    """Stream accuracy, route mix and pool growth figures; ``pool_growth.png`` only if a pool grew.
+    ``paired``: curves read from ELM's own records (:func:`elm_memory.eval.paired.paired_curves`), drawn
+    dashed beside the methods' accuracy."""
     groups = _by_method(records)
     if not groups:
         raise ValueError("plot_online needs at least one record")
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    paths = [_plot_accuracy(groups, out), _plot_routes(groups, out)]
+    paths = [_plot_accuracy(groups, out, paired or {}), _plot_routes(groups, out)]
     pool = _plot_pool(groups, out)
     return paths + ([pool] if pool is not None else [])
 
