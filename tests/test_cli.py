@@ -32,6 +32,8 @@ def test_help_lists_the_commands():
         (["solve", "hi", "--set", "model.name_or_path=packaged:nope"], "error: unknown packaged model 'packaged:nope'"),
         (["solve", "hi", "--set", "model.name_or_path=/tmp/definitely-missing.gguf"], "error: GGUF file not found"),
         (["solve", "hi", "--preset", "cpu-tiny", "--backend", "nope"], "error: unknown backend 'nope'"),
+        # cpu-demo votes on the consistency verifier's samples: another verifier needs the verify route too
+        (["solve", "hi", "--set", "verifier.name=self_certainty", "--preset", "cpu-demo"], "error: invalid config"),
     ],
 )
 def test_bad_input_is_one_line_no_traceback(args, message):
@@ -39,6 +41,23 @@ def test_bad_input_is_one_line_no_traceback(args, message):
     assert r.returncode == 2
     assert r.stderr.strip().startswith(message), r.stderr
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_swapping_the_demos_verifier_names_the_route_to_set():
+    r = elm("config", "show", "--preset", "cpu-demo", "--set", "verifier.name=self_certainty")
+    assert r.returncode == 2 and "set verifier.route=verify as well" in r.stderr, r.stderr
+    r = elm(
+        "config",
+        "show",
+        "--preset",
+        "cpu-demo",
+        "--set",
+        "verifier.name=self_certainty",
+        "--set",
+        "verifier.route=verify",
+    )
+    assert r.returncode == 0, r.stderr
+    assert "route: verify" in r.stdout and "name: self_certainty" in r.stdout
 
 
 def test_config_show_prints_effective_yaml():

@@ -55,7 +55,8 @@ class ELMConfig(ConfigSection):
         if self.verifier.route == "vote" and self.verifier.name in ("prm", "self_certainty", "logprob"):
             raise ValueError(
                 f"verifier.route=vote votes on the consistency verifier's samples; verifier.name="
-                f"{self.verifier.name} draws none (use verifier.name=consistency)"
+                f"{self.verifier.name} draws none: set verifier.route=verify as well to route by its scores "
+                "(the cpu-demo preset votes), or keep verifier.name=consistency"
             )
         return self
 
