@@ -98,6 +98,7 @@ def test_summary_pools_runs_by_distinct_question():
     # self-consistency: greedy 3 + samples 7,7,3 -> a 2-2 tie, to greedy 3: ELM beats it on q1
     assert rows[("elm", "self_consistency")]["wins"] == 1
     assert "| elm | elm_untrained |" in markdown_paired(s)
+    assert "| sc_memory | self-consistency + the memory's vote (verifier.route=vote) | " in markdown_paired(s)
     assert s["mean_moved"] == pytest.approx(0.1) and "10.0% of their norm" in markdown_paired(s)
     # q1's memory (share 0.75) was right both times, its twin and zero-shot never; q2 had no memory
     assert s["by_majority_share"] == [

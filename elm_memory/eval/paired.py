@@ -53,18 +53,19 @@ __all__ = [
     "vote_samples",
 ]
 
-#: the rows, in table order
-VARIANTS = (
-    "zero_shot",
-    "self_consistency",
-    "maj_at_k",
-    "memory",
-    "untrained_memory",
-    "sc_memory",
-    "sc_untrained_memory",
-    "elm_untrained",
-    "elm",
-)
+#: the rows, in table order, and what each is (the module docstring has the long form)
+MEANINGS = {
+    "zero_shot": "the greedy answer",
+    "self_consistency": "greedy + the k samples, majority, ties to greedy",
+    "maj_at_k": "the k samples alone, majority",
+    "memory": "the memory's answer alone",
+    "untrained_memory": "the same memory untrained (its init)",
+    "sc_memory": "self-consistency + the memory's vote (verifier.route=vote)",
+    "sc_untrained_memory": "self-consistency + the untrained memory's vote",
+    "elm_untrained": "ELM's route with the memory untrained",
+    "elm": "ELM's recorded answer",
+}
+VARIANTS = tuple(MEANINGS)
 #: (row, against) pairs of the head-to-head table: what each comparison isolates is in the module docstring
 COMPARISONS = (
     ("elm", "zero_shot"),
@@ -337,11 +338,12 @@ def markdown_paired(summary: Mapping[str, Any]) -> str:
         )
         + "):",
         "",
-        "| variant | right | judged | accuracy (%) |",
-        "|---|---:|---:|---:|",
+        "| variant | what it is | right | judged | accuracy (%) |",
+        "|---|---|---:|---:|---:|",
     ]
     for variant, a in summary["accuracy"].items():
-        lines.append(f"| {variant} | {a['right']} | {a['judged']} | {100 * a['right'] / a['judged']:.1f} |")
+        meaning = MEANINGS.get(variant, "")
+        lines.append(f"| {variant} | {meaning} | {a['right']} | {a['judged']} | {100 * a['right'] / a['judged']:.1f} |")
     lines += ["", markdown_head_to_head(summary["comparisons"], label="row").rstrip("\n")]
     if summary.get("by_majority_share"):
         lines += [
