@@ -51,7 +51,9 @@ def _load(args: argparse.Namespace, dtype: str | None = None):
     from elm_memory.models.prepare import prepare_model
 
     prepare_model(args.model, verbose=False)
-    return load_model(ModelConfig(name_or_path=args.model, dtype=dtype or args.dtype, device="cpu"))
+    return load_model(
+        ModelConfig.model_validate({"name_or_path": args.model, "dtype": dtype or args.dtype, "device": "cpu"})
+    )
 
 
 # ---- 1. machine ----------------------------------------------------------------------
@@ -225,7 +227,7 @@ def measure_rollouts(args: argparse.Namespace) -> dict[str, Any]:
         "loop: share_prompt_kv": DecodeOptions(N, 0.8, n=G, share_prompt_kv=True, drop_finished=False),
         "loop: share_prompt_kv + drop_finished": DecodeOptions(N, 0.8, n=G, share_prompt_kv=True, drop_finished=True),
     }
-    rows = []
+    rows: list[dict[str, Any]] = []
     for rep in range(args.repeats):
         for name, opts in variants.items():
             torch.manual_seed(rep)
@@ -440,7 +442,7 @@ def main() -> None:
         machine = result["machine"] = measure_machine(args)
         print(json.dumps(machine), file=sys.stderr, flush=True)
     for name, fn in (
-        ("decode", lambda: measure_decode(args, machine)),
+        ("decode", lambda: measure_decode(args, machine or {})),
         ("rollouts", lambda: measure_rollouts(args)),
         ("learning", lambda: measure_learning(args)),
     ):
