@@ -235,6 +235,34 @@ def test_summarize_offline_without_memories():
     assert s["fraction_improving"] is None and s["oracle_accuracy"] is None and s["deltas"] == []
 
 
+def test_the_held_out_best_memory_is_free_of_the_winners_curse():
+    import random
+
+    from elm_memory.eval.metrics import held_out_best_memory
+
+    rng = random.Random(3)
+    questions = [f"q{i}" for i in range(20)]
+    z = {q: i % 2 == 0 for i, q in enumerate(questions)}  # zero-shot right on half
+    in_sample, held_out = [], []
+    for _ in range(30):  # 30 studies of 40 memories that are coin flips: none carries anything
+        noise = {f"m{j}": {q: rng.random() < 0.5 for q in questions} for j in range(40)}
+        s = summarize_offline(z, noise)
+        held = s["best_memory_held_out"]
+        assert held["questions"] == 20 and held["splits"] == 1000
+        in_sample.append(s["best_memory"]["accuracy"] - 0.5)
+        held_out.append(held["mean_gain"])
+    assert sum(in_sample) / 30 > 0.2  # the best of 40 coin flips looks 20+ points ahead of zero-shot
+    assert abs(sum(held_out) / 30) < 0.04  # picked on one half, it is a coin flip on the other
+    # a memory right wherever zero-shot is wrong, and right elsewhere too, is ahead on every held-out half
+    better = held_out_best_memory(z, {"good": dict.fromkeys(questions, True)}, splits=50)
+    assert better is not None and 0.4 < better["mean_gain"] <= 0.5 and better["share_better"] == 1.0
+    same = held_out_best_memory(z, {"copy": dict(z)}, splits=50)
+    assert same is not None and same["mean_gain"] == 0 and same["share_better"] == same["share_worse"] == 0
+    # only the questions every memory answered count; with fewer than two there is nothing to split
+    assert held_out_best_memory(z, {"a": {"q0": True, "q1": True}, "b": {"q1": True, "q2": False}}) is None
+    assert held_out_best_memory(z, {}) is None
+
+
 def test_summarize_offline_errors():
     with pytest.raises(ValueError, match="q5"):
         summarize_offline(ZS, {"m": {"q1": True, "q5": True}})

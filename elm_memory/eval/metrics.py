@@ -286,6 +286,38 @@ def _memory_rows(z: dict[str, bool], memories: Mapping[str, dict[str, bool]]) ->
     return rows
 
 
+def held_out_best_memory(
+    z: Mapping[str, bool], memories: Mapping[str, Mapping[str, bool]], splits: int = 1000, seed: int = 0
+) -> dict[str, Any] | None:
+    """The best memory's gain over zero-shot without the winner's curse: pick the best memory on a random
+    half of the questions, score it on the other half against zero-shot there, and average over ``splits``
+    seeded splits (tied best memories count equally). The in-sample best of many memories beats zero-shot
+    by chance alone; this says whether the pick carries to questions it was not picked on. Only questions
+    every memory was evaluated on count; None with fewer than two such questions or no memory."""
+    import random
+
+    shared = sorted(set(z).intersection(*(m.keys() for m in memories.values()))) if memories else []
+    if len(shared) < 2:
+        return None
+    rng = random.Random(seed)
+    gains: list[float] = []
+    for _ in range(splits):
+        order = rng.sample(shared, len(shared))
+        pick, held = order[: len(order) // 2], order[len(order) // 2 :]
+        on_pick = {mid: sum(m[q] for q in pick) for mid, m in memories.items()}
+        top = max(on_pick.values())
+        tied = [mid for mid, n in on_pick.items() if n == top]
+        zero = sum(z[q] for q in held)
+        gains.append(sum(sum(memories[mid][q] for q in held) - zero for mid in tied) / (len(tied) * len(held)))
+    return {
+        "splits": splits,
+        "questions": len(shared),
+        "mean_gain": sum(gains) / len(gains),
+        "share_better": sum(g > 0 for g in gains) / len(gains),
+        "share_worse": sum(g < 0 for g in gains) / len(gains),
+    }
+
+
 def summarize_offline(zs: Correctness, per_memory: Mapping[str, Correctness], top_flip: int = 5) -> dict[str, Any]:
     """The offline study: does a single memory help the whole benchmark, and how consistently?
 
@@ -312,6 +344,7 @@ def summarize_offline(zs: Correctness, per_memory: Mapping[str, Correctness], to
         "memories": [{k: v for k, v in row.items() if not k.startswith("_")} for row in rows],
         "memory_accuracy": {row["id"]: row["accuracy"] for row in rows},
         "best_memory": None if best is None else {"id": best["id"], "accuracy": best["accuracy"]},
+        "best_memory_held_out": held_out_best_memory(z, memories),
         "mean_memory_accuracy": sum(r["accuracy"] for r in rows) / len(rows) if rows else None,
         "fraction_improving": sum(r["_delta"] > 0 for r in rows) / len(rows) if rows else None,
         "oracle_accuracy": None if best is None else oracle_accuracy(z, memories[best["id"]]),

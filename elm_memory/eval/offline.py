@@ -218,17 +218,24 @@ class _OfflineRun:
                     bar.advance()
 
 
-def finish(out: Path, *, memories_from: Path | None = None, plots: bool = True) -> OfflineResult:
-    from elm_memory.eval.metrics import summarize_offline
-    from elm_memory.eval.report import markdown_offline, plot_offline
-
+def read_correctness(
+    out: Path, memories_from: Path | None = None
+) -> tuple[dict[str, bool], dict[str, dict[str, bool]]]:
+    """An offline run's files as (zero-shot right per question, each memory's right per question), memories
+    labelled by the question they were learned from (readable in tables and plots)."""
     zs = {r["question_id"]: bool(r["correct"]) for r in RecordLog(out / "zero_shot.jsonl").read()}
     labels = {r["memory_id"]: r["question_id"] for r in RecordLog((memories_from or out) / "memories.jsonl").read()}
     per_memory: dict[str, dict[str, bool]] = {}
     for r in RecordLog(out / "evals.jsonl").read():
-        # Label memories by the question they were learned from: readable in tables and plots.
         per_memory.setdefault(labels.get(r["memory_id"], r["memory_id"]), {})[r["question_id"]] = bool(r["correct"])
-    summary = summarize_offline(zs, per_memory)
+    return zs, per_memory
+
+
+def finish(out: Path, *, memories_from: Path | None = None, plots: bool = True) -> OfflineResult:
+    from elm_memory.eval.metrics import summarize_offline
+    from elm_memory.eval.report import markdown_offline, plot_offline
+
+    summary = summarize_offline(*read_correctness(out, memories_from))
     summary["memories_from"] = str(memories_from) if memories_from else None
     table = markdown_offline(summary)
     write_json_atomic(out / "summary.json", summary)

@@ -111,6 +111,7 @@ def markdown_offline(summary: Mapping[str, Any]) -> str:
     rows = [
         ["zero-shot accuracy (%)", _pct(summary["zero_shot_accuracy"])],
         ["best memory accuracy (%)", best_text],
+        ["best memory picked on half the questions, vs zero-shot on the other half (points)", _held_out(summary)],
         ["mean memory accuracy (%)", _pct(summary["mean_memory_accuracy"])],
         ["oracle ZS vs Mem accuracy (%)", _pct(summary["oracle_accuracy"])],
         ["memories improving on zero-shot (%)", _pct(summary["fraction_improving"])],
@@ -119,6 +120,16 @@ def markdown_offline(summary: Mapping[str, Any]) -> str:
     ]
     title = f"{summary.get('n_questions', '?')} questions, {summary.get('n_memories', '?')} memories"
     return _table([f"metric ({title})", "value"], rows)
+
+
+def _held_out(summary: Mapping[str, Any]) -> str:
+    held = summary.get("best_memory_held_out")
+    if held is None:
+        return "n/a"
+    return (
+        f"{100 * held['mean_gain']:+.1f} (better on {100 * held['share_better']:.0f}%, worse on "
+        f"{100 * held['share_worse']:.0f}% of {held['splits']} splits)"
+    )
 
 
 def markdown_full_model(summary: Mapping[str, Any]) -> str:
