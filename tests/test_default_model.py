@@ -26,7 +26,8 @@ def test_stop_at_answer_ends_right_after_the_boxed_answer(default_backend):
 
 
 def test_elm_answer_zero_shot_on_the_default_model(default_loaded):
-    cfg = ELMConfig.load(preset="cpu-demo", overrides={"store": {"kind": "none"}, "learner": {"mode": "off"}})
+    overrides = {"store": {"kind": "none"}, "learner": {"mode": "off"}, "verifier": {"route": "verify"}}
+    cfg = ELMConfig.load(preset="cpu-demo", overrides=overrides)  # verify: the demo's vote would sample too
     elm = ELM(cfg, loaded=default_loaded)
     result = elm.answer("Tom has 3 apples and buys 4 more. How many apples does he have now?")
     assert result.answer == "7", result.response
