@@ -36,6 +36,7 @@ def server(tmp_path_factory):
                 "training.num_generations=2",
                 "training.max_completion_length=24",
                 "retrieval.skip_no_consensus=false",
+                "verifier.route=verify",  # langgraph.json's ELM_PRESET (cpu-demo, which votes) can win over ours
                 "namespace_template=user-{user_id}",
                 f"store.path={store}",
             ]
