@@ -3,7 +3,8 @@
 The offline protocol evaluates every memory on every question and reports the best memory's accuracy
 (the paper's Table 1). The best of N noisy memories beats zero-shot by chance alone. This picks the best
 memory on a random half of the questions and scores it on the other half against zero-shot there,
-averaged over seeded splits (``elm_memory.eval.metrics.held_out_best_memory``). Loads no model.
+averaged over 1,000 seeded splits (``elm_memory.eval.metrics.held_out_best_memory``, as ``elm offline``
+reports it). Loads no model.
 
     python -m benchmarks.held_out_best_memory benchmarks/results/offline_synth20_s17 \
         benchmarks/results/sweep_gsm8k_q15/init benchmarks/results/sweep_gsm8k_q15/S4-G8-lr0.003-cap384-min_share0.5 \
@@ -16,13 +17,12 @@ import argparse
 import json
 from pathlib import Path
 
-from elm_memory.eval.metrics import held_out_best_memory, summarize_offline
+from elm_memory.eval.metrics import summarize_offline
 from elm_memory.eval.offline import read_correctness
 
 
-def measure(run: Path, splits: int) -> dict[str, object]:
-    zs, per_memory = read_correctness(run)
-    summary = summarize_offline(zs, per_memory)
+def measure(run: Path) -> dict[str, object]:
+    summary = summarize_offline(*read_correctness(run))
     best = summary["best_memory"]
     return {
         "run": str(run),
@@ -31,7 +31,7 @@ def measure(run: Path, splits: int) -> dict[str, object]:
         "zero_shot_accuracy": summary["zero_shot_accuracy"],
         "best_memory_accuracy": None if best is None else best["accuracy"],
         "mean_memory_accuracy": summary["mean_memory_accuracy"],
-        "held_out": held_out_best_memory(zs, per_memory, splits=splits),
+        "held_out": summary["best_memory_held_out"],
     }
 
 
@@ -40,13 +40,12 @@ def main() -> None:
     ap.add_argument(
         "runs", nargs="+", type=Path, help="offline run folders (zero_shot.jsonl, evals.jsonl, memories.jsonl)"
     )
-    ap.add_argument("--splits", type=int, default=1000, help="seeded random half splits to average over")
     ap.add_argument("--out", type=Path, help="also write the rows here (.json)")
     args = ap.parse_args()
     for run in args.runs:
         if not (run / "evals.jsonl").is_file():
             ap.error(f"{run}: no evals.jsonl (not an offline run folder)")
-    rows = [measure(run, args.splits) for run in args.runs]
+    rows = [measure(run) for run in args.runs]
     print(
         "| run | questions x memories | zero-shot | best memory | mean memory | best, held out (points vs zero-shot) |"
     )
@@ -64,7 +63,7 @@ def main() -> None:
         )
     if args.out:
         args.out.write_text(
-            json.dumps({"benchmark": "held_out_best_memory", "splits": args.splits, "rows": rows}, indent=2) + "\n"
+            json.dumps({"benchmark": "held_out_best_memory", "splits": 1000, "rows": rows}, indent=2) + "\n"
         )
 
 

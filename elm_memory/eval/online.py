@@ -276,6 +276,7 @@ def finish(
         {"head_to_head": pairs, "self_consistency_counterfactual": counterfactuals, "paired": paired},
     )
     (out / "results.md").write_text(table + "\n", encoding="utf-8")
-    curves = paired_curves(records, list(summary), config or {})
-    written = plot_online(records, out, curves) if plots and records else []
+    written: list[Path] = []
+    if plots and records:  # the paired curves are read only for the plot
+        written = plot_online(records, out, paired_curves(records, list(summary), config or {}))
     return StreamResult(out_dir=out, summary=summary, records=records, plots=list(written), table=table)
