@@ -36,7 +36,6 @@ def server(tmp_path_factory):
                 "training.num_generations=2",
                 "training.max_completion_length=24",
                 "retrieval.skip_no_consensus=false",
-                "verifier.route=verify",  # langgraph.json's ELM_PRESET (cpu-demo, which votes) can win over ours
                 "namespace_template=user-{user_id}",
                 f"store.path={store}",
             ]
@@ -139,3 +138,6 @@ def test_nothing_was_stored_for_refused_runs(server):
     cfg = ELMConfig.load(preset="cpu-tiny", overrides={"store": {"path": str(server["store"])}})
     store = ChromaMemoryStore.from_config(cfg.store, model=None)
     assert {ns: store.count(ns) for ns in store.namespaces()} == {"user-ada": 1, "user-cy": 1}
+    # the server ran the preset this test asked for (SmolLM2-135M, hidden size 576), not the default model:
+    # langgraph dev lets langgraph.json's env override the process environment
+    assert {store.load(r).meta.hidden_size for r in store.list()} == {576}
