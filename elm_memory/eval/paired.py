@@ -130,7 +130,8 @@ def replay_route(
     return memory if memory_wins(agreement_scores([zero_shot, memory], samples)) else zero_shot
 
 
-def _candidate(record: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
+def candidate(record: Mapping[str, Any], kind: str) -> dict[str, Any] | None:
+    """The record's candidate of this kind (``zero_shot``, ``memory``), or None where it has none."""
     return next((c for c in record.get("candidates") or [] if c.get("kind") == kind), None)
 
 
@@ -146,7 +147,7 @@ def vote_samples(record: Mapping[str, Any], settings: ReplaySettings) -> list[st
 def paired_answers(record: Mapping[str, Any], settings: ReplaySettings) -> dict[str, Any] | None:
     """Each variant's answer on this ELM record (a variant the record cannot give is absent), plus
     ``replay_ok`` (None where nothing was replayed). None: the record lacks a zero-shot candidate or samples."""
-    greedy = _candidate(record, "zero_shot")
+    greedy = candidate(record, "zero_shot")
     extra = record.get("extra") or {}
     samples = vote_samples(record, settings)
     if greedy is None or samples is None:
@@ -160,7 +161,7 @@ def paired_answers(record: Mapping[str, Any], settings: ReplaySettings) -> dict[
         "elm": record.get("answer"),
         "replay_ok": None,
     }
-    memory = _candidate(record, "memory")
+    memory = candidate(record, "memory")
     if memory is None:  # no memory retrieved: ELM and its untrained twin answer alike (zero-shot, or the vote)
         if replay:  # (a row the run cannot give on the other questions is left out on these too)
             out["elm_untrained"] = out["self_consistency"] if settings.vote else zero

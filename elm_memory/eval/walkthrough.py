@@ -15,7 +15,7 @@ from typing import Any
 
 from elm_memory.answers import equivalent
 from elm_memory.eval.methods.voting import vote_counts
-from elm_memory.eval.paired import ReplaySettings, paired_answers, vote_samples
+from elm_memory.eval.paired import ReplaySettings, candidate, paired_answers, vote_samples
 
 MARK = {True: "✓", False: "✗"}
 
@@ -67,9 +67,9 @@ class Walkthrough:
         if self.paired is not None:
             lines += self._paired_lines(elm)
         route = f"route {elm['route']}"
-        memory_candidates = [c for c in elm.get("candidates") or [] if c.get("kind") == "memory"]
-        if elm["route"] == "vote" and memory_candidates:  # verifier.route=vote: self-consistency's votes + one
-            route += f" (the votes above and the memory's {memory_candidates[0].get('answer')!s})"
+        memory = candidate(elm, "memory")
+        if elm["route"] == "vote" and memory is not None:  # verifier.route=vote: self-consistency's votes + one
+            route += f" (the votes above and the memory's {memory.get('answer')!s})"
         lines.append(f"    ELM       {elm_answer(elm):>10} {MARK[elm['correct']]}  {route}")
         lines.append("              " + self._memory_line(elm))
         extra = elm.get("extra") or {}
