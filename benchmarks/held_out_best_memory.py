@@ -17,7 +17,7 @@ import argparse
 import json
 from pathlib import Path
 
-from elm_memory.eval.metrics import summarize_offline
+from elm_memory.eval.metrics import HELD_OUT_SPLITS, summarize_offline
 from elm_memory.eval.offline import read_correctness
 
 
@@ -63,7 +63,7 @@ def main() -> None:
         )
     if args.out:
         args.out.write_text(
-            json.dumps({"benchmark": "held_out_best_memory", "splits": 1000, "rows": rows}, indent=2) + "\n"
+            json.dumps({"benchmark": "held_out_best_memory", "splits": HELD_OUT_SPLITS, "rows": rows}, indent=2) + "\n"
         )
 
 

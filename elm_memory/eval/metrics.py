@@ -286,8 +286,12 @@ def _memory_rows(z: dict[str, bool], memories: Mapping[str, dict[str, bool]]) ->
     return rows
 
 
+#: seeded half splits :func:`held_out_best_memory` averages over (``elm offline``'s summary uses this)
+HELD_OUT_SPLITS = 1000
+
+
 def held_out_best_memory(
-    z: Mapping[str, bool], memories: Mapping[str, Mapping[str, bool]], splits: int = 1000, seed: int = 0
+    z: Mapping[str, bool], memories: Mapping[str, Mapping[str, bool]], splits: int = HELD_OUT_SPLITS, seed: int = 0
 ) -> dict[str, Any] | None:
     """The best memory's gain over zero-shot without the winner's curse: pick the best memory on a random
     half of the questions, score it on the other half against zero-shot there, and average over ``splits``
