@@ -66,6 +66,16 @@ class MemoryIdConflictError(StoreError):
     """A memory id is already used by another namespace or model in the store (ids are unique per store)."""
 
 
+class MemoryWriteRefusedError(StoreError):
+    """A value written into the memory store by hand (e.g. LangGraph's ``BaseStore.put``): memories are
+    learned by ELM (``elm.learn``, the graph's learn step), never stored from a raw value."""
+
+
+class InvalidStoreQueryError(StoreError, ValueError):
+    """A search the store cannot run: an unknown filter operator, or an order comparison (``$gt`` ...)
+    between a stored value and a value of another type."""
+
+
 class RegistryError(ELMError, KeyError):
     """A config string names an implementation nobody registered."""
 
