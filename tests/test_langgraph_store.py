@@ -405,4 +405,3 @@ def test_the_docs_example_runs(tmp_path, monkeypatch, capsys) -> None:
     assert apples.meta.question in printed and "('user-ada',)" in printed
     assert [r.id for r in seeded.list("user-ada")] == [sums.id]  # the example deleted the oldest memory
     assert not seeded.blobs.exists(apples_blob)
-
