@@ -31,7 +31,10 @@ def test_help_lists_the_commands():
         (["solve", "hi", "--config", "/nonexistent.yaml"], "error: cannot read config file"),
         (["solve", "hi", "--set", "model.name_or_path=packaged:nope"], "error: unknown packaged model 'packaged:nope'"),
         (["solve", "hi", "--set", "model.name_or_path=/tmp/definitely-missing.gguf"], "error: GGUF file not found"),
-        (["solve", "hi", "--preset", "cpu-tiny", "--backend", "nope"], "error: unknown backend 'nope'"),
+        (
+            ["solve", "hi", "--preset", "cpu-tiny", "--backend", "nope"],
+            "error: invalid config: backend.name: unknown backend 'nope'",
+        ),
         # cpu-demo votes on the consistency verifier's samples: another verifier needs the verify route too
         (["solve", "hi", "--set", "verifier.name=self_certainty", "--preset", "cpu-demo"], "error: invalid config"),
     ],

@@ -175,6 +175,11 @@ class StoreConfig(ConfigSection):
         ),
     )
 
+    @field_validator("kind")
+    @classmethod
+    def _known_kind(cls, v: str) -> str:
+        return registered_name("stores", v, also=("none",))
+
     @field_validator("path")
     @classmethod
     def _resolve_path(cls, v: str) -> str:
@@ -199,6 +204,12 @@ class BackendConfig(ConfigSection):
     name: str = Field(
         default="hf", description="`hf` (transformers), `vllm` (offline engine), `vllm-server`, or a plugin."
     )
+
+    @field_validator("name")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        return registered_name("backends", v)
+
     server_url: str | None = Field(default=None, description="Base URL of an OpenAI-compatible vLLM server.")
     server_api_key: str | None = Field(
         default=None,
@@ -357,6 +368,9 @@ class LearnerConfig(ConfigSection):
             "or a plugin learner registered under `elm_memory.learners`."
         ),
     )
+
+    # YAML reads a bare `off` (`--set learner.mode=off`) as False
+    _off_word = field_validator("mode", mode="before")(switch_word)
 
     @field_validator("mode")
     @classmethod

@@ -22,7 +22,7 @@ from elm_memory.config.method import (
     TrainingConfig,
     VerifierConfig,
 )
-from elm_memory.config.section import ConfigSection
+from elm_memory.config.section import ConfigSection, registered_name
 from elm_memory.errors import ConfigError
 
 
@@ -48,6 +48,24 @@ class ELMConfig(ConfigSection):
     store: StoreConfig = Field(default_factory=StoreConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+
+    @model_validator(mode="after")
+    def _names_are_registered(self) -> ELMConfig:
+        """``verifier.name`` and ``retrieval.key`` name registered parts (built-ins or plugins): a typo fails
+        here, before any model loads, with the choices. (The deployment sections and ``training.engine``
+        check their own names as fields.)"""
+        problems = []
+        for field, registry, value in (
+            ("verifier.name", "verifiers", self.verifier.name),
+            ("retrieval.key", "key_builders", self.retrieval.key),
+        ):
+            try:
+                registered_name(registry, value)
+            except ValueError as exc:
+                problems.append(f"{field}: {exc}")
+        if problems:
+            raise ValueError("; ".join(problems))
+        return self
 
     @model_validator(mode="after")
     def _vote_has_samples(self) -> ELMConfig:
@@ -100,7 +118,7 @@ class ELMConfig(ConfigSection):
         try:
             return cls.model_validate(data)
         except ValidationError as exc:
-            raise ConfigError(summarise_validation_error(exc)) from None
+            raise ConfigError(summarise_validation_error(exc, cls)) from None
 
     @classmethod
     def from_yaml(cls, path: str | os.PathLike[str]) -> ELMConfig:

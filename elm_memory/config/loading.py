@@ -10,11 +10,12 @@ from __future__ import annotations
 from collections.abc import Iterable
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args, get_origin
 
 import yaml
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
+from elm_memory.config.section import unknown_choice
 from elm_memory.errors import ConfigError
 
 
@@ -60,16 +61,38 @@ def deep_merge(base: dict[str, Any], update: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def summarise_validation_error(exc: ValidationError) -> str:
-    """One line naming every bad key: an unknown key as such, else the field and pydantic's message."""
+def summarise_validation_error(exc: ValidationError, model: type[BaseModel] | None = None) -> str:
+    """One line naming every bad key: an unknown key as such, a value outside a fixed set with the set
+    (looked up on ``model``), else the field and the check's own message, without pydantic's ``Value
+    error,`` prefix (a check on several fields names them itself)."""
     parts = []
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
             parts.append(f"unknown config key {where!r}")
+            continue
+        choices = _literal_choices(model, err["loc"]) if err["type"] == "literal_error" else None
+        if choices is not None:
+            message = unknown_choice(where.replace(".", " ").replace("_", " "), err["input"], choices)
+        elif err["type"] in ("value_error", "assertion_error") and "error" in err.get("ctx", {}):
+            message = str(err["ctx"]["error"])
         else:
-            parts.append(f"{where}: {err['msg']}")
+            message = err["msg"]
+        parts.append(f"{where}: {message}" if where else message)
     return "invalid config: " + "; ".join(parts)
+
+
+def _literal_choices(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> tuple[Any, ...] | None:
+    """The values a ``Literal`` field at ``loc`` (section, field) of ``model`` allows; None if it is not one."""
+    annotation: Any = model
+    for key in loc:
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return None
+        field = annotation.model_fields.get(str(key))
+        if field is None:
+            return None
+        annotation = field.annotation
+    return get_args(annotation) if get_origin(annotation) is Literal else None
 
 
 def parse_override(text: str) -> dict[str, Any]:

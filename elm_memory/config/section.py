@@ -2,20 +2,31 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+import difflib
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict
 
-#: Registry name -> the names it knows (built-ins and installed plugins). Config imports no registry
+
+class NamedParts(Protocol):
+    """What a config check needs of a registry (:class:`elm_memory.plugins.Registry` is one): what its
+    parts are called and the names it knows, built-ins and installed plugins."""
+
+    kind: str
+
+    def names(self) -> list[str]: ...
+
+
+#: Registry name (``"verifiers"``, ``"key_builders"``, ...) -> that registry. Config imports no registry
 #: (they sit in higher layers): the package root sets this when it is imported, which is before any
 #: config module runs.
-_registered_names: Callable[[str], list[str]] | None = None
+_registries: Callable[[str], NamedParts] | None = None
 
 
-def use_registered_names(lookup: Callable[[str], list[str]]) -> None:
-    global _registered_names
-    _registered_names = lookup
+def use_registries(lookup: Callable[[str], NamedParts]) -> None:
+    global _registries
+    _registries = lookup
 
 
 class ConfigSection(BaseModel):
@@ -32,12 +43,21 @@ def switch_word(value: Any) -> Any:
     return value
 
 
-def registered_name(registry: str, value: str) -> str:
-    """``value`` if the named registry knows it (built-ins and installed plugins), else a ValueError
-    listing the known names: a typo fails when the config loads, not after the model has loaded."""
-    if _registered_names is None:  # unreachable through ``import elm_memory``; kept for type checkers
+def unknown_choice(what: str, value: object, choices: Sequence[object]) -> str:
+    """``unknown verifier 'logprobs'; choose one of: consistency, logprob, ... (did you mean 'logprob'?)``."""
+    message = f"unknown {what} {value!r}; choose one of: {', '.join(str(c) for c in choices)}"
+    close = difflib.get_close_matches(str(value), [str(c) for c in choices], n=1)
+    return f"{message} (did you mean {close[0]!r}?)" if close else message
+
+
+def registered_name(registry: str, value: str, *, also: Sequence[str] = ()) -> str:
+    """``value`` if the named registry knows it (built-ins and installed plugins) or it is one of ``also``,
+    else a ValueError listing the choices: a typo fails when the config loads, not after the model has
+    loaded."""
+    if _registries is None:  # unreachable through ``import elm_memory``; kept for type checkers
         return value
-    names = _registered_names(registry)
-    if value not in names:
-        raise ValueError(f"unknown {value!r}; available: {', '.join(names)}")
+    parts = _registries(registry)
+    choices = [*parts.names(), *also]
+    if value not in choices:
+        raise ValueError(unknown_choice(parts.kind, value, choices))
     return value

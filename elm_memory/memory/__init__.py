@@ -16,19 +16,42 @@ the frozen model.
 ``PromptInput.memory``.
 """
 
-from elm_memory.memory.ids import question_hash
-from elm_memory.memory.kinds import KINDS, SOFT_PROMPT, AppliedMemory, MemoryAdapter, check_kind
-from elm_memory.memory.latent import (
-    FORMAT_VERSION,
-    MAX_FILE_BYTES,
-    MAX_HEADER_BYTES,
-    MAX_KEY_KINDS,
-    MAX_MERGED,
-    MAX_QUESTION_CHARS,
-    LatentMemory,
-    MemoryMeta,
-    TrainingStats,
-)
+from importlib import import_module
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # the same names, typed; at run time they are imported on first use (below)
+    from elm_memory.memory.ids import question_hash
+    from elm_memory.memory.kinds import KINDS, SOFT_PROMPT, AppliedMemory, MemoryAdapter, check_kind
+    from elm_memory.memory.latent import (
+        FORMAT_VERSION,
+        MAX_FILE_BYTES,
+        MAX_HEADER_BYTES,
+        MAX_KEY_KINDS,
+        MAX_MERGED,
+        MAX_QUESTION_CHARS,
+        LatentMemory,
+        MemoryMeta,
+        TrainingStats,
+    )
+
+# Imported lazily so the torch-free modules here (ids, the key builders' names) can be imported without
+# torch: the job queue files jobs by question hash, and a config's names are checked before a model loads.
+_MODULE_OF = {
+    "elm_memory.memory.ids": ("question_hash",),
+    "elm_memory.memory.kinds": ("KINDS", "SOFT_PROMPT", "AppliedMemory", "MemoryAdapter", "check_kind"),
+    "elm_memory.memory.latent": (
+        "FORMAT_VERSION",
+        "MAX_FILE_BYTES",
+        "MAX_HEADER_BYTES",
+        "MAX_KEY_KINDS",
+        "MAX_MERGED",
+        "MAX_QUESTION_CHARS",
+        "LatentMemory",
+        "MemoryMeta",
+        "TrainingStats",
+    ),
+}
+_WHERE = {name: module for module, names in _MODULE_OF.items() for name in names}
 
 __all__ = [
     "FORMAT_VERSION",
@@ -47,3 +70,9 @@ __all__ = [
     "check_kind",
     "question_hash",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _WHERE:
+        return getattr(import_module(_WHERE[name]), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -49,7 +49,7 @@ from __future__ import annotations
 
 import threading
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
@@ -57,7 +57,7 @@ import torch.nn.functional as F
 
 from elm_memory.errors import ConfigError, MemoryFormatError
 from elm_memory.memory.ids import validate_question
-from elm_memory.plugins import Registry
+from elm_memory.memory.key_registry import key_builders as key_builders  # its names need no torch
 
 if TYPE_CHECKING:
     from elm_memory.memory.latent import LatentMemory
@@ -339,11 +339,3 @@ def tokenize_question(tokenizer: Any, question: Any) -> list[int]:
     """Key tokens of a question: its own text, no template or special tokens (module docstring)."""
     text = validate_question(question)
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
-
-
-#: ``retrieval.key`` names; plugins register under the entry-point group ``elm_memory.key_builders``.
-key_builders: Registry[Callable[[], KeyBuilder]] = Registry("key builder", "elm_memory.key_builders")
-key_builders.register("input", InputKeyBuilder)
-key_builders.register("soft_prompt_mean", SoftPromptMeanKeyBuilder)
-key_builders.register("kv", KVKeyBuilder)
-key_builders.register("kv_centered", KVCenteredKeyBuilder)
