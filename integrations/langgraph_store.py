@@ -61,7 +61,8 @@ from elm_memory.errors import (
     MemoryWriteRefusedError,
     StoreError,
 )
-from elm_memory.memory.ids import validate_memory_id, validate_namespace
+from elm_memory.memory.ids import question_hash, validate_memory_id, validate_namespace
+from elm_memory.store.utility import shown_counters
 
 if TYPE_CHECKING:
     import torch
@@ -121,25 +122,8 @@ def _matches_condition(path: tuple[str, ...], condition: MatchCondition) -> bool
 
 
 # ---- values -------------------------------------------------------------------------------------
-#: The utility counters a value carries (zero, or None for a ratio, for a memory never counted).
-_COUNTERS: dict[str, Any] = {
-    "retrieved": 0,
-    "agreed": 0,
-    "won": 0,
-    "lost": 0,
-    "observations": 0,
-    "utility": None,
-    "mean_similarity": None,
-    "gold_right": 0,
-    "gold_wrong": 0,
-}
-
-
 def memory_value(record: MemoryRecord, utility: Utility | None) -> dict[str, Any]:
     """An item's value: what the index and the utility table know about a memory (JSON-able, no tensor)."""
-    from elm_memory.memory.ids import question_hash
-
-    counted = utility.to_dict() if utility is not None else {}
     stats = {k: v for k, v in record.stats.items() if k != "memory_kind"}
     return {
         "question": record.question,
@@ -154,7 +138,7 @@ def memory_value(record: MemoryRecord, utility: Utility | None) -> dict[str, Any
         "last_used_at": record.last_used_at,
         "no_consensus": record.no_consensus,
         "stats": stats,
-        "utility": {name: counted.get(name, empty) for name, empty in _COUNTERS.items()},
+        "utility": shown_counters(utility),
         "blob": record.blob,
     }
 

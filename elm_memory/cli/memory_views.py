@@ -11,6 +11,8 @@ import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from elm_memory.store.utility import shown_counters
+
 if TYPE_CHECKING:
     from elm_memory.memory import LatentMemory
     from elm_memory.store.base import CheckReport, MemoryRecord
@@ -18,18 +20,6 @@ if TYPE_CHECKING:
 
 #: ``elm memories stats --sort`` keys (highest first).
 SORT_KEYS = ("won", "lost", "retrieved", "utility")
-#: Counters of a stats row, in column order; a memory never counted shows the zero values.
-_COUNTERS: dict[str, Any] = {
-    "retrieved": 0,
-    "agreed": 0,
-    "won": 0,
-    "lost": 0,
-    "observations": 0,
-    "utility": None,
-    "mean_similarity": None,
-    "gold_right": 0,
-    "gold_wrong": 0,
-}
 #: CheckReport lists, in the order the summary shows them.
 _CHECK_FIELDS = (
     "reindexed",
@@ -95,7 +85,6 @@ def memory_text(view: dict[str, Any]) -> str:
 
 def stats_row(r: MemoryRecord, u: Utility | None) -> dict[str, Any]:
     """One memory's record fields and utility counters (``elm memories stats --json``)."""
-    counters = u.to_dict() if u is not None else _COUNTERS
     return {
         "id": r.id,
         "namespace": r.namespace,
@@ -103,7 +92,7 @@ def stats_row(r: MemoryRecord, u: Utility | None) -> dict[str, Any]:
         "created_at": r.created_at,
         "usage": r.usage,
         "last_used_at": r.last_used_at,
-        **{k: counters[k] for k in _COUNTERS},
+        **shown_counters(u),
     }
 
 

@@ -125,6 +125,27 @@ class Utility:
         }
 
 
+#: The counters a listing shows for one memory (``elm memories stats``, the LangGraph store's item values),
+#: in column order, with what a memory never counted shows.
+SHOWN_COUNTERS: dict[str, Any] = {
+    "retrieved": 0,
+    "agreed": 0,
+    "won": 0,
+    "lost": 0,
+    "observations": 0,
+    "utility": None,
+    "mean_similarity": None,
+    "gold_right": 0,
+    "gold_wrong": 0,
+}
+
+
+def shown_counters(utility: Utility | None) -> dict[str, Any]:
+    """:data:`SHOWN_COUNTERS` of one memory (``None``: never counted)."""
+    counted = utility.to_dict() if utility is not None else SHOWN_COUNTERS
+    return {name: counted[name] for name in SHOWN_COUNTERS}
+
+
 @dataclass(frozen=True)
 class PendingDelete:
     namespace: str
