@@ -34,8 +34,10 @@ from elm_memory.config.method import (
     VerifierConfig,
 )
 from elm_memory.config.section import ConfigSection
+from elm_memory.config.stream import FORMAT_INSTRUCTION, StreamConfig
 
 __all__ = [
+    "FORMAT_INSTRUCTION",
     "PAPER_PROMPT",
     "BackendConfig",
     "ConfigSection",
@@ -47,6 +49,7 @@ __all__ = [
     "PromptConfig",
     "RetrievalConfig",
     "StoreConfig",
+    "StreamConfig",
     "TrainingConfig",
     "VerifierConfig",
     "available_presets",

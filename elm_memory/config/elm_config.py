@@ -23,6 +23,7 @@ from elm_memory.config.method import (
     VerifierConfig,
 )
 from elm_memory.config.section import ConfigSection, registered_name
+from elm_memory.config.stream import StreamConfig
 from elm_memory.errors import ConfigError
 
 
@@ -48,6 +49,7 @@ class ELMConfig(ConfigSection):
     store: StoreConfig = Field(default_factory=StoreConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
     learner: LearnerConfig = Field(default_factory=LearnerConfig)
+    stream: StreamConfig = Field(default_factory=StreamConfig)
 
     @model_validator(mode="after")
     def _names_are_registered(self) -> ELMConfig:

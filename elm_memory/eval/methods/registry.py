@@ -24,3 +24,6 @@ eval_methods.register("elm_kv_centered", "elm_memory.eval.methods.elm_method:elm
 eval_methods.register("elm_untrained", "elm_memory.eval.methods.elm_method:elm_untrained")
 eval_methods.register("self_consistency", "elm_memory.eval.methods.voting:SelfConsistency")
 eval_methods.register("maj_at_k", "elm_memory.eval.methods.voting:MajorityAtK")
+eval_methods.register("elm_stream", "elm_memory.eval.methods.stream_method:elm_stream")
+eval_methods.register("elm_stream_objectives", "elm_memory.eval.methods.stream_method:elm_stream_objectives")
+eval_methods.register("zero_shot_format", "elm_memory.eval.methods.stream_method:zero_shot_format")

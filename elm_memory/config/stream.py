@@ -1,0 +1,76 @@
+"""``stream``: the stream memory, one latent memory per namespace that every answered question trains.
+
+Per-question memories (the paper's) are learned from one question and retrieved for later ones; a stream
+memory is trained a little by each question, from the answer path's own generations (its greedy answer and
+the verifier's samples, drawn with the current version), so experience accumulates in one place.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import Field
+
+from elm_memory.config.section import ConfigSection
+
+#: The one-sentence format instruction: the ``zero_shot_format`` baseline appends it to the question, and a
+#: stream memory's ``instruction`` init starts from its token embeddings (so the untrained memory is this
+#: sentence as a soft prompt).
+FORMAT_INSTRUCTION = "Be concise: show only the key steps, then end with the final answer in \\boxed{}."
+
+
+class StreamConfig(ConfigSection):
+    """A stream memory: what trains it, how fast, and when an update is rolled back."""
+
+    mode: Literal["per_question", "stream", "both"] = Field(
+        default="per_question",
+        description=(
+            "`per_question`: the paper's memories only. `stream`: one stream memory per namespace answers and "
+            "learns from every question. `both`: the stream memory's candidate beside the retrieved memory's."
+        ),
+    )
+    objective: Literal["grpo", "sft"] = Field(
+        default="grpo",
+        description=(
+            "`grpo`: Dr.GRPO on the samples, reward 1 where a sample's answer equals the vote. `sft`: "
+            "self-distillation, the log-likelihood of the generations that agree with the vote."
+        ),
+    )
+    learning_rate: float = Field(default=3e-4, gt=0.0, description="AdamW learning rate of the stream memory.")
+    max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient clipping per update.")
+    init: Literal["instruction", "random"] = Field(
+        default="instruction",
+        description="`instruction`: the token embeddings of `format_instruction`, tiled to `memory.num_tokens`.",
+    )
+    format_instruction: str = Field(
+        default=FORMAT_INSTRUCTION,
+        min_length=1,
+        description="The sentence the `zero_shot_format` baseline appends to the question (and the init's text).",
+    )
+    min_label_share: float = Field(
+        default=0.4,
+        ge=0.0,
+        le=1.0,
+        description="Skip the update when fewer of the memory's answers agree with the vote (0.4: 2 of 5).",
+    )
+    guard_window: int = Field(
+        default=8, ge=2, description="Questions the collapse guard looks back over (answered since the last check)."
+    )
+    guard_max_unboxed_increase: float = Field(
+        default=0.25,
+        ge=0.0,
+        le=1.0,
+        description="Roll back when the memory's answers lack a \\boxed{} this much more often than zero-shot's.",
+    )
+    guard_max_agreement_drop: float = Field(
+        default=0.2,
+        ge=0.0,
+        le=1.0,
+        description="Roll back when the samples' mean majority share falls this far below the first window's.",
+    )
+    guard_max_repeated_answer: float = Field(
+        default=0.5,
+        gt=0.0,
+        le=1.0,
+        description="Roll back when one answer wins the vote on more than this share of the window's questions.",
+    )

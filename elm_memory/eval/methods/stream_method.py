@@ -1,0 +1,224 @@
+"""``elm_stream``: the stream memory online, with every control read from the same decode call.
+
+Per question, one batched call draws, with the same per-sample seeds where rows are sampled:
+
+- zero-shot greedy and the ``consistency`` verifier's k zero-shot samples (self-consistency: greedy + k, vote);
+- the stream memory's **untrained init**, greedy (the ablation of training);
+- the question with the one-sentence format instruction appended, greedy (``zero_shot_format``);
+- per trained arm (one per objective), the stream memory's greedy + the same k samples under its serving version.
+
+The method's answer is the first arm's vote over its own greedy answer and samples (the compute of
+self-consistency, k + 1 generations); that vote is the label the arm then learns from, with no decode of its
+own. Every row's answer, the versions used and each update are in the record's ``extra`` (read by
+:mod:`elm_memory.eval.stream_report`), so anyone can recount what decided each answer.
+
+``elm_stream`` trains ``stream.objective``; ``elm_stream_objectives`` trains a ``grpo`` and an ``sft`` arm side
+by side on the same questions (the rows they share are decoded once).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from elm_memory.answers import extract_answer
+from elm_memory.answers.vote import plurality_vote
+from elm_memory.backends.base import GenerateRequest, PromptInput, generate_requests
+from elm_memory.errors import ConfigError
+from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
+from elm_memory.eval.methods.baselines import ZeroShot
+from elm_memory.graph.nodes import answer_params
+from elm_memory.training.stream import Generated, StreamMemory
+
+#: Where an evaluation keeps its stream memories: ``<run>/stream/<objective>/<namespace folder>/``.
+STREAM_DIR = "stream"
+
+
+def format_question(question: str, instruction: str) -> str:
+    """The question with the format instruction as its last sentence (what ``zero_shot_format`` answers)."""
+    return f"{question}\n{instruction}"
+
+
+class ZeroShotFormat(ZeroShot):
+    """Greedy zero-shot with ``stream.format_instruction`` appended to the question: does one sentence do
+    what a trained stream memory does?"""
+
+    name = "zero_shot_format"
+
+    def _prompt(self, question: str) -> PromptInput:
+        k = self.runtime.config.memory.num_tokens
+        text = format_question(question, self.runtime.config.stream.format_instruction)
+        return self.runtime.prompts.answer_prompt(text, memory_tokens=k).zero_shot()
+
+    def resume(self, records: list[dict[str, Any]]) -> int:
+        return 0  # its prompt is its own: nothing another method would reuse
+
+
+class StreamEval:
+    """The stream memory (one or more trained arms) beside its controls, one question at a time."""
+
+    def __init__(self, runtime: EvalRuntime, objectives: list[str] | None = None, name: str = "elm_stream"):
+        cfg = runtime.config
+        if cfg.store.kind == "none":
+            raise ConfigError(f"{name} keeps its stream memory on disk, but store.kind is 'none'; set store.kind")
+        self.name = name
+        self.runtime = runtime
+        self.objectives = objectives or [cfg.stream.objective]
+        self._arms: dict[str, StreamMemory] | None = None
+        self._pending: dict[str, Any] | None = None
+
+    @property
+    def arms(self) -> dict[str, StreamMemory]:
+        if self._arms is None:
+            rt, cfg = self.runtime, self.runtime.config
+            self._arms = {}
+            for objective in self.objectives:
+                arm_cfg = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"objective": objective})})
+                root = rt.out_dir / STREAM_DIR / objective
+                self._arms[objective] = StreamMemory(arm_cfg, rt.loaded, root, namespace=cfg.namespace)
+        return self._arms
+
+    @property
+    def sampler(self) -> Any:
+        from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+        return ConsistencyVerifier.from_config(self.runtime.config, self.runtime.backend)
+
+    # -- answering -----------------------------------------------------------------------
+    def answer(self, question: str, index: int) -> MethodOutput:
+        rt, cfg = self.runtime, self.runtime.config
+        k = cfg.memory.num_tokens
+        t0 = time.perf_counter()
+        prompt = rt.prompts.answer_prompt(question, memory_tokens=k)
+        params = answer_params(cfg, prompt, rt.backend.info.max_context)
+        formatted = rt.prompts.answer_prompt(format_question(question, cfg.stream.format_instruction), memory_tokens=k)
+        format_params = answer_params(cfg, formatted, rt.backend.info.max_context)
+        samples, sample_params = self.sampler.sample_request(question, prompt.zero_shot())
+        sample_params = dataclasses.replace(
+            sample_params, max_new_tokens=min(sample_params.max_new_tokens, params.max_new_tokens)
+        )
+        arms = self.arms
+        init = next(iter(arms.values())).init
+        softs = {"init": init, **{obj: arm.soft_prompt for obj, arm in arms.items()}}
+        versions = {obj: arm.version for obj, arm in arms.items()}
+        names = ["zero_shot", *softs]  # greedy rows, then sample groups, in this order
+
+        def under(p: PromptInput, soft: Any) -> PromptInput:
+            return dataclasses.replace(p, soft_prompt=soft, soft_prompt_at=prompt.memory_at)
+
+        greedy_rows = [prompt.zero_shot(), *(under(prompt.zero_shot(), s) for s in softs.values())]
+        requests: list[GenerateRequest] = [(greedy_rows, params), (samples, sample_params)]
+        # the init's samples are not drawn: its ablation is its greedy answer (the vote's control is self-consistency)
+        requests += [([under(p, s) for p in samples], sample_params) for obj, s in softs.items() if obj != "init"]
+        if format_params.max_new_tokens == params.max_new_tokens:
+            requests[0] = ([*greedy_rows, formatted.zero_shot()], params)
+        else:  # a budget of its own (a longer prompt near the context's end): its own call
+            requests.append(([formatted.zero_shot()], format_params))
+        generated = generate_requests(rt.backend, requests)
+        decode_seconds = time.perf_counter() - t0
+
+        greedy = [gens[0] for gens in generated[0]]
+        format_gen = greedy[len(names)] if len(greedy) > len(names) else generated[-1][0][0]
+        sampled_names = [n for n in names if n != "init"]
+        groups = [[g for gens in group for g in gens] for group in generated[1 : 1 + len(sampled_names)]]
+        sample_groups = dict(zip(sampled_names, groups, strict=True))
+        answers = {n: extract_answer(g.text) for n, g in zip(names, greedy, strict=False)}
+        sampled = {n: [extract_answer(g.text) for g in grp] for n, grp in sample_groups.items()}
+        rows: dict[str, str | None] = {
+            "zero_shot": answers["zero_shot"],
+            "self_consistency": plurality_vote(sampled["zero_shot"], answers["zero_shot"], with_greedy=True),
+            "format": extract_answer(format_gen.text),
+            "init_greedy": answers["init"],
+        }
+        for obj in arms:
+            rows[f"stream_greedy[{obj}]"] = answers[obj]
+            rows[f"stream_vote[{obj}]"] = plurality_vote(sampled[obj], answers[obj], with_greedy=True)
+        first = self.objectives[0]
+        self._pending = {
+            "question": question,
+            "prompt": prompt,
+            "generations": {
+                obj: [Generated(greedy[i].token_ids, answers[obj], False)]
+                + [Generated(g.token_ids, extract_answer(g.text), True) for g in sample_groups[obj]]
+                for i, obj in enumerate(names)
+                if obj in arms
+            },
+            "labels": {obj: rows[f"stream_vote[{obj}]"] for obj in arms},
+            "versions": versions,
+            "zero_shot": answers["zero_shot"],
+        }
+        candidates = [
+            {"kind": "zero_shot", "answer": answers["zero_shot"], "score": None},
+            {"kind": "memory", "answer": answers[first], "score": None},
+        ]
+        return MethodOutput(
+            answer=rows[f"stream_vote[{first}]"],
+            response=greedy[names.index(first)].text,
+            route="vote",
+            candidates=candidates,
+            extra={
+                "stream": {
+                    "rows": rows,
+                    "samples": sampled,
+                    "versions": versions,
+                    "decode_rows": sum(len(r[0]) for r in requests),
+                    "decode_seconds": round(decode_seconds, 3),
+                }
+            },
+        )
+
+    # -- learning ----------------------------------------------------------------------
+    def learn(self, question: str, question_id: str, output: MethodOutput) -> None:
+        pending, self._pending = self._pending, None
+        if pending is None or pending["question"] != question:
+            raise RuntimeError(f"{self.name}: learn() must follow answer() on the same question")
+        prompt = pending["prompt"]
+        updates = {}
+        for obj, arm in self.arms.items():
+            update = arm.learn(
+                question,
+                prompt.token_ids,
+                prompt.memory_at,
+                pending["generations"][obj],
+                label=pending["labels"][obj],
+                version_used=pending["versions"][obj],
+                zero_shot_answer=pending["zero_shot"],
+            )
+            updates[obj] = update.to_dict()
+        output.extra.setdefault("stream", {})["updates"] = updates
+
+    def resume(self, records: list[dict[str, Any]]) -> None:
+        """A resumed run: each arm serves the version its last record ended with. An update written after the
+        last record (the process stopped between the two) is undone by a new version holding the recorded one."""
+        if not records:
+            return
+        last = max(records, key=lambda r: r["index"])
+        updates = ((last.get("extra") or {}).get("stream") or {}).get("updates") or {}
+        for obj, arm in self.arms.items():
+            recorded = (updates.get(obj) or {}).get("version")
+            if recorded is not None and recorded != arm.version:
+                arm.restore_version(int(recorded), reason="resume: the update after the last record was not recorded")
+
+    def pool_stats(self) -> tuple[int, int]:
+        from elm_memory.eval.methods.base import dir_bytes
+
+        root = self.runtime.out_dir / STREAM_DIR
+        return (len(self._arms) if self._arms else 0), dir_bytes(root)
+
+    def close(self) -> None:
+        if self._arms:
+            for obj, arm in self._arms.items():
+                arm.write_summary(self.runtime.out_dir / STREAM_DIR / obj / "summary.json")
+
+
+def elm_stream(runtime: EvalRuntime) -> StreamEval:
+    return StreamEval(runtime)
+
+
+def elm_stream_objectives(runtime: EvalRuntime) -> StreamEval:
+    return StreamEval(runtime, ["grpo", "sft"], name="elm_stream_objectives")
+
+
+def zero_shot_format(runtime: EvalRuntime) -> ZeroShotFormat:
+    return ZeroShotFormat(runtime)

@@ -1,0 +1,102 @@
+"""Where a stream memory's versions live: one folder per namespace, one file per version, and a pointer.
+
+::
+
+    <root>/<namespace folder>/   (the namespace made safe as a folder name, plus its hash: see folder_name)
+        v000007.safetensors        the memory (a LatentMemory file: soft prompt + metadata, history included)
+        v000007.optim.safetensors  its optimizer's moments, so another process continues the same run
+        CURRENT                    the version that serves ("7"), replaced atomically
+        .lock                      held by whoever writes a version
+
+Every update writes a new version and only then moves ``CURRENT``: until the new file is durable the previous
+version serves, and a crash mid-write leaves at most an orphan file that is never served. Versions are never
+rewritten; a rollback is a new version holding an earlier one's tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+
+import torch
+from filelock import FileLock
+from safetensors.torch import load as load_tensors
+from safetensors.torch import save as save_tensors
+
+from elm_memory.atomic import write_bytes_atomic
+from elm_memory.errors import MemoryFormatError
+from elm_memory.memory import LatentMemory
+from elm_memory.memory.ids import validate_namespace
+
+_VERSION = re.compile(r"^v(\d{6})\.safetensors$")
+
+
+class StreamFiles:
+    """The version files of one namespace's stream memory."""
+
+    def __init__(self, root: str | Path, namespace: str, *, lock_timeout: float = 600.0):
+        self.namespace = validate_namespace(namespace)
+        self.dir = Path(root).expanduser() / folder_name(self.namespace)
+        self.lock_timeout = lock_timeout
+
+    @contextmanager
+    def lock(self) -> Iterator[None]:
+        """Serialises writers (threads and processes): an update reads the newest version and writes the next
+        one under this lock, so no update is lost and none is applied twice."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(self.dir / ".lock"), timeout=self.lock_timeout):
+            yield
+
+    def current_version(self) -> int | None:
+        """The version that serves, or None before the first write."""
+        try:
+            text = (self.dir / "CURRENT").read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            return None
+        if not text.isdigit():
+            raise MemoryFormatError(f"stream memory {self.dir}: CURRENT holds {text!r}, not a version number")
+        return int(text)
+
+    def versions(self) -> list[int]:
+        """Every version written (served or not), oldest first."""
+        if not self.dir.is_dir():
+            return []
+        return sorted(int(m.group(1)) for p in self.dir.iterdir() if (m := _VERSION.match(p.name)))
+
+    def path(self, version: int) -> Path:
+        return self.dir / f"v{version:06d}.safetensors"
+
+    def read(self, version: int | None = None) -> tuple[LatentMemory, dict[str, torch.Tensor]]:
+        """A version's memory and optimizer tensors (``version`` None: the current one)."""
+        if version is None:
+            version = self.current_version()
+            if version is None:
+                raise MemoryFormatError(f"stream memory {self.dir} has no version yet")
+        memory = LatentMemory.load(self.path(version))
+        optim_path = self.path(version).with_suffix(".optim.safetensors")
+        optim = load_tensors(optim_path.read_bytes()) if optim_path.exists() else {}
+        return memory, optim
+
+    def write(self, version: int, memory: LatentMemory, optim: dict[str, torch.Tensor]) -> Path:
+        """Write ``version`` durably, then make it the one that serves. Call under :meth:`lock`."""
+        current = self.current_version()
+        if current is not None and version <= current:
+            raise MemoryFormatError(f"stream memory {self.dir}: version {version} is not after {current}")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        path = self.path(version)
+        write_bytes_atomic(
+            path.with_suffix(".optim.safetensors"), save_tensors({k: v.contiguous() for k, v in optim.items()})
+        )
+        memory.save(path)
+        write_bytes_atomic(self.dir / "CURRENT", f"{version}\n".encode("ascii"))
+        return path
+
+
+def folder_name(namespace: str) -> str:
+    """A namespace as one safe folder name: its letters and digits (others as ``_``), then a hash of the whole,
+    so ``a/b`` and ``a_b`` stay apart and no namespace can name a path outside the root."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", namespace)[:64]
+    return f"{safe}-{hashlib.sha256(namespace.encode()).hexdigest()[:12]}"
