@@ -237,6 +237,26 @@ def test_query_with_the_retriever_ranks_by_elms_keys(memories, ada) -> None:
         ELMStore(ChromaMemoryStore(memories.root, model=memories.model), retriever=retriever)
 
 
+@pytest.mark.model
+def test_semantic_search_through_elms_own_retriever(tmp_path, tiny_loaded) -> None:
+    from elm_memory.memory.keys import key_builders
+    from elm_memory.retrieval.retriever import Retriever
+
+    bound = ChromaMemoryStore(tmp_path / "store", model=tiny_loaded.info)
+    retriever = Retriever(bound, key_builders.get("input")(), tiny_loaded)
+    questions = ["Tom has 3 apples and buys 4 more. How many apples?", "A train leaves at 3 pm; when is it due?"]
+    learned = [
+        retriever.index_memory(fake_memory(tiny_loaded.info, "user-ada", i, question=q))
+        for i, q in enumerate(questions)
+    ]
+    store = ELMStore(bound, retriever=retriever)
+    for memory, question in zip(learned, questions, strict=True):
+        top = store.search(("user-ada",), query=question)[0]
+        assert top.key == memory.id and top.score == pytest.approx(1.0, abs=1e-4)
+    # ranked by key, so a question sharing no word with "apples" is ranked too (a word match would drop it)
+    assert {i.key for i in store.search(("user-ada",), query="apples")} == {m.id for m in learned}
+
+
 def test_get_returns_the_item_or_none(memories, ada) -> None:
     store = ELMStore(memories)
     item = store.get(("user-ada",), ada[1].id)
