@@ -7,7 +7,8 @@ graphs; requests choose only what :class:`~elm_memory.graph.ELMRunContext` allow
 - ``ELM_CONFIG``: a YAML config file (optional)
 - ``ELM_PRESET``: a preset name (default ``cpu-demo``)
 - ``ELM_SET``: ``section.key=value`` overrides separated by ``;`` (optional)
-- ``ELM_AGENT_MODEL``: the math agent's chat model (see :func:`chat_model_from_env`)
+- ``ELM_AGENT_MODEL``: the math agent's chat model, ``provider:MODEL`` or ``package.module:factory``
+  (see :func:`chat_model_from_env`)
 """
 
 from __future__ import annotations
@@ -55,29 +56,38 @@ def served_services() -> ELMServices:
 def chat_model_from_env() -> Any:
     """The math agent's chat model, from ``ELM_AGENT_MODEL``:
 
-    - ``openai:MODEL``: ``ChatOpenAI`` (``langchain-openai``) against ``OPENAI_BASE_URL``, e.g. the
-      vLLM OpenAI server of the packaged model started with tool calling enabled;
+    - ``provider:MODEL``: LangChain's ``init_chat_model`` (the provider's package must be installed),
+      e.g. ``openai:MODEL`` (``langchain-openai``) against ``OPENAI_BASE_URL``: the vLLM OpenAI
+      server of the packaged model started with tool calling enabled (no key needed there);
     - ``package.module:factory``: a callable returning any LangChain chat model with tool calling.
     """
     spec = os.environ.get("ELM_AGENT_MODEL", "").strip()
     if not spec:
         raise ConfigError(
             "math_agent needs a tool-calling chat model: set ELM_AGENT_MODEL=openai:MODEL (with "
-            "OPENAI_BASE_URL, e.g. a vLLM server) or ELM_AGENT_MODEL=package.module:factory"
+            "OPENAI_BASE_URL, e.g. a vLLM server), another provider:MODEL, or ELM_AGENT_MODEL=package.module:factory"
         )
     kind, _, rest = spec.partition(":")
-    if kind == "openai" and rest:
-        try:
-            from langchain_openai import ChatOpenAI
-        except ImportError as exc:
-            raise ConfigError(
-                "ELM_AGENT_MODEL=openai:... needs langchain-openai (pip install langchain-openai)"
-            ) from exc
-        from pydantic import SecretStr
+    if "." not in kind:  # a provider (or a model name LangChain infers it from), not a module path
+        from langchain.chat_models import init_chat_model
 
-        return ChatOpenAI(model=rest, api_key=SecretStr(os.environ.get("OPENAI_API_KEY", "EMPTY")), temperature=0)
+        options: dict[str, Any] = {"temperature": 0}
+        if kind == "openai":  # ChatOpenAI refuses to build without a key; a local server needs none
+            from pydantic import SecretStr
+
+            options["api_key"] = SecretStr(os.environ.get("OPENAI_API_KEY", "EMPTY"))
+        try:
+            return init_chat_model(spec, **options)
+        except ImportError as exc:  # the provider's package is missing
+            raise ConfigError(f"ELM_AGENT_MODEL={spec!r}: {exc}") from exc
+        except ValueError as exc:  # not a provider LangChain knows: a module's factory, as before
+            if not rest:
+                raise ConfigError(
+                    f"ELM_AGENT_MODEL={spec!r}: expected provider:MODEL (e.g. openai:MODEL) or "
+                    f"package.module:factory ({str(exc).splitlines()[0]})"
+                ) from None
     if not rest:
-        raise ConfigError(f"ELM_AGENT_MODEL={spec!r}: expected openai:MODEL or package.module:factory")
+        raise ConfigError(f"ELM_AGENT_MODEL={spec!r}: expected provider:MODEL or package.module:factory")
     try:
         factory = getattr(importlib.import_module(kind), rest)
     except (ImportError, AttributeError) as exc:

@@ -1,4 +1,5 @@
-"""A tool-calling agent (reason -> act -> observe) whose math tool is ELM.
+"""A tool-calling agent (reason -> act -> observe) whose math tool is ELM, on LangGraph v1's
+agent (``langchain.agents.create_agent``).
 
 Any LangChain chat model with tool calling works, e.g. ``ChatOpenAI`` against the vLLM
 OpenAI server of the packaged model::
@@ -7,18 +8,22 @@ OpenAI server of the packaged model::
     model = ChatOpenAI(model=PACKAGED_MODEL_DIR, base_url="http://127.0.0.1:8000/v1", api_key="EMPTY")
     agent = build_math_agent(model, [create_elm_tool(elm)])
     agent.invoke({"messages": [("user", "Tom has 3 apples and buys 4 more. How many?")]})
+
+Your own agent gains ELM the same way: ``create_agent(model, [create_elm_tool(elm), ...],
+context_schema=YourContext)``; the tool reads its namespace from your context.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from typing import Any
 
+from langchain.agents import create_agent
+from langchain.agents.middleware import AgentMiddleware, ModelRequest, ModelResponse
 from langchain_core.language_models import BaseChatModel
-from langchain_core.messages import AIMessage, SystemMessage
+from langchain_core.messages import AIMessage, BaseMessage
+from langchain_core.outputs import ChatResult
 from langchain_core.tools import BaseTool
-from langgraph.graph import END, START, MessagesState, StateGraph
-from langgraph.prebuilt import ToolNode
 
 from elm_memory.errors import ConfigError
 from elm_memory.graph.context import ELMRunContext
@@ -37,46 +42,88 @@ def build_math_agent(
     max_steps: int = 6,
     first_tool_choice: str | None = None,
     name: str = "math_agent",
+    context_schema: type[Any] | None = ELMRunContext,
+    checkpointer: Any = None,
 ) -> Any:
-    """Compile the agent. ``model`` may be a zero-argument callable (built on the first run, once).
+    """Compile the agent (``create_agent``; its nodes are ``model`` and ``tools``). ``model`` may be a
+    zero-argument callable (built on the first run, once).
 
     ``max_steps`` bounds the reason/act loop: a model that keeps calling tools gets a final
     message saying so instead of looping until LangGraph's recursion limit.
     ``first_tool_choice="required"`` forces a tool call on the first turn (the model still picks
     the tool and writes its arguments): small models such as the packaged 0.5B one write the
     call as plain JSON instead of their chat template's tool-call tags, which servers do not parse.
+    ``context_schema``: the runs' context (yours, or ``ELMRunContext``); the ELM tool reads its keys from it.
     """
     if not tools:
         raise ConfigError("build_math_agent needs at least one tool (e.g. create_elm_tool(elm))")
-    bound: dict[str, Any] = {}
+    turns = MathAgentTurns(model, max_steps=max_steps, first_tool_choice=first_tool_choice)
+    return create_agent(
+        model if isinstance(model, BaseChatModel) else _BuiltOnFirstTurn(),
+        list(tools),
+        system_prompt=system_prompt,
+        middleware=[turns],
+        context_schema=context_schema,
+        checkpointer=checkpointer,
+        name=name,
+    )
 
-    def chat_model(first_turn: bool) -> Any:
-        if not bound:  # one bind per process; a race builds it twice, harmlessly
+
+class MathAgentTurns(AgentMiddleware[Any, Any]):
+    """The packaged agent's rules for each model turn: the chat model built on the first turn (a served
+    graph imports without one), a forced tool call on the first turn where asked, and a closing message
+    instead of another turn once the run has made ``max_steps`` tool calls."""
+
+    def __init__(
+        self,
+        model: BaseChatModel | Callable[[], BaseChatModel],
+        *,
+        max_steps: int,
+        first_tool_choice: str | None,
+    ):
+        super().__init__()
+        self._model = model
+        self._built: list[BaseChatModel] = []  # one build per process; a race builds it twice, harmlessly
+        self.max_steps, self.first_tool_choice = max_steps, first_tool_choice
+
+    def chat_model(self) -> BaseChatModel:
+        if not self._built:
+            model = self._model
             instance = model() if not isinstance(model, BaseChatModel) and callable(model) else model
             if not hasattr(instance, "bind_tools"):
                 raise ConfigError(f"{type(instance).__name__} is not a chat model with tool calling (no bind_tools)")
-            bound["auto"] = instance.bind_tools(list(tools))
-            if first_tool_choice:
-                bound["first"] = instance.bind_tools(list(tools), tool_choice=first_tool_choice)
-        return bound["first"] if first_turn and "first" in bound else bound["auto"]
+            self._built.append(instance)
+        return self._built[0]
 
-    def reason(state: MessagesState) -> dict[str, Any]:
-        steps = sum(1 for m in state["messages"] if isinstance(m, AIMessage) and m.tool_calls)
-        if steps >= max_steps:
-            return {"messages": [AIMessage(content=f"Stopped after {max_steps} tool calls without a final answer.")]}
-        messages = list(state["messages"])
-        if system_prompt:
-            messages = [SystemMessage(system_prompt), *messages]
-        return {"messages": [chat_model(first_turn=steps == 0).invoke(messages)]}
+    def _turn(self, request: ModelRequest) -> ModelRequest | AIMessage:
+        """The request to send, or the closing message when the step budget is spent."""
+        steps = sum(1 for m in request.messages if isinstance(m, AIMessage) and m.tool_calls)
+        if steps >= self.max_steps:
+            return AIMessage(content=f"Stopped after {self.max_steps} tool calls without a final answer.")
+        if steps == 0 and self.first_tool_choice:
+            return request.override(model=self.chat_model(), tool_choice=self.first_tool_choice)
+        return request.override(model=self.chat_model())
 
-    def next_step(state: MessagesState) -> str:
-        last = state["messages"][-1]
-        return "act" if isinstance(last, AIMessage) and last.tool_calls else END
+    def wrap_model_call(
+        self, request: ModelRequest, handler: Callable[[ModelRequest], ModelResponse]
+    ) -> ModelResponse | AIMessage:
+        turn = self._turn(request)
+        return turn if isinstance(turn, AIMessage) else handler(turn)
 
-    graph = StateGraph(MessagesState, context_schema=ELMRunContext)
-    graph.add_node("reason", reason)
-    graph.add_node("act", ToolNode(list(tools)))
-    graph.add_edge(START, "reason")
-    graph.add_conditional_edges("reason", next_step, {"act": "act", END: END})
-    graph.add_edge("act", "reason")
-    return graph.compile(name=name)
+    async def awrap_model_call(
+        self, request: ModelRequest, handler: Callable[[ModelRequest], Awaitable[ModelResponse]]
+    ) -> ModelResponse | AIMessage:
+        turn = self._turn(request)
+        return turn if isinstance(turn, AIMessage) else await handler(turn)
+
+
+class _BuiltOnFirstTurn(BaseChatModel):
+    """Stands in for a chat model that :class:`MathAgentTurns` builds on the first turn and swaps in;
+    ``create_agent`` wants one at compile time. Never called."""
+
+    @property
+    def _llm_type(self) -> str:
+        return "built-on-first-turn"
+
+    def _generate(self, messages: list[BaseMessage], *args: Any, **kwargs: Any) -> ChatResult:
+        raise ConfigError("the math agent's chat model is built on its first turn; this stand-in answers nothing")

@@ -158,7 +158,7 @@ def test_served_graphs_import_without_building_anything(monkeypatch):
     served = importlib.import_module("elm_memory.graphs.elm_graph")
     agent = importlib.import_module("elm_memory.graphs.math_agent")
     assert set(served.graph.get_graph().nodes) >= {"retrieve", "dual_generate", "route", "verify", "respond"}
-    assert set(agent.graph.get_graph().nodes) >= {"reason", "act"}
+    assert set(agent.graph.get_graph().nodes) >= {"model", "tools"}  # LangGraph v1's agent (create_agent)
     spec = json.loads(Path("langgraph.json").read_text())
     assert spec["graphs"] == {
         "elm": "elm_memory.graphs.elm_graph:graph",
