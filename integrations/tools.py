@@ -4,9 +4,10 @@
     model.bind_tools([tool])
 
 The tool answers through the ELM graph (retrieve, dual-generate, route) and, unless
-``learn=False``, learns a memory from the question. Inside a LangGraph run its namespace
-follows the run like the ELM graph's own: the run context's ``namespace``, else the
-config's ``namespace_template`` filled from the context (``user_id``) and configurable.
+``learn=False``, learns a memory from the question. Inside a LangGraph run (any agent, any
+context schema) it follows the run like the ELM graph does: the run context's ``namespace``,
+else the config's ``namespace_template`` filled from the context (``user_id``, the template's
+fields) and configurable; ``learn: false`` in the context turns learning off.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 from langchain_core.tools import BaseTool, StructuredTool
+
+from elm_memory.graph.context import settings_of_enclosing_run
 
 DEFAULT_DESCRIPTION = (
     "Solve a math word problem step by step. Input: the full problem text. Returns JSON with the final answer."
@@ -39,7 +42,9 @@ def create_elm_tool(
 
     def solve(question: str, config: RunnableConfig) -> str:
         instance = provider()
-        result = instance.answer(question, namespace=_namespace_of_run(instance.config, config), learn=learn)
+        cfg = instance.config
+        namespace, run_learn = settings_of_enclosing_run(config, template=cfg.namespace_template, default=cfg.namespace)
+        result = instance.answer(question, namespace=namespace, learn=learn and run_learn is not False)
         out: dict[str, Any] = {"answer": result.answer}
         if include_trace:
             out.update(
@@ -49,23 +54,3 @@ def create_elm_tool(
 
     solve.__doc__ = description
     return StructuredTool.from_function(solve, name=name, description=description)
-
-
-def _namespace_of_run(cfg: Any, config: RunnableConfig | None) -> str | None:
-    """The enclosing LangGraph run's namespace for ELM, or None (ELM's default) outside one."""
-    from elm_memory.graph.context import as_run_context, resolve_namespace
-
-    context = as_run_context(_run_context(), strict=False)
-    configurable = (config or {}).get("configurable") or {}
-    if context is None and not cfg.namespace_template:
-        return None
-    return resolve_namespace(None, context, configurable, template=cfg.namespace_template, default=cfg.namespace)
-
-
-def _run_context() -> Any:
-    try:
-        from langgraph.runtime import get_runtime
-
-        return get_runtime().context
-    except Exception:  # not inside a LangGraph run
-        return None

@@ -71,8 +71,10 @@ class ELMNodes:
         """Top-1 memory of the run's namespace, or none (empty pool, a gate, a failure)."""
         t0 = time.perf_counter()
         question = validate_question(state["question"])
-        context = as_run_context(runtime.context)
         svc = self.services
+        # strict (unknown keys refused) when this graph is the one being run; inside a parent graph the
+        # context is the parent's, of its own schema: ELM reads its keys and ignores the others
+        context = as_run_context(runtime.context, config=config, template=svc.config.namespace_template)
         namespace = resolve_namespace(
             state.get("namespace"),
             context,
