@@ -6,7 +6,8 @@ graphs; requests choose only what :class:`~elm_memory.graph.ELMRunContext` allow
 
 - ``ELM_CONFIG``: a YAML config file (optional)
 - ``ELM_PRESET``: a preset name (default ``cpu-demo``)
-- ``ELM_SET``: ``section.key=value`` overrides separated by ``;`` (optional)
+- ``ELM_<SECTION>__<KEY>``: any config field, e.g. ``ELM_VERIFIER__NAME=logprob`` (optional; see
+  :mod:`elm_memory.config.env_settings`); ``ELM_SET`` (``section.key=value;...``) is deprecated
 - ``ELM_AGENT_MODEL``: the math agent's chat model, ``provider:MODEL`` or ``package.module:factory``
   (see :func:`chat_model_from_env`)
 """
@@ -35,17 +36,11 @@ def served_elm() -> ELM:
     global _elm
     with _lock:
         if _elm is None:
-            from elm_memory.config import ELMConfig, parse_overrides
+            from elm_memory.config.env_settings import config_from_env
             from elm_memory.elm import ELM
 
             os.environ.setdefault("HF_HUB_OFFLINE", "1")
-            overrides = parse_overrides(p.strip() for p in os.environ.get("ELM_SET", "").split(";") if p.strip())
-            cfg = ELMConfig.load(
-                os.environ.get("ELM_CONFIG") or None,
-                preset=os.environ.get("ELM_PRESET", "cpu-demo"),
-                overrides=overrides or None,
-            )
-            _elm = ELM(cfg)
+            _elm = ELM(config_from_env(default_preset="cpu-demo"))
         return _elm
 
 

@@ -103,21 +103,27 @@ def parse_override(text: str) -> dict[str, Any]:
     keys = dotted.strip().split(".")
     if not all(k.strip() for k in keys):
         raise ConfigError(f"override {text!r} must look like section.key=value")
-    # safe_load builds no Python objects (a !!python tag is an error); a bad value is the
-    # user's typo, so it is a ConfigError, as is "[[[..." nested past the recursion limit and
-    # an integer past Python's 4300-digit conversion limit (a ValueError)
-    try:
-        value = yaml.safe_load(raw) if raw else None
-    except (yaml.YAMLError, RecursionError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        shown = text if len(text) <= 80 else text[:77] + "..."
-        raise ConfigError(f"override {shown!r}: the value is not valid YAML ({first})") from None
+    value = parse_value(raw, text)
     out: dict[str, Any] = {}
     cur = out
     for k in keys[:-1]:
         cur = cur.setdefault(k, {})
     cur[keys[-1]] = value
     return out
+
+
+def parse_value(raw: str, source: str) -> Any:
+    """An override's value as YAML reads it (``2``, ``null``, ``off``, ``[1, 2]``); empty: None. ``source``
+    (the override or the variable) names it in the error."""
+    # safe_load builds no Python objects (a !!python tag is an error); a bad value is the
+    # user's typo, so it is a ConfigError, as is "[[[..." nested past the recursion limit and
+    # an integer past Python's 4300-digit conversion limit (a ValueError)
+    try:
+        return yaml.safe_load(raw) if raw else None
+    except (yaml.YAMLError, RecursionError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        shown = source if len(source) <= 80 else source[:77] + "..."
+        raise ConfigError(f"override {shown!r}: the value is not valid YAML ({first})") from None
 
 
 def parse_overrides(items: Iterable[str] | None) -> dict[str, Any]:
