@@ -4,6 +4,8 @@ Answer a stream of questions, learn a latent memory (a soft prompt trained with 
 majority-vote rewards) from each one, and retrieve it for similar questions later.
 """
 
+import importlib
+
 from elm_memory import moved
 from elm_memory.config import ELMConfig, section
 from elm_memory.errors import ELMError
@@ -14,35 +16,23 @@ __version__ = "0.1.0"
 moved.install()  # old module paths keep importing for one release
 
 
+# config checks a name when it loads but imports no registry: the package root, which sits above every
+# layer, hands it the owners' registries, imported only when such a field is checked (none of these
+# modules imports torch, so a misspelt name fails before any model work)
+_REGISTRIES = {
+    "backends": "elm_memory.backends.registry:backends",
+    "verifiers": "elm_memory.verifiers.registry:verifiers",
+    "key_builders": "elm_memory.memory.key_registry:key_builders",
+    "stores": "elm_memory.store.registry:stores",
+    "learners": "elm_memory.jobs.registry:learners",
+    "training_engines": "elm_memory.training.registry:training_engines",
+}
+
+
 def _registry(name: str) -> section.NamedParts:
-    # config checks a name when it loads but imports no registry: the package root, which sits above
-    # every layer, hands it the owners' registries (imported only when such a field is checked; none of
-    # these modules imports torch, so a misspelt name fails before any model work)
-    if name == "backends":
-        from elm_memory.backends.registry import backends
-
-        return backends
-    if name == "verifiers":
-        from elm_memory.verifiers.registry import verifiers
-
-        return verifiers
-    if name == "key_builders":
-        from elm_memory.memory.key_registry import key_builders
-
-        return key_builders
-    if name == "stores":
-        from elm_memory.store.registry import stores
-
-        return stores
-    if name == "learners":
-        from elm_memory.jobs.registry import learners
-
-        return learners
-    if name == "training_engines":
-        from elm_memory.training.registry import training_engines
-
-        return training_engines
-    raise KeyError(name)
+    module, _, attr = _REGISTRIES[name].partition(":")
+    registry: section.NamedParts = getattr(importlib.import_module(module), attr)
+    return registry
 
 
 section.use_registries(_registry)
