@@ -1,0 +1,238 @@
+"""The stream memory: versioned updates from the answer path's generations, the collapse guard, rollback,
+failure and two learners on one namespace (SmolLM2-135M in float32, real weights, a few tokens)."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from elm_memory.config import ELMConfig
+from elm_memory.errors import MemoryFormatError
+from elm_memory.memory import LatentMemory
+from elm_memory.store.stream_files import StreamFiles, folder_name
+from elm_memory.training.stream import Generated, StreamMemory
+from elm_memory.training.stream_guard import CollapseGuard, Observation, answer_entropy
+
+
+def _config(**stream) -> ELMConfig:
+    return ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"mode": "stream", **stream}})
+
+
+def _gens(tokenizer, texts, greedy_first=True) -> list[Generated]:
+    from elm_memory.answers import extract_answer
+
+    out = []
+    for i, text in enumerate(texts):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        out.append(Generated(ids, extract_answer(text), sampled=not (greedy_first and i == 0)))
+    return out
+
+
+def _prompt(smol, question="What is 2 + 3?"):
+    from elm_memory.backends.prompting import PromptBuilder
+
+    p = PromptBuilder(smol.tokenizer).answer_prompt(question, memory_tokens=20)
+    return p.token_ids, p.memory_at
+
+
+# -- the guard (no model) ------------------------------------------------------------------
+def _obs(version, answers, zero="1", label=None):
+    return Observation(version, answers, zero, label if label is not None else answers[0])
+
+
+def test_guard_reads_a_window_only_when_full_and_keeps_a_healthy_stream():
+    guard = CollapseGuard(window=3)
+    assert guard.observe(_obs(0, ["1", "1", "2"])) is None
+    assert guard.observe(_obs(1, ["2", "2", "2"])) is None
+    verdict = guard.observe(_obs(2, ["3", "3", "4"]))
+    assert verdict is not None and verdict.reasons == [] and verdict.rollback_to is None
+    assert verdict.stats.versions == [0, 1, 2]
+    assert guard.pending == []  # the next window starts empty
+
+
+def test_guard_rolls_back_when_answers_lose_their_box():
+    guard = CollapseGuard(window=2, max_unboxed_increase=0.25)
+    guard.observe(_obs(4, [None, None, "1"], zero="1"))
+    verdict = guard.observe(_obs(5, [None, None, None], zero="2", label="x"))
+    assert verdict is not None and verdict.rollback_to == 4
+    assert any("unboxed" in r for r in verdict.reasons)
+
+
+def test_guard_rolls_back_when_agreement_falls_below_the_first_window():
+    guard = CollapseGuard(window=2, max_agreement_drop=0.2, max_repeated_answer=1.0)
+    first = [guard.observe(_obs(v, ["7", "7", "7", "7"], label=str(v))) for v in (0, 1)]
+    assert first[-1] is not None and first[-1].reasons == []  # the baseline: full agreement
+    guard.observe(_obs(2, ["1", "2", "3", "4"], label="1"))
+    verdict = guard.observe(_obs(3, ["5", "6", "7", "8"], label="5"))
+    assert verdict is not None and verdict.rollback_to == 2 and any("agreement" in r for r in verdict.reasons)
+
+
+def test_guard_rolls_back_a_constant_answer():
+    guard = CollapseGuard(window=4, max_repeated_answer=0.5)
+    for v in range(3):
+        guard.observe(_obs(v, ["0", "0"], label="0"))
+    verdict = guard.observe(_obs(3, ["9", "9"], label="9"))
+    assert verdict is not None and any("one answer" in r for r in verdict.reasons)
+
+
+def test_guard_state_round_trips():
+    guard = CollapseGuard(window=3)
+    guard.observe(_obs(0, ["1"]))
+    other = CollapseGuard(window=3)
+    other.restore(guard.state())
+    assert other.pending == guard.pending
+
+
+def test_answer_entropy_counts_equivalent_answers_as_one():
+    assert answer_entropy(["2", "2.0", "2"]) == 0.0
+    assert answer_entropy(["1", "2"]) == pytest.approx(0.6931, abs=1e-3)
+
+
+# -- the version files ------------------------------------------------------------------
+def test_namespace_folders_are_safe_and_distinct(tmp_path):
+    assert folder_name("a/b") != folder_name("a_b")
+    files = StreamFiles(tmp_path, "../../etc")
+    assert files.dir.parent == tmp_path and ".." not in files.dir.name
+
+
+def test_a_version_serves_only_once_written_and_never_goes_back(tmp_path):
+    from _fakes import fake_memory, fake_model_info
+
+    files = StreamFiles(tmp_path, "ns")
+    assert files.current_version() is None
+    with pytest.raises(MemoryFormatError, match="no version yet"):
+        files.read()
+    mem = fake_memory(fake_model_info())
+    with files.lock():
+        files.write(0, mem, {})
+        files.write(1, mem, {"exp_avg": torch.ones(2)})
+        with pytest.raises(MemoryFormatError, match="not after"):
+            files.write(1, mem, {})
+    assert files.current_version() == 1 and files.versions() == [0, 1]
+    _, optim = files.read(1)
+    assert torch.equal(optim["exp_avg"], torch.ones(2))
+
+
+# -- learning (SmolLM2) ------------------------------------------------------------------
+@pytest.fixture
+def stream(smol, tmp_path):
+    return StreamMemory(_config(), smol, tmp_path, namespace="team-a")
+
+
+def test_a_new_stream_memory_is_its_init_at_version_0(stream):
+    assert stream.version == 0
+    assert torch.equal(stream.soft_prompt, stream.init)
+    assert stream.files.current_version() == 0
+
+
+def test_grpo_update_writes_a_new_version_that_records_its_question_and_label(stream, smol):
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    before = stream.soft_prompt
+    update = stream.learn("What is 2 + 3?", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert update.applied and update.version == 1 and update.rewards == [1.0, 1.0, 0.0, 1.0, 0.0]
+    assert not torch.equal(stream.soft_prompt, before)
+    saved = LatentMemory.load(stream.files.path(1))
+    assert torch.allclose(saved.soft_prompt, stream.soft_prompt)
+    [entry] = saved.meta.config["stream"]["history"]
+    assert entry["question"] == "What is 2 + 3?" and entry["label"] == "5" and entry["trained_from"] == 0
+    # version 0 is untouched: it is what served before
+    assert torch.equal(LatentMemory.load(stream.files.path(0)).soft_prompt, before)
+
+
+def test_uniform_rewards_and_weak_votes_skip_without_a_version(stream, smol):
+    ids, at = _prompt(smol)
+    agreeing = _gens(smol.tokenizer, ["\\boxed{5}"] * 5)
+    assert stream.learn("q1", ids, at, agreeing, label="5", version_used=0, zero_shot_answer="5").skipped == (
+        "uniform_rewards"
+    )
+    scattered = _gens(smol.tokenizer, ["\\boxed{1}", "\\boxed{2}", "\\boxed{3}", "\\boxed{4}", "\\boxed{5}"])
+    assert stream.learn("q2", ids, at, scattered, label="1", version_used=0, zero_shot_answer="1").skipped == (
+        "weak_label"
+    )
+    assert stream.learn("q3", ids, at, scattered, label=None, version_used=0, zero_shot_answer=None).skipped == (
+        "no_label"
+    )
+    assert stream.version == 0 and stream.files.versions() == [0]
+
+
+def test_sft_learns_from_the_agreeing_generations(smol, tmp_path):
+    stream = StreamMemory(_config(objective="sft"), smol, tmp_path)
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}"] * 5)  # all agree: no GRPO signal, but SFT has targets
+    update = stream.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert update.applied and update.loss is not None and update.loss > 0 and update.moved > 0
+
+
+def test_a_non_finite_update_leaves_the_last_good_version_serving(stream, smol, monkeypatch):
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    before = stream.soft_prompt
+
+    def poisoned(self, *args, **kwargs):
+        self.soft.grad = torch.full_like(self.soft, float("nan"))
+        return 0.0
+
+    monkeypatch.setattr(StreamMemory, "_backward", poisoned)
+    update = stream.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert update.skipped == "non_finite" and not update.applied
+    assert stream.version == 0 and torch.equal(stream.soft_prompt, before)
+    assert stream.files.versions() == [0]
+
+
+def test_the_guard_rolls_back_to_the_version_that_opened_the_window(smol, tmp_path):
+    stream = StreamMemory(_config(guard_window=2, guard_max_unboxed_increase=0.1), smol, tmp_path)
+    ids, at = _prompt(smol)
+    good = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    first = stream.learn("q1", ids, at, good, label="5", version_used=0, zero_shot_answer="5")  # window opens at v0
+    assert first.applied and stream.version == 1
+    unboxed = _gens(smol.tokenizer, ["no box", "none", "\\boxed{5}", "still none", "nope"])
+    update = stream.learn("q2", ids, at, unboxed, label="5", version_used=1, zero_shot_answer="5")
+    assert update.skipped == "rolled_back" and update.guard is not None and update.guard["rollback_to"] == 0
+    assert stream.version == 2 and torch.equal(stream.soft_prompt, stream.init)
+    history = LatentMemory.load(stream.files.path(2)).meta.config["stream"]["history"]
+    assert history[-1]["rollback_to"] == 0 and history[-1]["reasons"]
+    assert stream.summary()["rollbacks"][0]["to"] == 0
+
+
+def test_two_learners_on_one_namespace_serialise_no_update_lost_or_doubled(smol, tmp_path):
+    cfg = _config(guard_window=1000)
+    a = StreamMemory(cfg, smol, tmp_path, namespace="shared")
+    b = StreamMemory(cfg, smol, tmp_path, namespace="shared")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    errors: list[BaseException] = []
+
+    def run(learner, tag):
+        try:
+            for i in range(3):
+                learner.learn(f"{tag}{i}", ids, at, gens, label="5", version_used=learner.version, zero_shot_answer="5")
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=run, args=(m, t)) for m, t in ((a, "a"), (b, "b"))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors
+    final = LatentMemory.load(a.files.path(a.files.current_version()))
+    history = final.meta.config["stream"]["history"]
+    assert a.files.current_version() == 6
+    assert sorted(h["question"] for h in history) == ["a0", "a1", "a2", "b0", "b1", "b2"]
+    assert [h["trained_from"] for h in history] == list(range(6))  # each built on the one before
+
+
+def test_a_second_process_continues_from_the_newest_version(smol, tmp_path):
+    cfg = _config()
+    first = StreamMemory(cfg, smol, tmp_path)
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    first.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    again = StreamMemory(cfg, smol, tmp_path)
+    assert again.version == 1 and torch.equal(again.soft_prompt, first.soft_prompt)
+    assert again.optim.state[again.soft]["exp_avg"].abs().sum() > 0  # the optimizer's moments came along
+    again.restore_version(0, reason="test")
+    assert again.version == 2 and torch.equal(again.soft_prompt, again.init)
