@@ -21,7 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 #: pages whose code runs in full here (add a page once its blocks run or are marked)
-PAGES = ["docs/configuration.md"]
+PAGES = ["docs/configuration.md", "docs/agents.md"]
 
 _FENCE = re.compile(r"^(?:<!-- (?P<marker>[a-z]+) -->\n)?```(?P<lang>[a-z]*)[^\n]*\n(?P<body>.*?)^```$", re.M | re.S)
 
@@ -70,7 +70,9 @@ def run_page(page: str, *, with_model: bool) -> None:
         if block.lang == "python":
             out = io.StringIO()
             with contextlib.redirect_stdout(out):
-                exec(compile(block.body, where, "exec"), namespace)
+                # dont_inherit: not this module's `from __future__ import annotations`, under which a page's
+                # dataclass would look up its annotations in a module that is not in sys.modules
+                exec(compile(block.body, where, "exec", dont_inherit=True), namespace)
             printed = out.getvalue()
         elif block.lang == "yaml":
             data = yaml.safe_load(block.body)
@@ -100,7 +102,9 @@ def test_the_pages_code_runs(page, fresh_home, monkeypatch):
     run_page(page, with_model=False)
 
 
-@pytest.mark.model  # configuration.md answers two questions on cpu-tiny (SmolLM2-135M): 44 s on 2 busy cores
+# configuration.md answers two questions on cpu-tiny (SmolLM2-135M): 44 s on 2 busy cores; agents.md
+# answers four and learns each: 75-90 s
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES)
 def test_the_pages_model_code_runs(page, fresh_home, monkeypatch):

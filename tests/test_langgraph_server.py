@@ -3,11 +3,13 @@
 The server runs the repository's ``langgraph.json`` on 127.0.0.1 with the ``cpu-tiny`` preset
 (SmolLM2, one training step) and the scripted chat model for ``math_agent`` (the packaged
 0.5B model does not write parseable tool calls; see docs/agents.md); it is stopped by PID.
+Next to them it serves a user's own graphs with their own context schema (tests/_served_parent.py).
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 from pathlib import Path
 
@@ -42,6 +44,13 @@ def server(tmp_path_factory):
         ),
         "ELM_AGENT_MODEL": "elm_memory.integrations.testing:scripted_tool_caller",
     }
+    # the repository's langgraph.json, plus a user's graphs with their own context schema
+    spec = json.loads((ROOT / "langgraph.json").read_text())
+    spec["graphs"].update(
+        parent="./tests/_served_parent.py:parent", parent_agent="./tests/_served_parent.py:parent_agent"
+    )
+    config = store.parent / "langgraph.json"
+    config.write_text(json.dumps(spec))
     cmd = [
         console_script("langgraph"),
         "dev",
@@ -52,7 +61,7 @@ def server(tmp_path_factory):
         "--no-browser",
         "--no-reload",
         "--config",
-        str(ROOT / "langgraph.json"),
+        str(config),
     ]
     url = f"http://127.0.0.1:{port}"
     with running_server(cmd, url + "/ok", store.parent / "server.log", timeout=120, cwd=ROOT, env=env):
@@ -130,6 +139,28 @@ def test_served_math_agent_calls_elm_in_the_users_namespace(server):
     assert out["messages"][-1]["content"].startswith("The answer is")
 
 
+def test_a_served_parent_with_its_own_context_schema_gives_elm_its_namespace(server):
+    from langgraph_sdk import get_client
+
+    context = {"user_id": "dee", "llm": "team-model"}  # the parent's schema: ELM ignores `llm`
+
+    async def scenario():
+        client = get_client(url=server["url"])
+        solved = await client.runs.wait(
+            None, "parent", input={"question": "What is 2 + 6?", "learn": False}, context=context
+        )
+        asked = await client.runs.wait(
+            None, "parent_agent", input={"messages": [{"role": "user", "content": "What is 2 + 7?"}]}, context=context
+        )
+        return solved, asked
+
+    solved, asked = run(scenario())
+    assert solved["namespace"] == "user-dee" and solved["log"] == ["planned"] and "answer" in solved
+    kinds = [m["type"] for m in asked["messages"]]
+    assert kinds == ["human", "ai", "tool", "ai"]
+    assert json.loads(asked["messages"][2]["content"])["namespace"] == "user-dee"
+
+
 def test_nothing_was_stored_for_refused_runs(server):
     from elm_memory.config import ELMConfig
     from elm_memory.store.chroma import ChromaMemoryStore
@@ -137,7 +168,7 @@ def test_nothing_was_stored_for_refused_runs(server):
     # runs after the others (file order): every namespace the server wrote is accounted for
     cfg = ELMConfig.load(preset="cpu-tiny", overrides={"store": {"path": str(server["store"])}})
     store = ChromaMemoryStore.from_config(cfg.store, model=None)
-    assert {ns: store.count(ns) for ns in store.namespaces()} == {"user-ada": 1, "user-cy": 1}
+    assert {ns: store.count(ns) for ns in store.namespaces()} == {"user-ada": 1, "user-cy": 1, "user-dee": 1}
     # the server ran the preset this test asked for (SmolLM2-135M, hidden size 576), not the default model:
     # langgraph dev lets langgraph.json's env override the process environment
     assert {store.load(r).meta.hidden_size for r in store.list()} == {576}
