@@ -47,6 +47,8 @@ class AnswerResult:
     verifier_sample_answers: list[str | None] | None = None
     # answers of the samples drawn with the candidates (presample), scored or not: what a vote would see
     presampled_answers: list[str | None] | None = None
+    # stream.mode stream/both: what this question did to the stream memory (versions, label, skip or rollback)
+    stream_update: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -198,6 +200,11 @@ class ELM:
         if self._services is None:
             from elm_memory.graph import ELMServices
 
+            streams = None
+            if self.config.stream.mode != "per_question":
+                from elm_memory.graph.stream import stream_memories
+
+                streams = stream_memories(self.config, self.loaded)
             services = ELMServices(
                 config=self.config,
                 backend=self.backend,
@@ -205,6 +212,7 @@ class ELM:
                 retriever=self.retriever,
                 verifier=self.verifier,
                 learner=self.learner,
+                streams=streams,
             )
             with self._lock:
                 if self._services is None:
@@ -243,6 +251,7 @@ class ELM:
             gate=out.get("gate"),
             verifier_sample_answers=out.get("verifier_sample_answers"),
             presampled_answers=out.get("presampled_answers"),
+            stream_update=out.get("stream_update"),
         )
 
     def learn(

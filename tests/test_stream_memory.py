@@ -236,3 +236,91 @@ def test_a_second_process_continues_from_the_newest_version(smol, tmp_path):
     assert again.optim.state[again.soft]["exp_avg"].abs().sum() > 0  # the optimizer's moments came along
     again.restore_version(0, reason="test")
     assert again.version == 2 and torch.equal(again.soft_prompt, again.init)
+
+
+# -- in the graph ------------------------------------------------------------------------
+def _stream_elm(smol, tmp_path, texts, **stream):
+    from _fakes import ScriptedRollouts
+
+    from elm_memory import ELM
+    from elm_memory.backends.hf import HFBackend
+
+    cfg = ELMConfig.load(
+        preset="cpu-tiny",
+        overrides={
+            "store": {"path": str(tmp_path / "store")},
+            "learner": {"mode": "off"},
+            "verifier": {"name": "consistency", "consistency_samples": 3},
+            "stream": {"mode": "stream", **stream},
+        },
+    )
+    return ELM(cfg, loaded=smol, backend=ScriptedRollouts(HFBackend(smol), texts))
+
+
+def test_the_graph_answers_with_the_stream_memory_and_learns_from_its_own_generations(smol, tmp_path):
+    with _stream_elm(smol, tmp_path, ["so \\boxed{5}"], objective="sft") as elm:
+        first = elm.answer("What is 2 + 3?")
+        assert first.route == "vote" and first.answer == "5"
+        assert [c["kind"] for c in first.candidates] == ["zero_shot", "stream"]
+        assert first.stream_update["version_used"] == 0 and first.stream_update["applied"]
+        second = elm.answer("What is 1 + 4?")
+        assert second.stream_update["version_used"] == 1 and second.stream_update["version"] == 2
+        stream = elm.services().stream_memory("default")
+        history = LatentMemory.load(stream.files.path(2)).meta.config["stream"]["history"]
+        assert [h["question"] for h in history] == ["What is 2 + 3?", "What is 1 + 4?"]
+        # the samples were drawn under the stream memory (on-policy): every sample row carried its soft prompt
+        backend = elm.backend
+        assert sum(p.soft_prompt is not None for p in backend.calls) == 2 * (1 + 3)
+
+
+def test_learn_false_answers_with_the_stream_memory_and_leaves_it_as_it_was(smol, tmp_path):
+    with _stream_elm(smol, tmp_path, ["\\boxed{5}"], objective="sft") as elm:
+        result = elm.answer("What is 2 + 3?", learn=False)
+        assert result.answer == "5" and result.stream_update is None
+        assert elm.services().stream_memory("default").version == 0
+
+
+def test_stream_mode_without_a_sampling_verifier_is_refused_at_load():
+    from elm_memory.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="verifier.name=consistency"):
+        ELMConfig.load(overrides={"stream": {"mode": "stream"}, "verifier": {"name": "prm"}})
+    assert ELMConfig.load(overrides={"stream": {"mode": "both"}, "verifier": {"name": "consistency"}})
+
+
+# -- the evaluation method ---------------------------------------------------------------
+@pytest.mark.model
+def test_elm_stream_runs_online_beside_zero_shot_format_and_resumes(
+    evidence_config, tiny_loaded, tiny_backend, tmp_path
+):
+    from elm_memory.data.datasets import load_problems
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+    from elm_memory.eval.records import RecordLog
+
+    cfg = evidence_config
+    problems = load_problems("synth-arith", limit=2, seed=17)
+    methods = ["elm_stream", "zero_shot_format"]
+
+    def run(n):
+        runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+        return run_stream(
+            problems[:n], methods, cfg, tmp_path, dataset="synth-arith", seed=17, runtime=runtime, progress=False
+        )
+
+    run(2)
+    versions = sorted(str(p) for p in (tmp_path / "stream" / "grpo").rglob("v*.safetensors"))
+    run(2)  # a finished run re-run: nothing answered or learned twice
+    assert sorted(str(p) for p in (tmp_path / "stream" / "grpo").rglob("v*.safetensors")) == versions
+    assert len(RecordLog(tmp_path / "records.jsonl").read()) == 4
+    records = RecordLog(tmp_path / "records.jsonl").read()
+    stream = [r for r in records if r["method"] == "elm_stream"]
+    assert [r["index"] for r in stream] == [0, 1]
+    rows = stream[0]["extra"]["stream"]["rows"]
+    assert set(rows) >= {"zero_shot", "self_consistency", "format", "init_greedy", "stream_greedy[grpo]"}
+    assert stream[0]["extra"]["stream"]["updates"]["grpo"]["version_used"] == 0
+    # zero_shot_format answers the same prompt the stream method's format row does: the same answer
+    fmt = {r["index"]: r["answer"] for r in records if r["method"] == "zero_shot_format"}
+    assert fmt[0] == rows["format"]
+    assert (tmp_path / "stream_accuracy.png").exists()
+    assert "Planned tests" in (tmp_path / "results.md").read_text()

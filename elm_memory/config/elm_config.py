@@ -81,6 +81,16 @@ class ELMConfig(ConfigSection):
         return self
 
     @model_validator(mode="after")
+    def _stream_has_samples(self) -> ELMConfig:
+        """A stream memory learns from samples drawn under it: a built-in verifier that draws none cannot serve."""
+        if self.stream.mode != "per_question" and self.verifier.name in ("prm", "self_certainty", "logprob"):
+            raise ValueError(
+                f"stream.mode={self.stream.mode} votes on, and learns from, the consistency verifier's samples; "
+                f"verifier.name={self.verifier.name} draws none: set verifier.name=consistency"
+            )
+        return self
+
+    @model_validator(mode="after")
     def _memory_kind_fits(self) -> ELMConfig:
         """A lora/prefix ``memory.kind`` with a part that cannot handle it fails here, before any model work
         (the parts refuse it too, for configs built otherwise)."""

@@ -249,6 +249,7 @@ def finish(
     from elm_memory.eval.paired import markdown_paired, paired_curves, paired_summaries
     from elm_memory.eval.report import markdown_online, plot_online
     from elm_memory.eval.significance import head_to_head, markdown_head_to_head
+    from elm_memory.eval.stream_report import markdown_stream, plot_stream, stream_records, summarize_stream
 
     records = RecordLog(out / "records.jsonl").read()
     order = {m: n for n, m in enumerate(methods)}
@@ -270,13 +271,25 @@ def finish(
     paired = paired_summaries([records], list(summary), config or {})
     for p in paired:
         table += "\n" + markdown_paired(p)
+    stream = None
+    if stream_records(records):  # a stream memory's rows: test part = the stream's second half
+        warmup = len({r["question_id"] for r in records}) // 2
+        stream = summarize_stream([records], warmup=warmup)
+        table += "\n" + markdown_stream(stream)
     write_json_atomic(out / "summary.json", summary)
     write_json_atomic(
         out / "comparisons.json",
-        {"head_to_head": pairs, "self_consistency_counterfactual": counterfactuals, "paired": paired},
+        {
+            "head_to_head": pairs,
+            "self_consistency_counterfactual": counterfactuals,
+            "paired": paired,
+            **({"stream": stream} if stream is not None else {}),
+        },
     )
     (out / "results.md").write_text(table + "\n", encoding="utf-8")
     written: list[Path] = []
     if plots and records:  # the paired curves are read only for the plot
         written = plot_online(records, out, paired_curves(records, list(summary), config or {}))
+        if stream is not None and (path := plot_stream(records, out, warmup=stream["warmup"])) is not None:
+            written.append(path)
     return StreamResult(out_dir=out, summary=summary, records=records, plots=list(written), table=table)

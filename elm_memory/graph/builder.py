@@ -2,6 +2,9 @@
 
     START -> retrieve -> dual_generate -> route -> [verify] -> respond -> [learn_memory] -> END
 
+The nodes are the per-question ones (:mod:`.nodes`) or, with ``stream.mode`` stream/both, the stream
+memory's (:mod:`.stream`), on the same wiring.
+
 ``verify`` runs only when the two answers disagree, so traces and Studio show that branch
 and its time. ``learn_memory`` runs after ``respond`` has produced the answer and only
 *submits* a job to the learner (background mode returns at once; sync mode is the paper's
@@ -12,7 +15,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
+from langgraph.runtime import Runtime
 
 from elm_memory.graph.context import ELMRunContext
 from elm_memory.graph.nodes import ELMNodes, ServicesProvider, after_respond, after_route
@@ -35,7 +40,7 @@ def build_elm_graph(
     first node validate the context instead: LangGraph Server silently drops context keys
     that a declared schema lacks, so a served graph could not refuse a misspelt key.
     """
-    nodes = ELMNodes(services)
+    nodes = ModeNodes(services)
     schema = ELMRunContext if declare_context_schema else None
     graph = StateGraph(ELMState, context_schema=schema, input_schema=ELMInput, output_schema=ELMOutput)
     # (state, runtime, config) nodes work at run time; langgraph's add_node overloads list only one of the two
@@ -53,3 +58,35 @@ def build_elm_graph(
     graph.add_conditional_edges("respond", after_respond, {"learn_memory": "learn_memory", "__end__": END})
     graph.add_edge("learn_memory", END)
     return graph.compile(checkpointer=checkpointer, name=name)
+
+
+class ModeNodes:
+    """The nodes of ``stream.mode``, chosen per call: the services (and so the config) of a served graph are
+    built on first use, after the graph is compiled."""
+
+    def __init__(self, services: ELMServices | ServicesProvider):
+        from elm_memory.graph.stream import StreamNodes
+
+        self.per_question = ELMNodes(services)
+        self.stream = StreamNodes(services)
+
+    def _nodes(self) -> ELMNodes:
+        return self.per_question if self.per_question.services.config.stream.mode == "per_question" else self.stream
+
+    def retrieve(self, state: ELMState, runtime: Runtime[ELMRunContext], config: RunnableConfig) -> dict[str, Any]:
+        return self._nodes().retrieve(state, runtime, config)
+
+    def dual_generate(self, state: ELMState) -> dict[str, Any]:
+        return self._nodes().dual_generate(state)
+
+    def route(self, state: ELMState) -> dict[str, Any]:
+        return self._nodes().route(state)
+
+    def verify(self, state: ELMState) -> dict[str, Any]:
+        return self._nodes().verify(state)
+
+    def respond(self, state: ELMState) -> dict[str, Any]:
+        return self._nodes().respond(state)
+
+    def learn_memory(self, state: ELMState) -> dict[str, Any]:
+        return self._nodes().learn_memory(state)

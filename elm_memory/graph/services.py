@@ -10,17 +10,20 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from elm_memory.backends.base import GenerationBackend
 from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig
+from elm_memory.errors import ConfigError
 
 if TYPE_CHECKING:  # annotations only: the parts are built by ELM, which imports them lazily
     from elm_memory.jobs import MemoryLearner
     from elm_memory.memory import LatentMemory
     from elm_memory.retrieval.retriever import Retriever
+    from elm_memory.training.stream import StreamMemory
     from elm_memory.verifiers.base import Verifier
 
 
@@ -67,6 +70,8 @@ class ELMServices:
     verifier: Verifier | None = None
     learner: MemoryLearner | None = None
     memories: MemoryCache = field(default_factory=MemoryCache)
+    # ``stream.mode`` stream/both: the namespace's stream memory (one per namespace, built on first use)
+    streams: Callable[[str], StreamMemory] | None = None
 
     def __post_init__(self) -> None:
         # a memory this process deletes (eviction on put, TTL expiry, an explicit delete) must not
@@ -86,3 +91,12 @@ class ELMServices:
         memory = self.retriever.store.get(memory_id)
         self.memories.put(memory)
         return memory
+
+    def stream_memory(self, namespace: str) -> StreamMemory:
+        """The namespace's stream memory (``stream.mode`` stream or both)."""
+        if self.streams is None:
+            raise ConfigError(
+                f"stream.mode={self.config.stream.mode} needs stream memories, but these services were built "
+                "without them: build them with ELM(config).services()"
+            )
+        return self.streams(namespace)

@@ -72,6 +72,8 @@ class ELMOutput(TypedDict, total=False):
     # the answers of the samples a sampling verifier (consistency) scored this disagreement on,
     # a tie's extra draw included; absent when no sampling verifier scored
     verifier_sample_answers: list[str | None]
+    # stream.mode stream/both: what the stream memory's update did (version used and written, label, skip)
+    stream_update: dict[str, Any] | None
 
 
 class ELMState(ELMInput, ELMOutput, total=False):
@@ -82,3 +84,5 @@ class ELMState(ELMInput, ELMOutput, total=False):
     presampled_answers: list[str | None] | None
     # their texts, kept only for ``verifier.route=vote`` (a sample's text answers when its answer wins)
     presampled_responses: list[str] | None
+    # stream.mode stream/both: the stream memory's version that answered and its samples' tokens (for learning)
+    stream: dict[str, Any] | None

@@ -1,0 +1,154 @@
+"""Reading a stream-memory run (``elm_stream`` records): every row's accuracy on the test half and on the whole
+stream, the planned sign tests, the memory's versions, updates and rollbacks, and the accuracy-over-stream plot.
+
+Every row is read from the records' ``extra.stream.rows`` (one decode call per question made them all), and
+graded here against the record's gold answer, so the tables can be recounted from ``records.jsonl`` alone.
+Pooling several runs (seeds): a question counts once in a sign test (:func:`~elm_memory.eval.significance
+.paired_outcomes`'s rule: the sign of right-minus-right over the runs where both rows answered it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from elm_memory.answers import equivalent
+from elm_memory.eval.significance import sign_test
+
+#: The planned comparisons: (row, baseline) with the row's arm filled in.
+PLANNED = (
+    ("stream_greedy[{arm}]", "zero_shot"),
+    ("stream_vote[{arm}]", "self_consistency"),
+    ("stream_greedy[{arm}]", "init_greedy"),
+    ("stream_greedy[{arm}]", "format"),
+)
+
+
+def stream_records(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    """The records that carry stream rows, in stream order."""
+    mine = [r for r in records if ((r.get("extra") or {}).get("stream") or {}).get("rows")]
+    return sorted(mine, key=lambda r: (r["method"], r["index"]))
+
+
+def arms_of(records: Sequence[Mapping[str, Any]]) -> list[str]:
+    rows = records[0]["extra"]["stream"]["rows"] if records else {}
+    return [name[len("stream_vote[") : -1] for name in rows if name.startswith("stream_vote[")]
+
+
+def graded(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """Per record: question id, index, and for every row whether its answer equals the gold answer."""
+    return [
+        {
+            "question_id": r["question_id"],
+            "index": r["index"],
+            "right": {row: bool(equivalent(a, r["gold"])) for row, a in r["extra"]["stream"]["rows"].items()},
+        }
+        for r in records
+    ]
+
+
+def summarize_stream(runs: Sequence[Sequence[Mapping[str, Any]]], *, warmup: int) -> dict[str, Any]:
+    """Rows' accuracy on the test part (index >= ``warmup``) and on all, and the planned sign tests on the test
+    part, pooled over ``runs`` (each a run's records)."""
+    per_run = [graded(stream_records(r)) for r in runs]
+    arms = arms_of(stream_records(runs[0])) if runs else []
+    rows = list(per_run[0][0]["right"]) if per_run and per_run[0] else []
+    out: dict[str, Any] = {"warmup": warmup, "arms": arms, "runs": len(runs), "parts": {}}
+    for part, keep in (("test", lambda g: g["index"] >= warmup), ("all", lambda g: True)):
+        chosen = [[g for g in run if keep(g)] for run in per_run]
+        n = sum(len(c) for c in chosen)
+        accuracy = {row: (sum(g["right"][row] for c in chosen for g in c) / n if n else None) for row in rows}
+        tests = []
+        for arm in arms:
+            for row_t, base in PLANNED:
+                row = row_t.format(arm=arm)
+                wins, losses = _signs(chosen, row, base)
+                tests.append(
+                    {"row": row, "baseline": base, "wins": wins, "losses": losses, "p": sign_test(wins, losses)}
+                )
+        out["parts"][part] = {"answers": n, "accuracy": accuracy, "tests": tests}
+    return out
+
+
+def _signs(runs: Sequence[Sequence[Mapping[str, Any]]], row: str, base: str) -> tuple[int, int]:
+    net: dict[str, int] = {}
+    for run in runs:
+        for g in run:
+            net[g["question_id"]] = net.get(g["question_id"], 0) + int(g["right"][row]) - int(g["right"][base])
+    return sum(v > 0 for v in net.values()), sum(v < 0 for v in net.values())
+
+
+def stream_history(records: Sequence[Mapping[str, Any]]) -> dict[str, list[dict[str, Any]]]:
+    """Per arm, per question: the version used, whether it updated, why not, and any guard verdict."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for r in stream_records(records):
+        for arm, u in (r["extra"]["stream"].get("updates") or {}).items():
+            out.setdefault(arm, []).append(
+                {
+                    "index": r["index"],
+                    "version_used": u.get("version_used"),
+                    "version": u.get("version"),
+                    "applied": u.get("applied"),
+                    "skipped": u.get("skipped"),
+                    "moved": u.get("moved"),
+                    "guard": u.get("guard"),
+                    "seconds": u.get("seconds"),
+                }
+            )
+    return out
+
+
+def markdown_stream(summary: Mapping[str, Any]) -> str:
+    """The summary as Markdown: one accuracy table (test part and all), one table of the planned tests."""
+    parts = summary["parts"]
+    test, whole = parts["test"], parts["all"]
+    lines = [
+        f"Stream memory rows ({summary['runs']} run(s); test = questions after the first {summary['warmup']}):",
+        "",
+        f"| row | test ({test['answers']}) | all ({whole['answers']}) |",
+        "| --- | ---: | ---: |",
+    ]
+    for row, acc in test["accuracy"].items():
+        lines.append(f"| {row} | {_pct(acc)} | {_pct(whole['accuracy'][row])} |")
+    lines += ["", "Planned tests on the test part (exact two-sided sign test over distinct questions):", ""]
+    lines += ["| row | against | wins | losses | p |", "| --- | --- | ---: | ---: | ---: |"]
+    for t in test["tests"]:
+        lines.append(f"| {t['row']} | {t['baseline']} | {t['wins']} | {t['losses']} | {t['p']:.3g} |")
+    return "\n".join(lines) + "\n"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
+
+
+def plot_stream(records: Sequence[Mapping[str, Any]], out_dir: str | Path, *, warmup: int) -> Path | None:
+    """Cumulative accuracy of every row over the stream, the warm-up's end marked, each arm's rollbacks
+    marked on its curves; ``stream_accuracy.png``."""
+    from elm_memory.eval.report import _figure, _save
+
+    mine = stream_records(records)
+    if not mine:
+        return None
+    grades = graded(mine)
+    fig = _figure(8.0, 5.0)
+    ax = fig.subplots()
+    xs = [g["index"] + 1 for g in grades]
+    history = stream_history(mine)
+    for row in grades[0]["right"]:
+        right, ys = 0, []
+        for i, g in enumerate(grades, 1):
+            right += g["right"][row]
+            ys.append(right / i)
+        dashed = row in ("zero_shot", "self_consistency")
+        line = ax.plot(xs, ys, label=row, linestyle="--" if dashed else "-", linewidth=1.2)[0]
+        arm = row[row.find("[") + 1 : -1] if "[" in row else None
+        if arm is not None:
+            marks = [h["index"] + 1 for h in history.get(arm, []) if h["skipped"] == "rolled_back"]
+            ax.plot(marks, [ys[xs.index(m)] for m in marks], "x", color=line.get_color(), markersize=9)
+    ax.axvline(warmup + 0.5, color="grey", linewidth=0.8, linestyle=":")
+    ax.set_xlabel("question (x: a rollback; dotted: end of warm-up)")
+    ax.set_ylabel("accuracy so far")
+    ax.set_title("Stream memory against its controls, same questions")
+    ax.legend(fontsize=7, loc="best")
+    return _save(fig, Path(out_dir), "stream_accuracy.png")

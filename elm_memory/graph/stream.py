@@ -1,0 +1,199 @@
+"""The ELM graph's nodes with a stream memory (``stream.mode`` ``stream`` or ``both``).
+
+Same wiring and node names as the per-question graph::
+
+    retrieve -> dual_generate -> route -> verify -> respond -> learn_memory
+
+- ``dual_generate`` draws, in one batched call, zero-shot's greedy answer, the stream memory's greedy answer
+  and the ``consistency`` verifier's k seeded samples *under the stream memory* (on-policy), plus the retrieved
+  memory's answer in ``both`` mode;
+- ``verify`` (route ``vote``) returns the vote of the stream memory's greedy answer and its samples (``both``:
+  with the retrieved memory's answer as one more vote): self-consistency's compute, with the memory in it;
+- ``learn_memory`` updates the stream memory once from those generations, labelled by that vote (no decode of
+  its own), and in ``both`` mode also submits the per-question job.
+
+Zero-shot's greedy answer is kept beside them: the collapse guard compares the memory's unboxed share with it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, cast
+
+from langchain_core.runnables import RunnableConfig
+from langgraph.runtime import Runtime
+
+from elm_memory.answers import equivalent, extract_answer
+from elm_memory.answers.vote import plurality_vote
+from elm_memory.backends.base import GenerateRequest, PromptInput, generate_requests
+from elm_memory.errors import ConfigError
+from elm_memory.graph.context import ELMRunContext
+from elm_memory.graph.nodes import ELMNodes, _elapsed, _warning, answer_params
+from elm_memory.graph.routing import VOTE
+from elm_memory.graph.state import CandidateState, ELMState
+from elm_memory.training.stream import Generated, StreamMemory
+from elm_memory.verifiers.base import SamplingVerifier
+
+#: The route a stream-memory answer reports (the vote of its own generations).
+STREAM_KIND = "stream"
+
+
+class StreamNodes(ELMNodes):
+    """:class:`ELMNodes` with the stream memory answering and learning."""
+
+    def retrieve(self, state: ELMState, runtime: Runtime[ELMRunContext], config: RunnableConfig) -> dict[str, Any]:
+        update = super().retrieve(state, runtime, config)
+        if self.services.config.stream.mode == "stream":  # per-question memories are not used in this mode
+            update.update(memory_id=None, similarity=None, gate=None)
+        return update
+
+    def _sampler(self) -> SamplingVerifier:
+        verifier = self.services.verifier
+        if not isinstance(verifier, SamplingVerifier):
+            raise ConfigError(
+                f"stream.mode={self.services.config.stream.mode} votes on the consistency verifier's samples; "
+                f"verifier.name={self.services.config.verifier.name} draws none: set verifier.name=consistency"
+            )
+        return verifier
+
+    def dual_generate(self, state: ELMState) -> dict[str, Any]:
+        t0 = time.perf_counter()
+        svc = self.services
+        cfg = svc.config
+        question = state["question"]
+        stream = svc.stream_memory(state["namespace"])
+        version, soft = stream.version, stream.soft_prompt
+        prompt = svc.prompts.answer_prompt(question, memory_tokens=cfg.memory.num_tokens)
+        rows, kinds, warnings = [prompt.zero_shot()], ["zero_shot"], []
+        memory_id = state.get("memory_id")
+        if memory_id:
+            try:
+                memory = svc.memory(memory_id)
+                memory.check_compatible(svc.backend.info)
+                rows.append(prompt.for_memory(memory))
+                kinds.append("memory")
+            except Exception as exc:
+                warnings += _warning(f"memory {memory_id[:8]} unusable, answering without it: {exc}")
+                memory_id = None
+        rows.append(prompt.with_memory(soft))
+        kinds.append(STREAM_KIND)
+        params = answer_params(cfg, prompt, svc.backend.info.max_context)
+        samples, sample_params = self._sampler().sample_request(question, prompt.zero_shot())
+        sample_params = dataclasses.replace(
+            sample_params, max_new_tokens=min(sample_params.max_new_tokens, params.max_new_tokens)
+        )
+        on_policy = [
+            dataclasses.replace(cast(PromptInput, p), soft_prompt=soft, soft_prompt_at=prompt.memory_at)
+            for p in samples
+        ]
+        requests: list[GenerateRequest] = [(rows, params), (on_policy, sample_params)]
+        greedy_groups, sample_groups = generate_requests(svc.backend, requests)
+        greedy = [gens[0] for gens in greedy_groups]
+        drawn = [g for gens in sample_groups for g in gens]
+        candidates = [
+            CandidateState(
+                kind=kind,
+                answer=extract_answer(gen.text),
+                response=gen.text,
+                token_ids=list(gen.token_ids),
+                finish_reason=gen.finish_reason,
+                score=None,
+            )
+            for kind, gen in zip(kinds, greedy, strict=True)
+        ]
+        answers = [extract_answer(g.text) for g in drawn]
+        return {
+            "candidates": candidates,
+            "memory_id": memory_id,
+            "presampled_answers": answers,
+            "presampled_responses": [g.text for g in drawn],
+            "stream": {
+                "namespace": state["namespace"],
+                "version": version,
+                "samples": [{"token_ids": list(g.token_ids), "answer": a} for g, a in zip(drawn, answers, strict=True)],
+            },
+            "warnings": warnings,
+            "timings": _elapsed("dual_generate", t0),
+        }
+
+    def route(self, state: ELMState) -> dict[str, Any]:
+        return {"route": VOTE, "timings": _elapsed("route", time.perf_counter())}
+
+    def vote(self, state: ELMState) -> dict[str, Any]:
+        """The stream memory's greedy answer and its samples (``both``: and the retrieved memory's answer)."""
+        t0 = time.perf_counter()
+        candidates: list[dict[str, Any]] = [dict(c) for c in state["candidates"]]
+        mine = next(c for c in candidates if c["kind"] == STREAM_KIND)
+        memory = next((c for c in candidates if c["kind"] == "memory"), None)
+        samples = list(state.get("presampled_answers") or [])
+        texts = list(state.get("presampled_responses") or [])
+        votes: list[str | None] = samples + ([memory["answer"]] if memory is not None else [])
+        winner = plurality_vote(votes, mine["answer"], with_greedy=True)
+        for c in candidates:
+            c["score"] = plurality_share(c["answer"], [mine["answer"], *votes])
+        voters = [(mine["answer"], mine["response"]), *zip(samples, texts, strict=True)]
+        if memory is not None:
+            voters.append((memory["answer"], memory["response"]))
+        response = next(
+            (text for answer, text in voters if winner is not None and equivalent(answer, winner)), mine["response"]
+        )
+        return {
+            "answer": winner,
+            "response": response,
+            "candidates": candidates,
+            "verifier_sample_answers": samples,
+            "timings": _elapsed("verify", t0),
+        }
+
+    def learn_memory(self, state: ELMState) -> dict[str, Any]:
+        """Update the stream memory from this question's generations (``both``: and submit the per-question job)."""
+        out: dict[str, Any] = super().learn_memory(state) if self.services.config.stream.mode == "both" else {}
+        svc = self.services
+        info = state.get("stream") or {}
+        try:
+            stream = svc.stream_memory(info["namespace"])
+            mine = next(c for c in state["candidates"] if c["kind"] == STREAM_KIND)
+            zero = state["candidates"][0]
+            generations = [Generated(mine["token_ids"], mine["answer"], sampled=False)]
+            generations += [Generated(s["token_ids"], s["answer"], sampled=True) for s in info["samples"]]
+            prompt = svc.prompts.answer_prompt(state["question"], memory_tokens=svc.config.memory.num_tokens)
+            update = stream.learn(
+                state["question"],
+                prompt.token_ids,
+                prompt.memory_at,
+                generations,
+                label=state.get("answer"),
+                version_used=info["version"],
+                zero_shot_answer=zero["answer"],
+            )
+            out["stream_update"] = update.to_dict()
+        except Exception as exc:  # the answer is out already: a failed update is a warning, the last version serves
+            out["warnings"] = [*out.get("warnings", []), *_warning(f"stream memory update failed: {exc}")]
+        return out
+
+
+def plurality_share(answer: str | None, votes: list[str | None]) -> float:
+    """The share of ``votes`` equivalent to ``answer`` (0.0 for no answer)."""
+    if answer is None or not votes:
+        return 0.0
+    return sum(equivalent(answer, v) for v in votes) / len(votes)
+
+
+def stream_memories(config: Any, loaded: Any) -> Any:
+    """A per-process provider of stream memories, one per namespace (built on first use)."""
+    import threading
+
+    from elm_memory.config.location import resolve_store_path
+
+    root = resolve_store_path(config.store.path) / "stream"
+    cache: dict[str, StreamMemory] = {}
+    lock = threading.Lock()
+
+    def get(namespace: str) -> StreamMemory:
+        with lock:
+            if namespace not in cache:
+                cache[namespace] = StreamMemory(config, loaded, root, namespace=namespace)
+            return cache[namespace]
+
+    return get

@@ -1,0 +1,78 @@
+"""Reading stream-memory records: rows graded against gold, the planned sign tests on the test part, pooling
+over runs by distinct question, the history of versions and rollbacks, and the plot (no model)."""
+
+from __future__ import annotations
+
+from elm_memory.eval.stream_report import markdown_stream, plot_stream, stream_history, summarize_stream
+
+
+def _record(index, gold, rows, qid=None, rolled_back=False):
+    return {
+        "method": "elm_stream",
+        "index": index,
+        "question_id": qid or f"q{index}",
+        "gold": gold,
+        "extra": {
+            "stream": {
+                "rows": rows,
+                "updates": {
+                    "grpo": {
+                        "version_used": index,
+                        "version": index + 1,
+                        "applied": not rolled_back,
+                        "skipped": "rolled_back" if rolled_back else None,
+                    }
+                },
+            }
+        },
+    }
+
+
+def _rows(zero, sc, fmt, init, greedy, vote):
+    return {
+        "zero_shot": zero,
+        "self_consistency": sc,
+        "format": fmt,
+        "init_greedy": init,
+        "stream_greedy[grpo]": greedy,
+        "stream_vote[grpo]": vote,
+    }
+
+
+def test_rows_are_graded_against_gold_and_tested_on_the_test_part_only():
+    records = [
+        _record(0, "1", _rows("1", "1", "1", "1", "9", "9")),  # warm-up: the stream is wrong, not counted in test
+        _record(1, "2", _rows("9", "2", "9", "9", "2", "2")),
+        _record(2, "3", _rows("9", "3", "3", "9", "3", "3")),
+        _record(3, "4", _rows("4", "9", "4", "4", "4", "4")),
+    ]
+    s = summarize_stream([records], warmup=1)
+    test, whole = s["parts"]["test"], s["parts"]["all"]
+    assert s["arms"] == ["grpo"] and test["answers"] == 3 and whole["answers"] == 4
+    assert test["accuracy"]["stream_greedy[grpo]"] == 1.0 and whole["accuracy"]["stream_greedy[grpo]"] == 0.75
+    assert test["accuracy"]["zero_shot"] == 1 / 3
+    by = {(t["row"], t["baseline"]): (t["wins"], t["losses"]) for t in test["tests"]}
+    assert by[("stream_greedy[grpo]", "zero_shot")] == (2, 0)
+    assert by[("stream_vote[grpo]", "self_consistency")] == (1, 0)
+    assert by[("stream_greedy[grpo]", "format")] == (1, 0)
+    assert "| stream_greedy[grpo] | zero_shot | 2 | 0 |" in markdown_stream(s)
+
+
+def test_a_question_in_two_runs_counts_once_in_a_sign_test():
+    a = [_record(0, "1", _rows("9", "1", "1", "1", "1", "1"), qid="same")]
+    b = [_record(0, "1", _rows("9", "1", "1", "1", "1", "1"), qid="same")]
+    s = summarize_stream([a, b], warmup=0)
+    [zero] = [t for t in s["parts"]["test"]["tests"] if t["baseline"] == "zero_shot"]
+    assert (zero["wins"], zero["losses"]) == (1, 0) and s["parts"]["test"]["answers"] == 2
+
+
+def test_history_and_plot_mark_rollbacks(tmp_path):
+    records = [
+        _record(0, "1", _rows("1", "1", "1", "1", "1", "1")),
+        _record(1, "2", _rows("2", "2", "2", "2", "9", "2"), rolled_back=True),
+    ]
+    [_, second] = stream_history(records)["grpo"]
+    assert second["skipped"] == "rolled_back" and second["version_used"] == 1
+    path = plot_stream(records, tmp_path, warmup=1)
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert plot_stream([{"method": "zero_shot", "extra": {}}], tmp_path, warmup=0) is None
