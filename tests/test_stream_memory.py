@@ -17,7 +17,9 @@ from elm_memory.training.stream_guard import CollapseGuard, Observation, answer_
 
 
 def _config(**stream) -> ELMConfig:
-    return ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"mode": "stream", **stream}})
+    return ELMConfig.load(
+        preset="cpu-tiny", overrides={"verifier": {"name": "consistency"}, "stream": {"mode": "stream", **stream}}
+    )
 
 
 def _gens(tokenizer, texts, greedy_first=True) -> list[Generated]:
@@ -324,3 +326,23 @@ def test_elm_stream_runs_online_beside_zero_shot_format_and_resumes(
     assert fmt[0] == rows["format"]
     assert (tmp_path / "stream_accuracy.png").exists()
     assert "Planned tests" in (tmp_path / "results.md").read_text()
+
+
+def test_elm_memories_streams_lists_versions_updates_and_rollbacks(smol, tmp_path):
+    import json
+
+    from typer.testing import CliRunner
+
+    from elm_memory.cli.memories import memories_app
+
+    stream = StreamMemory(_config(), smol, tmp_path / "store" / "stream", namespace="team-a")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    stream.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    stream.restore_version(0, reason="by hand")
+    out = CliRunner().invoke(memories_app, ["streams", "--store", str(tmp_path / "store"), "--json"])
+    assert out.exit_code == 0, out.output
+    [row] = json.loads(out.stdout)
+    assert (row["namespace"], row["version"], row["updates"], row["versions_written"]) == ("team-a", 2, 1, 3)
+    assert row["rollbacks"] == [{"version": 2, "to": 0, "reasons": ["by hand"]}]
+    assert LatentMemory.load(row["path"]).meta.config["stream"]["version"] == 2

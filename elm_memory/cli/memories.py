@@ -27,7 +27,10 @@ if TYPE_CHECKING:  # torch and chromadb load only when a command runs
     from elm_memory.store.chroma import ChromaMemoryStore
 
 memories_app = typer.Typer(
-    help="Stored memories: list, show, stats, delete, evict, merge, compact, export, import, check (and repair).",
+    help=(
+        "Stored memories: list, streams, show, stats, delete, evict, merge, compact, export, import, check "
+        "(and repair)."
+    ),
     no_args_is_help=True,
 )
 
@@ -109,6 +112,38 @@ def list_(
     for r in records:
         typer.echo(views.list_line(r))
     typer.echo(f"{len(records)} memories", err=True)
+
+
+@memories_app.command("streams")
+@handle_errors
+def streams(
+    store: StoreOpt = None,
+    namespace: NamespaceOpt = None,
+    json_out: JsonOpt = False,
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+) -> None:
+    """Stream memories (``stream.mode`` stream/both): per namespace, the serving version, updates and rollbacks.
+    Each version is a memory file (``LatentMemory.load``) whose history names the questions and labels that
+    trained it."""
+    from elm_memory.config.location import resolve_store_path
+    from elm_memory.store.stream_files import list_streams
+
+    cfg = _load_config(config, preset, set_, store, None)
+    found = [
+        s for s in list_streams(resolve_store_path(cfg.store.path) / "stream") if namespace in (None, s["namespace"])
+    ]
+    if json_out:
+        typer.echo(json.dumps(found, ensure_ascii=False))
+        return
+    for s in found:
+        rollbacks = ", ".join(f"v{r['version']}->v{r['to']}" for r in s["rollbacks"]) or "none"
+        typer.echo(
+            f"{s['namespace']}  version {s['version']}  {s['objective']}  {s['updates']} updates  "
+            f"rollbacks: {rollbacks}  {s['path']}"
+        )
+    typer.echo(f"{len(found)} stream memories", err=True)
 
 
 @memories_app.command("show")

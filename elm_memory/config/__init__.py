@@ -17,6 +17,7 @@ Unknown keys are errors (``extra="forbid"``), so a typo never silently falls bac
 
 from elm_memory.config.deployment import BackendConfig, LearnerConfig, ModelConfig, StoreConfig
 from elm_memory.config.elm_config import ELMConfig
+from elm_memory.config.env_settings import config_from_env
 from elm_memory.config.loading import (
     available_presets,
     deep_merge,
@@ -53,6 +54,7 @@ __all__ = [
     "TrainingConfig",
     "VerifierConfig",
     "available_presets",
+    "config_from_env",
     "deep_merge",
     "load_preset_dict",
     "parse_override",

@@ -271,7 +271,7 @@ class VerifierConfig(ConfigSection):
 
     name: str = Field(
         default="prm",
-        description="`prm` (paper), `self_certainty` (CPU default), `logprob`, `consistency`, or a plugin.",
+        description="`prm` (paper), `self_certainty` (cpu-tiny), `logprob`, `consistency` (cpu-demo), or a plugin.",
     )
     prefer_answered: bool = Field(
         default=False,

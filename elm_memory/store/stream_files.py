@@ -20,6 +20,7 @@ import re
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 import torch
 from filelock import FileLock
@@ -93,6 +94,36 @@ class StreamFiles:
         memory.save(path)
         write_bytes_atomic(self.dir / "CURRENT", f"{version}\n".encode("ascii"))
         return path
+
+
+def list_streams(root: str | Path) -> list[dict[str, Any]]:
+    """Every stream memory under ``root``: namespace, serving version, versions written, updates, rollbacks and
+    the serving file (read from the files alone, no model)."""
+    out = []
+    base = Path(root).expanduser()
+    for current in sorted(base.glob("*/CURRENT")):
+        version = int(current.read_text(encoding="ascii").strip())
+        path = current.parent / f"v{version:06d}.safetensors"
+        meta = LatentMemory.load(path).meta
+        stream = meta.config.get("stream", {})
+        history = stream.get("history", [])
+        out.append(
+            {
+                "namespace": meta.namespace,
+                "version": version,
+                "versions_written": sum(bool(_VERSION.match(p.name)) for p in current.parent.iterdir()),
+                "objective": stream.get("objective"),
+                "updates": sum("label" in h for h in history),
+                "rollbacks": [
+                    {"version": h["version"], "to": h["rollback_to"], "reasons": h.get("reasons", [])}
+                    for h in history
+                    if h.get("rollback_to") is not None
+                ],
+                "created_at": meta.created_at,
+                "path": str(path),
+            }
+        )
+    return out
 
 
 def folder_name(namespace: str) -> str:
