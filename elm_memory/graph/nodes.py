@@ -19,7 +19,7 @@ from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import Runtime
 
 from elm_memory.answers import equivalent, extract_answer
-from elm_memory.backends.base import GenerateRequest, SamplingParams, answer_budget, generate_requests
+from elm_memory.backends.base import GenerateRequest, PromptInput, SamplingParams, answer_budget, generate_requests
 from elm_memory.backends.prompting import AnswerPrompt, validate_question
 from elm_memory.config import ELMConfig
 from elm_memory.graph.context import ELMRunContext, as_run_context, resolve_namespace
@@ -124,19 +124,7 @@ class ELMNodes:
         cfg = svc.config
         k = cfg.memory.num_tokens
         prompt = svc.prompts.answer_prompt(state["question"], memory_tokens=k)
-        inputs = [prompt.zero_shot()]
-        kinds = ["zero_shot"]
-        warnings: list[str] = []
-        memory_id = state.get("memory_id")
-        if memory_id:
-            try:
-                memory = svc.memory(memory_id)
-                memory.check_compatible(svc.backend.info)
-                inputs.append(prompt.for_memory(memory))
-                kinds.append("memory")
-            except Exception as exc:
-                warnings += _warning(f"memory {memory_id[:8]} unusable, answering zero-shot: {exc}")
-                memory_id = None
+        inputs, kinds, memory_id, warnings = self._candidate_rows(prompt, state.get("memory_id"))
         params = answer_params(cfg, prompt, svc.backend.info.max_context)
         requests: list[GenerateRequest] = [(inputs, params)]
         # no memory: nothing to route, unless the vote counts the samples on every question
@@ -173,6 +161,24 @@ class ELMNodes:
             "warnings": warnings,
             "timings": _elapsed("dual_generate", t0),
         }
+
+    def _candidate_rows(
+        self, prompt: AnswerPrompt, memory_id: str | None
+    ) -> tuple[list[PromptInput], list[str], str | None, list[str]]:
+        """The candidates' prompts and kinds: zero-shot, and the retrieved memory's when it can be used (else a
+        warning, and no memory id)."""
+        svc = self.services
+        inputs, kinds, warnings = [prompt.zero_shot()], ["zero_shot"], []
+        if memory_id:
+            try:
+                memory = svc.memory(memory_id)
+                memory.check_compatible(svc.backend.info)
+                inputs.append(prompt.for_memory(memory))
+                kinds.append("memory")
+            except Exception as exc:
+                warnings += _warning(f"memory {memory_id[:8]} unusable, answering without it: {exc}")
+                memory_id = None
+        return inputs, kinds, memory_id, warnings
 
     def _presampler(self) -> SamplingVerifier | None:
         """The verifier, when it asks for its samples ahead and the backend decodes several calls as one

@@ -65,17 +65,7 @@ class StreamNodes(ELMNodes):
         stream = svc.stream_memory(state["namespace"])
         version, soft = stream.version, stream.soft_prompt
         prompt = svc.prompts.answer_prompt(question, memory_tokens=cfg.memory.num_tokens)
-        rows, kinds, warnings = [prompt.zero_shot()], ["zero_shot"], []
-        memory_id = state.get("memory_id")
-        if memory_id:
-            try:
-                memory = svc.memory(memory_id)
-                memory.check_compatible(svc.backend.info)
-                rows.append(prompt.for_memory(memory))
-                kinds.append("memory")
-            except Exception as exc:
-                warnings += _warning(f"memory {memory_id[:8]} unusable, answering without it: {exc}")
-                memory_id = None
+        rows, kinds, memory_id, warnings = self._candidate_rows(prompt, state.get("memory_id"))
         rows.append(prompt.with_memory(soft))
         kinds.append(STREAM_KIND)
         params = answer_params(cfg, prompt, svc.backend.info.max_context)
