@@ -21,7 +21,7 @@ import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 #: pages whose code runs in full here (add a page once its blocks run or are marked)
-PAGES = ["docs/configuration.md", "docs/agents.md", "docs/stream-memory.md"]
+PAGES = ["README.md", "docs/using.md", "docs/configuration.md", "docs/agents.md", "docs/stream-memory.md"]
 
 _FENCE = re.compile(r"^(?:<!-- (?P<marker>[a-z]+) -->\n)?```(?P<lang>[a-z]*)[^\n]*\n(?P<body>.*?)^```$", re.M | re.S)
 
