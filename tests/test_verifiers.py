@@ -14,7 +14,7 @@ import torch
 from elm_memory.backends.base import PromptInput, SamplingParams
 from elm_memory.backends.prompting import PromptBuilder
 from elm_memory.config import ELMConfig
-from elm_memory.errors import BackendError, ConfigError, RegistryError
+from elm_memory.errors import BackendError, ConfigError
 from elm_memory.verifiers import EMPTY_SCORE, Candidate, Verifier, build_verifier
 from elm_memory.verifiers.logprob import LogprobVerifier
 from elm_memory.verifiers.prm import (
@@ -189,8 +189,9 @@ def test_policy_verifier_without_a_model_is_a_clear_error():
 
 
 def test_unknown_verifier_lists_available_names():
-    with pytest.raises(RegistryError) as err:
-        build_verifier(ELMConfig.load(overrides={"verifier": {"name": "oracle"}}), None)
+    # refused when the config loads, before any model or verifier is built
+    with pytest.raises(ConfigError) as err:
+        ELMConfig.load(overrides={"verifier": {"name": "oracle"}})
     msg = str(err.value)
     assert "oracle" in msg and all(n in msg for n in ("logprob", "prm", "self_certainty"))
 
