@@ -47,6 +47,18 @@ def answer_params(config: ELMConfig, prompt: AnswerPrompt, max_context: int) -> 
     )
 
 
+def candidate_state(kind: str, gen: Any) -> CandidateState:
+    """One greedy candidate of the answer path, as the graph's state keeps it (not yet scored)."""
+    return CandidateState(
+        kind=kind,
+        answer=extract_answer(gen.text),
+        response=gen.text,
+        token_ids=list(gen.token_ids),
+        finish_reason=gen.finish_reason,
+        score=None,
+    )
+
+
 def _elapsed(name: str, t0: float) -> dict[str, float]:
     return {name: time.perf_counter() - t0}
 
@@ -141,17 +153,7 @@ class ELMNodes:
         if sampler is not None:
             drawn = [g for gens in generated[1] for g in gens]
             samples = sampler.sample_answers_of(drawn)
-        candidates = [
-            CandidateState(
-                kind=kind,
-                answer=extract_answer(gen.text),
-                response=gen.text,
-                token_ids=list(gen.token_ids),
-                finish_reason=gen.finish_reason,
-                score=None,
-            )
-            for kind, [gen] in zip(kinds, results, strict=True)
-        ]
+        candidates = [candidate_state(kind, gen) for kind, [gen] in zip(kinds, results, strict=True)]
         return {
             "candidates": candidates,
             "memory_id": memory_id,

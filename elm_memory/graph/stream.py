@@ -29,11 +29,12 @@ from elm_memory.answers.vote import plurality_vote
 from elm_memory.backends.base import GenerateRequest, PromptInput, generate_requests
 from elm_memory.errors import ConfigError
 from elm_memory.graph.context import ELMRunContext
-from elm_memory.graph.nodes import ELMNodes, _elapsed, _warning, answer_params
+from elm_memory.graph.nodes import ELMNodes, _elapsed, _warning, answer_params, candidate_state
 from elm_memory.graph.routing import VOTE
-from elm_memory.graph.state import CandidateState, ELMState
+from elm_memory.graph.state import ELMState
 from elm_memory.training.stream import Generated, StreamMemory
 from elm_memory.verifiers.base import SamplingVerifier
+from elm_memory.verifiers.consistency import agreement_scores
 
 #: The route a stream-memory answer reports (the vote of its own generations).
 STREAM_KIND = "stream"
@@ -81,17 +82,7 @@ class StreamNodes(ELMNodes):
         greedy_groups, sample_groups = generate_requests(svc.backend, requests)
         greedy = [gens[0] for gens in greedy_groups]
         drawn = [g for gens in sample_groups for g in gens]
-        candidates = [
-            CandidateState(
-                kind=kind,
-                answer=extract_answer(gen.text),
-                response=gen.text,
-                token_ids=list(gen.token_ids),
-                finish_reason=gen.finish_reason,
-                score=None,
-            )
-            for kind, gen in zip(kinds, greedy, strict=True)
-        ]
+        candidates = [candidate_state(kind, gen) for kind, gen in zip(kinds, greedy, strict=True)]
         answers = [extract_answer(g.text) for g in drawn]
         return {
             "candidates": candidates,
@@ -120,8 +111,9 @@ class StreamNodes(ELMNodes):
         texts = list(state.get("presampled_responses") or [])
         votes: list[str | None] = samples + ([memory["answer"]] if memory is not None else [])
         winner = plurality_vote(votes, mine["answer"], with_greedy=True)
-        for c in candidates:
-            c["score"] = plurality_share(c["answer"], [mine["answer"], *votes])
+        scores = agreement_scores([c["answer"] for c in candidates], [mine["answer"], *votes])
+        for c, score in zip(candidates, scores, strict=True):
+            c["score"] = score
         voters = [(mine["answer"], mine["response"]), *zip(samples, texts, strict=True)]
         if memory is not None:
             voters.append((memory["answer"], memory["response"]))
@@ -161,13 +153,6 @@ class StreamNodes(ELMNodes):
         except Exception as exc:  # the answer is out already: a failed update is a warning, the last version serves
             out["warnings"] = [*out.get("warnings", []), *_warning(f"stream memory update failed: {exc}")]
         return out
-
-
-def plurality_share(answer: str | None, votes: list[str | None]) -> float:
-    """The share of ``votes`` equivalent to ``answer`` (0.0 for no answer)."""
-    if answer is None or not votes:
-        return 0.0
-    return sum(equivalent(answer, v) for v in votes) / len(votes)
 
 
 def stream_memories(config: Any, loaded: Any) -> Any:
