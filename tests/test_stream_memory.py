@@ -346,3 +346,43 @@ def test_elm_memories_streams_lists_versions_updates_and_rollbacks(smol, tmp_pat
     assert (row["namespace"], row["version"], row["updates"], row["versions_written"]) == ("team-a", 2, 1, 3)
     assert row["rollbacks"] == [{"version": 2, "to": 0, "reasons": ["by hand"]}]
     assert LatentMemory.load(row["path"]).meta.config["stream"]["version"] == 2
+
+
+@pytest.mark.model
+def test_elm_stream_gold_arm_learns_from_the_dataset_answer_after_the_rows_were_drawn(
+    evidence_config, tiny_loaded, tiny_backend, tmp_path
+):
+    from elm_memory.data.datasets import load_problems
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+    from elm_memory.eval.records import RecordLog
+
+    cfg = evidence_config.model_copy(
+        update={"stream": evidence_config.stream.model_copy(update={"min_label_share": 0.0})}
+    )
+    problems = load_problems("synth-arith", limit=2, seed=17)
+    runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+    run_stream(
+        problems, ["elm_stream_gold"], cfg, tmp_path, dataset="synth-arith", seed=17, runtime=runtime, progress=False
+    )
+    records = RecordLog(tmp_path / "records.jsonl").read()
+    assert [r["index"] for r in records] == [0, 1]
+    for r in records:
+        stream = r["extra"]["stream"]
+        assert stream["label_sources"] == {"grpo": "vote", "grpo_gold": "gold"}
+        assert stream["updates"]["grpo_gold"]["label"] == r["gold"]
+        assert stream["updates"]["grpo"]["label"] == stream["rows"]["stream_vote[grpo]"]
+        assert r["answer"] == stream["rows"]["stream_vote[grpo]"]  # the gold arm never answers
+    assert (tmp_path / "stream" / "grpo_gold").is_dir() and (tmp_path / "stream" / "grpo").is_dir()
+
+
+def test_a_stream_evaluation_refuses_a_gold_first_arm_and_an_unknown_label(evidence_config, tmp_path):
+    from elm_memory.errors import ConfigError
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.methods.stream_method import Arm, StreamEval
+
+    with pytest.raises(ConfigError, match="label must be one of"):
+        Arm("x", "grpo", label="oracle")
+    runtime = EvalRuntime(evidence_config, tmp_path, loaded=None, backend=None)
+    with pytest.raises(ConfigError, match="first arm answers"):
+        StreamEval(runtime, arms=[Arm("g", "grpo", label="gold"), Arm("v", "grpo")])

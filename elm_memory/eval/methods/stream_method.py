@@ -13,7 +13,10 @@ own. Every row's answer, the versions used and each update are in the record's `
 :mod:`elm_memory.eval.stream_report`), so anyone can recount what decided each answer.
 
 ``elm_stream`` trains ``stream.objective``; ``elm_stream_objectives`` trains a ``grpo`` and an ``sft`` arm side
-by side on the same questions (the rows they share are decoded once).
+by side on the same questions (the rows they share are decoded once). ``elm_stream_gold`` trains a ``grpo`` arm on
+the vote beside a ``grpo_gold`` arm whose label is the dataset's answer: an **upper bound** (what the same update
+does with a correct label), reported apart and never a method a user runs without ground truth. The gold label
+reaches that arm only after the question's answers were drawn (:meth:`StreamEval.teach_gold`).
 """
 
 from __future__ import annotations
@@ -55,29 +58,70 @@ class ZeroShotFormat(ZeroShot):
         return 0  # its prompt is its own: nothing another method would reuse
 
 
+LABEL_SOURCES = ("vote", "gold")
+
+
+@dataclasses.dataclass(frozen=True)
+class Arm:
+    """One trained stream memory of an evaluation: its row name, objective and where its label comes from
+    (``vote``: its own greedy + samples' plurality, the product's rule; ``gold``: the dataset's answer)."""
+
+    name: str
+    objective: str
+    label: str = "vote"
+
+    def __post_init__(self) -> None:
+        if self.label not in LABEL_SOURCES:
+            raise ConfigError(f"stream arm {self.name!r}: label must be one of {LABEL_SOURCES}, got {self.label!r}")
+
+
 class StreamEval:
     """The stream memory (one or more trained arms) beside its controls, one question at a time."""
 
-    def __init__(self, runtime: EvalRuntime, objectives: list[str] | None = None, name: str = "elm_stream"):
+    def __init__(
+        self,
+        runtime: EvalRuntime,
+        objectives: list[str] | None = None,
+        name: str = "elm_stream",
+        arms: list[Arm] | None = None,
+    ):
         cfg = runtime.config
         if cfg.store.kind == "none":
             raise ConfigError(f"{name} keeps its stream memory on disk, but store.kind is 'none'; set store.kind")
         self.name = name
         self.runtime = runtime
-        self.objectives = objectives or [cfg.stream.objective]
+        self.specs = arms or [Arm(obj, obj) for obj in objectives or [cfg.stream.objective]]
+        if self.specs[0].label != "vote":
+            raise ConfigError(f"{name}: the first arm answers, so its label must be the vote")
+        self.objectives = [a.name for a in self.specs]
         self._arms: dict[str, StreamMemory] | None = None
         self._pending: dict[str, Any] | None = None
+
+    @property
+    def uses_gold(self) -> bool:
+        """Whether an arm learns from the dataset's answer (the online loop then calls :meth:`teach_gold`)."""
+        return any(a.label == "gold" for a in self.specs)
 
     @property
     def arms(self) -> dict[str, StreamMemory]:
         if self._arms is None:
             rt, cfg = self.runtime, self.runtime.config
             self._arms = {}
-            for objective in self.objectives:
-                arm_cfg = cfg.model_copy(update={"stream": cfg.stream.model_copy(update={"objective": objective})})
-                root = rt.out_dir / STREAM_DIR / objective
-                self._arms[objective] = StreamMemory(arm_cfg, rt.loaded, root, namespace=cfg.namespace)
+            for spec in self.specs:
+                stream = cfg.stream.model_copy(update={"objective": spec.objective})
+                arm_cfg = cfg.model_copy(update={"stream": stream})
+                root = rt.out_dir / STREAM_DIR / spec.name
+                self._arms[spec.name] = StreamMemory(arm_cfg, rt.loaded, root, namespace=cfg.namespace)
         return self._arms
+
+    def teach_gold(self, question: str, gold: str) -> None:
+        """The dataset's answer, after :meth:`answer` drew every row and before :meth:`learn`: the label of the
+        ``gold`` arms (upper bounds). The answer already returned did not see it."""
+        if self._pending is None or self._pending["question"] != question:
+            raise RuntimeError(f"{self.name}: teach_gold() must follow answer() on the same question")
+        for spec in self.specs:
+            if spec.label == "gold":
+                self._pending["labels"][spec.name] = gold
 
     @property
     def sampler(self) -> Any:
@@ -186,7 +230,9 @@ class StreamEval:
                 zero_shot_answer=pending["zero_shot"],
             )
             updates[obj] = update.to_dict()
-        output.extra.setdefault("stream", {})["updates"] = updates
+        extra = output.extra.setdefault("stream", {})
+        extra["updates"] = updates
+        extra["label_sources"] = {spec.name: spec.label for spec in self.specs}
 
     def resume(self, records: list[dict[str, Any]]) -> None:
         """A resumed run: each arm serves the version its last record ended with. An update written after the
@@ -218,6 +264,11 @@ def elm_stream(runtime: EvalRuntime) -> StreamEval:
 
 def elm_stream_objectives(runtime: EvalRuntime) -> StreamEval:
     return StreamEval(runtime, ["grpo", "sft"], name="elm_stream_objectives")
+
+
+def elm_stream_gold(runtime: EvalRuntime) -> StreamEval:
+    arms = [Arm("grpo", "grpo"), Arm("grpo_gold", "grpo", label="gold")]
+    return StreamEval(runtime, name="elm_stream_gold", arms=arms)
 
 
 def zero_shot_format(runtime: EvalRuntime) -> ZeroShotFormat:
