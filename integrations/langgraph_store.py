@@ -307,7 +307,9 @@ class ELMStore(BaseStore):
         return Item(value=value, key=record.id, namespace=tuple(op.namespace), created_at=when, updated_at=when)
 
     def _list_namespaces(self, op: ListNamespacesOp) -> list[tuple[str, ...]]:
-        paths = [namespace_path(ns) for ns in self.store.namespaces()]
+        # a namespace whose memories were all deleted keeps its (empty) collections until `elm memories check
+        # --repair`; LangGraph lists namespaces that hold items
+        paths = [namespace_path(ns) for ns in self.store.namespaces() if self.store.count(ns) > 0]
         paths = [p for p in paths if all(_matches_condition(p, c) for c in op.match_conditions or ())]
         if op.max_depth is not None:
             paths = [p[: op.max_depth] for p in paths]

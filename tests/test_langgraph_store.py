@@ -286,6 +286,15 @@ def test_delete_removes_rows_blob_and_counters(memories, ada) -> None:
     assert [i.key for i in store.search(("user-ada",))] == [ada[2].id, ada[3].id]
 
 
+def test_a_namespace_whose_memories_were_all_deleted_is_no_longer_listed(memories, ada) -> None:
+    store = ELMStore(memories)
+    assert ("user-ada",) in store.list_namespaces()
+    for item in store.search(("user-ada",), limit=100):
+        store.delete(("user-ada",), item.key)
+    assert ("user-ada",) not in store.list_namespaces()
+    assert "user-ada" in memories.namespaces()  # its empty collections are still there: only the listing changed
+
+
 def test_a_delete_that_leaves_something_behind_is_an_error(memories, ada, monkeypatch) -> None:
     monkeypatch.setattr(memories, "delete", lambda memory_id, namespace=None: True)  # says done, did nothing
     with pytest.raises(StoreError, match=r"not fully deleted \(index rows, blob [0-9a-f]{12} remain\)"):
