@@ -386,3 +386,70 @@ def test_a_stream_evaluation_refuses_a_gold_first_arm_and_an_unknown_label(evide
     runtime = EvalRuntime(evidence_config, tmp_path, loaded=None, backend=None)
     with pytest.raises(ConfigError, match="first arm answers"):
         StreamEval(runtime, arms=[Arm("g", "grpo", label="gold"), Arm("v", "grpo")])
+
+
+def test_old_versions_are_pruned_to_keep_versions_and_a_pruned_one_is_named_when_asked_for(smol, tmp_path):
+    from elm_memory.errors import MemoryFormatError
+    from elm_memory.store.stream_files import list_streams
+
+    stream = StreamMemory(_config(guard_window=2, keep_versions=4), smol, tmp_path / "s", namespace="ns")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    for _ in range(6):
+        stream.learn("q", ids, at, gens, label="5", version_used=stream.version, zero_shot_answer="5")
+    assert stream.version == 6
+    assert stream.files.versions() == [3, 4, 5, 6]
+    assert sorted(p.name for p in stream.files.dir.glob("*.optim.safetensors")) == [
+        f"v{v:06d}.optim.safetensors" for v in (3, 4, 5, 6)
+    ]
+    with pytest.raises(MemoryFormatError, match="no version 1 on disk .*kept: v3..v6"):
+        stream.files.read(1)
+    # the newest file still carries every update's record
+    [row] = list_streams(tmp_path / "s")
+    assert (row["version"], row["versions_written"], row["versions_kept"]) == (6, 7, 4)
+    assert row["updates"] + len(row["rollbacks"]) == 6  # (this window-2 guard rolls back a repeated answer)
+    stream.restore_version(4, reason="by hand")  # a kept version restores
+    assert stream.files.versions() == [4, 5, 6, 7]
+
+
+def test_keep_versions_never_drops_below_what_a_rollback_may_need():
+    assert _config(guard_window=2, keep_versions=3).stream.versions_to_keep == 4
+    assert _config(guard_window=1000).stream.versions_to_keep == 2000  # a guard made lax keeps its window
+    assert _config(guard_window=2, keep_versions=0).stream.versions_to_keep == 0  # 0: keep all
+
+
+@pytest.mark.model
+def test_a_stream_memory_version_exports_as_a_file_and_as_a_peft_adapter_that_peft_loads(smol, tmp_path):
+    import json
+
+    import peft
+    from typer.testing import CliRunner
+
+    from elm_memory.cli.memories import memories_app
+    from elm_memory.config import ModelConfig
+    from elm_memory.models.loading import load_model
+
+    stream = StreamMemory(_config(), smol, tmp_path / "store" / "stream", namespace="team-a")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    stream.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert stream.version == 1
+    run = CliRunner().invoke
+    common = ["--store", str(tmp_path / "store"), "--namespace", "team-a"]
+
+    out = run(memories_app, ["export", "--stream", "--version", "0", str(tmp_path / "v0.safetensors"), *common])
+    assert out.exit_code == 0, out.output
+    assert torch.equal(LatentMemory.load(tmp_path / "v0.safetensors").soft_prompt, stream.init.to(torch.float32))
+
+    out = run(memories_app, ["export", "--stream", "--format", "peft", str(tmp_path / "adapter"), *common, "--json"])
+    assert out.exit_code == 0, out.output
+    assert json.loads(out.stdout)["written"] == [str(tmp_path / "adapter")]
+    base = load_model(ModelConfig(name_or_path="packaged:smollm2-135m", dtype="float32", device="cpu")).model
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    loaded = model.prompt_encoder["default"].embedding.weight.detach()
+    assert torch.equal(loaded, stream.soft_prompt.detach().to(torch.float32))  # the serving version, trained
+
+    out = run(memories_app, ["export", "--stream", "--version", "9", str(tmp_path / "x.safetensors"), *common])
+    assert out.exit_code != 0 and "no version 9 on disk" in out.output
+    out = run(memories_app, ["export", "--stream", str(tmp_path / "x.safetensors"), "--store", str(tmp_path / "store")])
+    assert out.exit_code != 0 and "has no stream memory" in out.output

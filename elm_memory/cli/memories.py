@@ -19,6 +19,7 @@ import typer
 
 from elm_memory.cli import memory_views as views
 from elm_memory.cli.errors import handle_errors
+from elm_memory.cli.memory_options import ConfigOpt, JsonOpt, NamespaceOpt, PresetOpt, SetOpt, StoreOpt, UrlOpt
 from elm_memory.errors import ConfigError, StoreError
 from elm_memory.faults import point
 
@@ -33,23 +34,6 @@ memories_app = typer.Typer(
     ),
     no_args_is_help=True,
 )
-
-StoreOpt = Annotated[
-    Path | None,
-    typer.Option(
-        "--store", help="Store folder; overrides the config's store.path (see `elm config show`).", show_default=False
-    ),
-]
-ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file (its store.* is used).")]
-PresetOpt = Annotated[
-    str | None, typer.Option("--preset", "-p", help="Named preset, e.g. cpu-tiny (the store its commands use).")
-]
-SetOpt = Annotated[
-    list[str] | None, typer.Option("--set", help="Override a config value: section.key=value (repeatable).")
-]
-UrlOpt = Annotated[str | None, typer.Option("--url", help="Chroma server URL (index rows there, blobs in --store).")]
-NamespaceOpt = Annotated[str | None, typer.Option("--namespace", "-n", help="Only this namespace.")]
-JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
 
 
 def _load_config(
@@ -127,13 +111,10 @@ def streams(
     """Stream memories (``stream.mode`` stream/both): per namespace, the serving version, updates and rollbacks.
     Each version is a memory file (``LatentMemory.load``) whose history names the questions and labels that
     trained it."""
-    from elm_memory.config.location import resolve_store_path
-    from elm_memory.store.stream_files import list_streams
+    from elm_memory.store.stream_files import list_streams, stream_root
 
     cfg = _load_config(config, preset, set_, store, None)
-    found = [
-        s for s in list_streams(resolve_store_path(cfg.store.path) / "stream") if namespace in (None, s["namespace"])
-    ]
+    found = [s for s in list_streams(stream_root(cfg.store.path)) if namespace in (None, s["namespace"])]
     if json_out:
         typer.echo(json.dumps(found, ensure_ascii=False))
         return
@@ -141,7 +122,7 @@ def streams(
         rollbacks = ", ".join(f"v{r['version']}->v{r['to']}" for r in s["rollbacks"]) or "none"
         typer.echo(
             f"{s['namespace']}  version {s['version']}  {s['objective']}  {s['updates']} updates  "
-            f"rollbacks: {rollbacks}  {s['path']}"
+            f"rollbacks: {rollbacks}  {s['versions_kept']} of {s['versions_written']} versions kept  {s['path']}"
         )
     typer.echo(f"{len(found)} stream memories", err=True)
 
@@ -394,6 +375,15 @@ def export(
     format_: Annotated[
         str, typer.Option("--format", help="`safetensors` (ELM memory files) or `peft` (prompt-tuning adapter).")
     ] = "safetensors",
+    stream: Annotated[
+        bool,
+        typer.Option(
+            "--stream", help="Export the stream memory of --namespace (default `default`) instead of stored memories."
+        ),
+    ] = False,
+    version: Annotated[
+        int | None, typer.Option(help="With --stream: this version (default: the one that serves).", min=0)
+    ] = None,
     store: StoreOpt = None,
     url: UrlOpt = None,
     namespace: NamespaceOpt = None,
@@ -412,6 +402,14 @@ def export(
     out = Path(targets[-1])
     memory_ids = [*targets[:-1], *(memory_ids or [])]
     cfg = _load_config(config, preset, set_, store, url)
+    if stream or version is not None:
+        if memory_ids or not stream:
+            raise ConfigError(
+                "--stream exports one stream memory: give OUT and --namespace, no ids; --version needs it"
+            )
+        path = transfer.export_stream(cfg, namespace or cfg.namespace, version, out, format_)
+        typer.echo(json.dumps({"written": [path]}) if json_out else f"exported the stream memory to {path}")
+        return
     s = _open(cfg)
     records = s.list(namespace)
     if memory_ids:

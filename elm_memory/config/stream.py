@@ -74,3 +74,16 @@ class StreamConfig(ConfigSection):
         le=1.0,
         description="Roll back when one answer wins the vote on more than this share of the window's questions.",
     )
+    keep_versions: int = Field(
+        default=64,
+        ge=0,
+        description=(
+            "Versions kept on disk, the newest first (0: every one). Older files are deleted after each write; "
+            "never fewer than twice `guard_window`, so the version a rollback returns to is still there."
+        ),
+    )
+
+    @property
+    def versions_to_keep(self) -> int:
+        """``keep_versions``, raised to twice ``guard_window`` (0: keep every version)."""
+        return max(self.keep_versions, 2 * self.guard_window) if self.keep_versions else 0

@@ -17,22 +17,21 @@ Zero-shot's greedy answer is kept beside them: the collapse guard compares the m
 
 from __future__ import annotations
 
-import dataclasses
 import time
-from typing import Any, cast
+from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import Runtime
 
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.answers.vote import plurality_vote
-from elm_memory.backends.base import GenerateRequest, PromptInput, generate_requests
+from elm_memory.backends.base import GenerateRequest, generate_requests
 from elm_memory.errors import ConfigError
 from elm_memory.graph.context import ELMRunContext
 from elm_memory.graph.nodes import ELMNodes, _elapsed, _warning, answer_params, candidate_state
 from elm_memory.graph.routing import VOTE
 from elm_memory.graph.state import ELMState
-from elm_memory.training.stream import Generated, StreamMemory
+from elm_memory.training.stream import Generated, StreamMemory, answer_budget_samples, under_soft_prompt
 from elm_memory.verifiers.base import SamplingVerifier
 from elm_memory.verifiers.consistency import agreement_scores
 
@@ -70,14 +69,8 @@ class StreamNodes(ELMNodes):
         rows.append(prompt.with_memory(soft))
         kinds.append(STREAM_KIND)
         params = answer_params(cfg, prompt, svc.backend.info.max_context)
-        samples, sample_params = self._sampler().sample_request(question, prompt.zero_shot())
-        sample_params = dataclasses.replace(
-            sample_params, max_new_tokens=min(sample_params.max_new_tokens, params.max_new_tokens)
-        )
-        on_policy = [
-            dataclasses.replace(cast(PromptInput, p), soft_prompt=soft, soft_prompt_at=prompt.memory_at)
-            for p in samples
-        ]
+        samples, sample_params = answer_budget_samples(self._sampler(), question, prompt, params)
+        on_policy = under_soft_prompt(samples, soft, prompt.memory_at)
         requests: list[GenerateRequest] = [(rows, params), (on_policy, sample_params)]
         greedy_groups, sample_groups = generate_requests(svc.backend, requests)
         greedy = [gens[0] for gens in greedy_groups]
@@ -159,9 +152,9 @@ def stream_memories(config: Any, loaded: Any) -> Any:
     """A per-process provider of stream memories, one per namespace (built on first use)."""
     import threading
 
-    from elm_memory.config.location import resolve_store_path
+    from elm_memory.store.stream_files import stream_root
 
-    root = resolve_store_path(config.store.path) / "stream"
+    root = stream_root(config.store.path)
     cache: dict[str, StreamMemory] = {}
     lock = threading.Lock()
 

@@ -10,7 +10,9 @@
 
 Every update writes a new version and only then moves ``CURRENT``: until the new file is durable the previous
 version serves, and a crash mid-write leaves at most an orphan file that is never served. Versions are never
-rewritten; a rollback is a new version holding an earlier one's tensor.
+rewritten; a rollback is a new version holding an earlier one's tensor. :meth:`StreamFiles.prune` deletes all but
+the newest versions (``stream.keep_versions``): each file carries the whole history, so the newest keeps the
+record of every update.
 """
 
 from __future__ import annotations
@@ -76,6 +78,13 @@ class StreamFiles:
             version = self.current_version()
             if version is None:
                 raise MemoryFormatError(f"stream memory {self.dir} has no version yet")
+        if not self.path(version).exists():
+            kept = self.versions()
+            span = f"v{kept[0]}..v{kept[-1]}" if kept else "none"
+            raise MemoryFormatError(
+                f"stream memory {self.dir} has no version {version} on disk (pruned by stream.keep_versions, or "
+                f"never written); kept: {span}"
+            )
         memory = LatentMemory.load(self.path(version))
         optim_path = self.path(version).with_suffix(".optim.safetensors")
         optim = load_tensors(optim_path.read_bytes()) if optim_path.exists() else {}
@@ -95,6 +104,25 @@ class StreamFiles:
         write_bytes_atomic(self.dir / "CURRENT", f"{version}\n".encode("ascii"))
         return path
 
+    def prune(self, keep: int) -> list[int]:
+        """Delete every version but the newest ``keep`` (and the one that serves). Call under :meth:`lock`."""
+        if keep <= 0:
+            return []
+        current = self.current_version()
+        doomed = [v for v in self.versions()[:-keep] if v != current]
+        for version in doomed:
+            path = self.path(version)
+            path.with_suffix(".optim.safetensors").unlink(missing_ok=True)
+            path.unlink(missing_ok=True)  # the memory last: an optimizer file without it is never read
+        return doomed
+
+
+def stream_root(store_path: str | Path | None) -> Path:
+    """Where a store keeps its stream memories: ``<store folder>/stream`` (``store.path`` as configured)."""
+    from elm_memory.config.location import resolve_store_path
+
+    return resolve_store_path(store_path) / "stream"
+
 
 def list_streams(root: str | Path) -> list[dict[str, Any]]:
     """Every stream memory under ``root``: namespace, serving version, versions written, updates, rollbacks and
@@ -111,7 +139,8 @@ def list_streams(root: str | Path) -> list[dict[str, Any]]:
             {
                 "namespace": meta.namespace,
                 "version": version,
-                "versions_written": sum(bool(_VERSION.match(p.name)) for p in current.parent.iterdir()),
+                "versions_written": version + 1,  # numbered from v0 (the init), one per write
+                "versions_kept": sum(bool(_VERSION.match(p.name)) for p in current.parent.iterdir()),
                 "objective": stream.get("objective"),
                 "updates": sum("label" in h for h in history),
                 "rollbacks": [

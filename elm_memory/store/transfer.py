@@ -91,6 +91,26 @@ def export_peft(s: ChromaMemoryStore, records: list[MemoryRecord], out: Path, cf
     return written
 
 
+def export_stream(cfg: ELMConfig, namespace: str, version: int | None, out: Path, format_: str) -> str:
+    """One stream memory version (default: the serving one) as a memory file (``out``, or ``out/<id>.safetensors``
+    for a folder) or a PEFT prompt-tuning adapter folder. Its metadata keeps the history that trained it."""
+    from elm_memory.memory.peft import export_adapter, memory_position, require_prefix
+    from elm_memory.store.stream_files import StreamFiles, stream_root
+
+    files = StreamFiles(stream_root(cfg.store.path), namespace)
+    if files.current_version() is None:
+        raise StoreError(f"namespace {namespace!r} has no stream memory under {files.dir.parent}")
+    memory, _ = files.read(version)
+    if format_ == "peft":
+        require_prefix(memory, memory_position(memory, cfg.prompt.soft_prompt_position))
+        info = prepared_models().get(memory.meta.model_fingerprint)
+        base = info.path if info is not None else memory.meta.model_name
+        return str(export_adapter(memory, out, position="prefix", base_model=base))
+    path = out if out.suffix == ".safetensors" else export_path(out, memory.id)
+    memory.save(path)
+    return str(path)
+
+
 def read_imports(files: list[Path], cfg: ELMConfig) -> tuple[list[LatentMemory], list[tuple[Path, LatentMemory]]]:
     """Memory files and adapter folders to import: (memories, (folder, memory) of each adapter, keys not built).
 

@@ -18,6 +18,7 @@ answers and rolls the memory back to an earlier version when a planned threshold
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import time
 import uuid
@@ -30,7 +31,7 @@ import torch
 
 from elm_memory.answers import equivalent
 from elm_memory.atomic import write_bytes_atomic
-from elm_memory.backends.base import PromptInput
+from elm_memory.backends.base import GenerateRequest, PromptInput, SamplingParams
 from elm_memory.backends.teacher_forcing import completion_logprobs
 from elm_memory.config import ELMConfig
 from elm_memory.errors import NonFiniteError
@@ -46,6 +47,18 @@ from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
 STREAM_QUESTION = "stream memory of namespace {namespace}"
 #: Longest question text kept per history entry in a version's file (the hash identifies it whole).
 HISTORY_QUESTION_CHARS = 400
+
+
+def answer_budget_samples(sampler: Any, question: str, prompt: Any, answer: SamplingParams) -> GenerateRequest:
+    """The sampling verifier's seeded rows for ``question`` (from ``prompt``'s zero-shot form), their budget cut
+    to the answer's: the samples a stream memory votes over and learns from are answers like its greedy one."""
+    rows, params = sampler.sample_request(question, prompt.zero_shot())
+    return rows, dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, answer.max_new_tokens))
+
+
+def under_soft_prompt(rows: Sequence[Any], soft: torch.Tensor, at: int) -> list[PromptInput]:
+    """The same rows (seeds kept) with the stream memory's soft prompt inserted at ``at``: on-policy samples."""
+    return [dataclasses.replace(p, soft_prompt=soft, soft_prompt_at=at) for p in rows]
 
 
 @dataclass(frozen=True)
@@ -158,6 +171,7 @@ class StreamMemory:
             memory_id=uuid.uuid4().hex,  # a memory id is hex; the version is in the metadata
         )
         self.files.write(version, memory, optim)
+        self.files.prune(self.cfg.versions_to_keep)
 
     # -- learning ----------------------------------------------------------------------
     def learn(

@@ -32,7 +32,7 @@ from elm_memory.errors import ConfigError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
 from elm_memory.eval.methods.baselines import ZeroShot
 from elm_memory.graph.nodes import answer_params
-from elm_memory.training.stream import Generated, StreamMemory
+from elm_memory.training.stream import Generated, StreamMemory, answer_budget_samples, under_soft_prompt
 
 #: Where an evaluation keeps its stream memories: ``<run>/stream/<objective>/<namespace folder>/``.
 STREAM_DIR = "stream"
@@ -138,23 +138,18 @@ class StreamEval:
         params = answer_params(cfg, prompt, rt.backend.info.max_context)
         formatted = rt.prompts.answer_prompt(format_question(question, cfg.stream.format_instruction), memory_tokens=k)
         format_params = answer_params(cfg, formatted, rt.backend.info.max_context)
-        samples, sample_params = self.sampler.sample_request(question, prompt.zero_shot())
-        sample_params = dataclasses.replace(
-            sample_params, max_new_tokens=min(sample_params.max_new_tokens, params.max_new_tokens)
-        )
+        samples, sample_params = answer_budget_samples(self.sampler, question, prompt, params)
         arms = self.arms
         init = next(iter(arms.values())).init
         softs = {"init": init, **{obj: arm.soft_prompt for obj, arm in arms.items()}}
         versions = {obj: arm.version for obj, arm in arms.items()}
         names = ["zero_shot", *softs]  # greedy rows, then sample groups, in this order
 
-        def under(p: PromptInput, soft: Any) -> PromptInput:
-            return dataclasses.replace(p, soft_prompt=soft, soft_prompt_at=prompt.memory_at)
-
-        greedy_rows = [prompt.zero_shot(), *(under(prompt.zero_shot(), s) for s in softs.values())]
+        at = prompt.memory_at
+        greedy_rows = [prompt.zero_shot(), *(under_soft_prompt([prompt.zero_shot()], s, at)[0] for s in softs.values())]
         requests: list[GenerateRequest] = [(greedy_rows, params), (samples, sample_params)]
         # the init's samples are not drawn: its ablation is its greedy answer (the vote's control is self-consistency)
-        requests += [([under(p, s) for p in samples], sample_params) for obj, s in softs.items() if obj != "init"]
+        requests += [(under_soft_prompt(samples, s, at), sample_params) for obj, s in softs.items() if obj != "init"]
         if format_params.max_new_tokens == params.max_new_tokens:
             requests[0] = ([*greedy_rows, formatted.zero_shot()], params)
         else:  # a budget of its own (a longer prompt near the context's end): its own call
