@@ -145,7 +145,9 @@ def plot_stream(records: Sequence[Mapping[str, Any]], out_dir: str | Path, *, wa
         arm = row[row.find("[") + 1 : -1] if "[" in row else None
         if arm is not None:
             marks = [h["index"] + 1 for h in history.get(arm, []) if h["skipped"] == "rolled_back"]
-            ax.plot(marks, [ys[xs.index(m)] for m in marks], "x", color=line.get_color(), markersize=9)
+            ax.plot(
+                marks, [ys[xs.index(m)] for m in marks], "x", color=line.get_color(), markersize=10, mew=2.5, zorder=5
+            )
     ax.axvline(warmup + 0.5, color="grey", linewidth=0.8, linestyle=":")
     ax.set_xlabel("question (x: a rollback; dotted: end of warm-up)")
     ax.set_ylabel("accuracy so far")
