@@ -453,3 +453,34 @@ def test_a_stream_memory_version_exports_as_a_file_and_as_a_peft_adapter_that_pe
     assert out.exit_code != 0 and "no version 9 on disk" in out.output
     out = run(memories_app, ["export", "--stream", str(tmp_path / "x.safetensors"), "--store", str(tmp_path / "store")])
     assert out.exit_code != 0 and "has no stream memory" in out.output
+
+
+def test_update_every_pools_questions_into_one_step_and_one_version(smol, tmp_path):
+    from elm_memory.store.stream_files import list_streams
+
+    stream = StreamMemory(_config(update_every=3, guard_window=1000), smol, tmp_path, namespace="ns")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    before = stream.soft_prompt
+    first = stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    weak = stream.learn("q2", ids, at, gens, label="7", version_used=0, zero_shot_answer="5")  # 1 of 5: not pooled
+    second = stream.learn("q3", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert (first.skipped, weak.skipped, second.skipped) == ("pooled (1 of 3)", "weak_label", "pooled (2 of 3)")
+    assert stream.version == 0 and torch.equal(stream.soft_prompt, before) and stream.files.versions() == [0]
+    third = stream.learn("q4", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert third.applied and third.version == 1 and not torch.equal(stream.soft_prompt, before)
+    entry = stream.history[-1]
+    assert [b["question"] for b in entry["batch"]] == ["q1", "q3", "q4"] and entry["label"] == "5"
+    assert stream.pooled == []
+    [row] = list_streams(tmp_path)
+    assert (row["version"], row["updates"]) == (1, 1)
+
+
+def test_a_rollback_empties_the_pool(smol, tmp_path):
+    stream = StreamMemory(_config(update_every=4, guard_window=1000), smol, tmp_path, namespace="ns")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert len(stream.pooled) == 1
+    stream.restore_version(0, reason="by hand")
+    assert stream.pooled == []

@@ -74,6 +74,15 @@ class StreamConfig(ConfigSection):
         le=1.0,
         description="Roll back when one answer wins the vote on more than this share of the window's questions.",
     )
+    update_every: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Questions pooled into one update: their generations are kept (in this process) until this many "
+            "usable ones have come, then one optimizer step over all of them, one new version."
+        ),
+    )
     keep_versions: int = Field(
         default=64,
         ge=0,

@@ -90,6 +90,19 @@ class StreamUpdate:
         return asdict(self)
 
 
+@dataclass
+class _Pooled:
+    """One question's usable generations, waiting for ``stream.update_every`` questions to fill a batch."""
+
+    question: str
+    prompt_ids: Sequence[int]
+    at: int
+    completions: list[list[int]]
+    weights: torch.Tensor
+    label: str
+    share: float
+
+
 class StreamMemory:
     """One namespace's stream memory: serves its current version, learns from each answered question."""
 
@@ -106,6 +119,7 @@ class StreamMemory:
             max_repeated_answer=self.cfg.guard_max_repeated_answer,
         )
         self.temperature = config.verifier.consistency_temperature  # what the answer path's samples used
+        self.pooled: list[_Pooled] = []  # questions waiting for a batch (stream.update_every > 1), this process only
         with self.files.lock():
             if self.files.current_version() is None:
                 init = self.initial_soft_prompt()
@@ -143,7 +157,10 @@ class StreamMemory:
         """Serve the newest version on disk (another learner may have written it)."""
         current = self.files.current_version()
         if current is not None and current != self.version:
+            served = self.version
             self._load_current()
+            if any(h.get("rollback_to") is not None and h["version"] > served for h in self.history):
+                self.pooled = []  # drawn with versions that have since been rolled back
 
     def _write(
         self,
@@ -237,11 +254,21 @@ class StreamMemory:
         else:
             rows = [i for i, g in enumerate(generations) if rewards[i] > 0]
             weights = torch.ones(len(rows))
+        completions = [list(generations[i].token_ids) for i in rows]
+        self.pooled.append(_Pooled(question, prompt_ids, at, completions, weights, label, share))
+        if len(self.pooled) < self.cfg.update_every:
+            update.skipped = f"pooled ({len(self.pooled)} of {self.cfg.update_every})"
+            return
+        batch, self.pooled = self.pooled, []
+        self._step(update, batch)
+
+    def _step(self, update: StreamUpdate, batch: list[_Pooled]) -> None:
+        """One optimizer step over the batch's generations (each question's loss weighted 1/len(batch))."""
         before = {k: v.clone() for k, v in self.optim.state.get(self.soft, {}).items()}
         old = self.soft.detach().clone()
         self.optim.zero_grad(set_to_none=True)
         try:
-            loss = self._backward(prompt_ids, at, [list(generations[i].token_ids) for i in rows], weights)
+            loss = sum(self._backward(b.prompt_ids, b.at, b.completions, b.weights, 1 / len(batch)) for b in batch)
             norm = float(torch.nn.utils.clip_grad_norm_([self.soft], self.cfg.max_grad_norm))
             self.optim.step()
             if not (torch.isfinite(self.soft).all() and torch.isfinite(torch.tensor(norm))):
@@ -253,17 +280,15 @@ class StreamMemory:
             update.skipped = "non_finite"
             return
         version = self.version + 1
-        self.history.append(
-            {
-                "version": version,
-                "question": question[:HISTORY_QUESTION_CHARS],
-                "question_hash": question_hash(question),
-                "label": label,
-                "label_share": round(share, 4),
-                "objective": self.cfg.objective,
-                "trained_from": self.version,
-            }
-        )
+        entry = {
+            "version": version,
+            **_trained_on(batch[-1]),
+            "objective": self.cfg.objective,
+            "trained_from": self.version,
+        }
+        if len(batch) > 1:  # the batch's other questions too; "label" stays the last one's, so counting is the same
+            entry["batch"] = [_trained_on(b) for b in batch]
+        self.history.append(entry)
         state = self.optim.state[self.soft]
         self._write(version, self.soft, history=self.history, optim={k: v for k, v in state.items()})
         self.version = version
@@ -272,7 +297,12 @@ class StreamMemory:
         update.moved = round(float((self.soft.detach() - self.init).norm() / self.init.norm().clamp(min=1e-12)), 6)
 
     def _backward(
-        self, prompt_ids: Sequence[int], at: int, completions: list[list[int]], weights: torch.Tensor
+        self,
+        prompt_ids: Sequence[int],
+        at: int,
+        completions: list[list[int]],
+        weights: torch.Tensor,
+        scale: float = 1.0,
     ) -> float:
         """Backward of the objective over ``completions`` (one row at a time: a CPU keeps the peak of one)."""
         model = self.loaded.model
@@ -298,6 +328,7 @@ class StreamMemory:
                 loss = sft_loss(logps, mask) / n
             if not torch.isfinite(loss):
                 raise NonFiniteError(f"stream memory loss is {loss.item()}")
+            loss = loss * scale
             loss.backward()
             total += float(loss.item())
         return total
@@ -319,6 +350,7 @@ class StreamMemory:
         with torch.no_grad():
             self.soft.copy_(target.soft_prompt.to(torch.float32))
         self.optim = torch.optim.AdamW([self.soft], lr=self.cfg.learning_rate, weight_decay=0.0)
+        self.pooled = []  # drawn with the versions rolled back
         self._write(version, self.soft, history=self.history, optim={})
         self.version = version
 
@@ -329,6 +361,7 @@ class StreamMemory:
             new = self.files.current_version()
             new = (new if new is not None else self.version) + 1
             self.history.append({"version": new, "rollback_to": version, "reasons": [reason]})
+            self.pooled = []
             with torch.no_grad():
                 self.soft.copy_(memory.soft_prompt.to(torch.float32))
             self.optim = torch.optim.AdamW([self.soft], lr=self.cfg.learning_rate, weight_decay=0.0)
@@ -354,3 +387,13 @@ class StreamMemory:
 
     def write_summary(self, path: str | Path) -> None:
         write_bytes_atomic(path, json.dumps(self.summary(), indent=2).encode())
+
+
+def _trained_on(item: _Pooled) -> dict[str, Any]:
+    """What the history keeps of one question an update learned from."""
+    return {
+        "question": item.question[:HISTORY_QUESTION_CHARS],
+        "question_hash": question_hash(item.question),
+        "label": item.label,
+        "label_share": round(item.share, 4),
+    }
