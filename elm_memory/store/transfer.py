@@ -75,26 +75,29 @@ def export_peft(s: ChromaMemoryStore, records: list[MemoryRecord], out: Path, cf
     """One adapter folder per memory: ``out`` itself for one, ``out/<id>`` for several. Every memory is
     loaded and checked (prefix position) before the first folder is written."""
     from elm_memory.memory.ids import validate_memory_id
-    from elm_memory.memory.peft import export_adapter, memory_position, require_prefix
+    from elm_memory.memory.peft import memory_position, require_prefix
 
     memories = [s.load(r) for r in records]
     for m in memories:
         validate_memory_id(m.id)  # names a folder below
         require_prefix(m, memory_position(m, cfg.prompt.soft_prompt_position))
     models = prepared_models()
-    written = []
-    for m in memories:
-        folder = out if len(memories) == 1 else out / m.id
-        info = models.get(m.meta.model_fingerprint)
-        base = info.path if info is not None else m.meta.model_name
-        written.append(str(export_adapter(m, folder, position="prefix", base_model=base)))
-    return written
+    return [_adapter(m, out if len(memories) == 1 else out / m.id, models) for m in memories]
+
+
+def _adapter(memory: LatentMemory, folder: Path, models: dict[str, Any]) -> str:
+    """Write one prefix memory as a PEFT adapter, naming its prepared base model where this machine has it."""
+    from elm_memory.memory.peft import export_adapter
+
+    info = models.get(memory.meta.model_fingerprint)
+    base = info.path if info is not None else memory.meta.model_name
+    return str(export_adapter(memory, folder, position="prefix", base_model=base))
 
 
 def export_stream(cfg: ELMConfig, namespace: str, version: int | None, out: Path, format_: str) -> str:
     """One stream memory version (default: the serving one) as a memory file (``out``, or ``out/<id>.safetensors``
     for a folder) or a PEFT prompt-tuning adapter folder. Its metadata keeps the history that trained it."""
-    from elm_memory.memory.peft import export_adapter, memory_position, require_prefix
+    from elm_memory.memory.peft import memory_position, require_prefix
     from elm_memory.store.stream_files import StreamFiles, stream_root
 
     files = StreamFiles(stream_root(cfg.store.path), namespace)
@@ -103,9 +106,7 @@ def export_stream(cfg: ELMConfig, namespace: str, version: int | None, out: Path
     memory, _ = files.read(version)
     if format_ == "peft":
         require_prefix(memory, memory_position(memory, cfg.prompt.soft_prompt_position))
-        info = prepared_models().get(memory.meta.model_fingerprint)
-        base = info.path if info is not None else memory.meta.model_name
-        return str(export_adapter(memory, out, position="prefix", base_model=base))
+        return _adapter(memory, out, prepared_models())
     path = out if out.suffix == ".safetensors" else export_path(out, memory.id)
     memory.save(path)
     return str(path)

@@ -159,7 +159,7 @@ class StreamMemory:
         if current is not None and current != self.version:
             served = self.version
             self._load_current()
-            if any(h.get("rollback_to") is not None and h["version"] > served for h in self.history):
+            if any(v > served for v in self._rollback_versions()):
                 self.pooled = []  # drawn with versions that have since been rolled back
 
     def _write(

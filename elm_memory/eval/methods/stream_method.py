@@ -146,7 +146,7 @@ class StreamEval:
         names = ["zero_shot", *softs]  # greedy rows, then sample groups, in this order
 
         at = prompt.memory_at
-        greedy_rows = [prompt.zero_shot(), *(under_soft_prompt([prompt.zero_shot()], s, at)[0] for s in softs.values())]
+        greedy_rows = [prompt.zero_shot(), *(prompt.with_memory(s) for s in softs.values())]
         requests: list[GenerateRequest] = [(greedy_rows, params), (samples, sample_params)]
         # the init's samples are not drawn: its ablation is its greedy answer (the vote's control is self-consistency)
         requests += [(under_soft_prompt(samples, s, at), sample_params) for obj, s in softs.items() if obj != "init"]
