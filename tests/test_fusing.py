@@ -389,3 +389,31 @@ def test_an_interrupt_in_the_calling_thread_ends_every_part_at_once(where):
 
 def _interrupt(requests):
     raise KeyboardInterrupt
+
+
+def test_generate_many_decodes_calls_sharing_one_lora_memory_as_one_batch(tiny_backend, tiny_loaded):
+    """A lora stream memory's greedy row and samples share a decode; the base model's calls share another; each
+    row is the one its own call gives (float32)."""
+    from elm_memory.memory.lora import LoraAdapter
+
+    lora = LoraAdapter.initial(tiny_loaded.model, rank=2, alpha=4.0, seed=3)
+    with torch.no_grad():
+        for _, b in lora.weights.values():
+            b.normal_(0, 0.5)  # well away from the base model, so a lost adapter would show
+    a, b, c = _prompts(tiny_backend)
+    a_mem, b_mem = PromptInput(a, memory=lora), PromptInput(b, memory=lora)
+    requests = [([a], GREEDY), ([a_mem], GREEDY), ([c], SAMPLED), ([b_mem], SAMPLED)]
+    alone = [tiny_backend.generate(prompts, params) for prompts, params in requests]
+    calls = []
+    real = decode.sample
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("memory"))
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode, "sample", spy)
+        together = tiny_backend.generate_many(requests)
+    assert calls == [None, lora]  # two decodes: the base model's calls, then the lora's
+    assert [_ids(r) for r in together] == [_ids(r) for r in alone]
+    assert _ids(together[0]) != _ids(together[1])  # the adapter was applied to its rows only

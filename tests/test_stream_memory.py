@@ -12,8 +12,9 @@ from elm_memory.config import ELMConfig
 from elm_memory.errors import MemoryFormatError
 from elm_memory.memory import LatentMemory
 from elm_memory.store.stream_files import StreamFiles, folder_name
-from elm_memory.training.stream import Generated, StreamMemory
+from elm_memory.training.stream import StreamMemory
 from elm_memory.training.stream_guard import CollapseGuard, Observation, answer_entropy
+from elm_memory.training.stream_samples import Generated
 
 
 def _config(**stream) -> ELMConfig:
@@ -125,7 +126,7 @@ def stream(smol, tmp_path):
 
 def test_a_new_stream_memory_is_its_init_at_version_0(stream):
     assert stream.version == 0
-    assert torch.equal(stream.soft_prompt, stream.init)
+    assert torch.equal(stream.soft_prompt, stream.init["soft_prompt"])
     assert stream.files.current_version() == 0
 
 
@@ -193,7 +194,7 @@ def test_the_guard_rolls_back_to_the_version_that_opened_the_window(smol, tmp_pa
     unboxed = _gens(smol.tokenizer, ["no box", "none", "\\boxed{5}", "still none", "nope"])
     update = stream.learn("q2", ids, at, unboxed, label="5", version_used=1, zero_shot_answer="5")
     assert update.skipped == "rolled_back" and update.guard is not None and update.guard["rollback_to"] == 0
-    assert stream.version == 2 and torch.equal(stream.soft_prompt, stream.init)
+    assert stream.version == 2 and torch.equal(stream.soft_prompt, stream.init["soft_prompt"])
     history = LatentMemory.load(stream.files.path(2)).meta.config["stream"]["history"]
     assert history[-1]["rollback_to"] == 0 and history[-1]["reasons"]
     assert stream.summary()["rollbacks"][0]["to"] == 0
@@ -237,7 +238,7 @@ def test_a_second_process_continues_from_the_newest_version(smol, tmp_path):
     assert again.version == 1 and torch.equal(again.soft_prompt, first.soft_prompt)
     assert again.optim.state[again.soft]["exp_avg"].abs().sum() > 0  # the optimizer's moments came along
     again.restore_version(0, reason="test")
-    assert again.version == 2 and torch.equal(again.soft_prompt, again.init)
+    assert again.version == 2 and torch.equal(again.soft_prompt, again.init["soft_prompt"])
 
 
 # -- in the graph ------------------------------------------------------------------------
@@ -439,7 +440,7 @@ def test_a_stream_memory_version_exports_as_a_file_and_as_a_peft_adapter_that_pe
 
     out = run(memories_app, ["export", "--stream", "--version", "0", str(tmp_path / "v0.safetensors"), *common])
     assert out.exit_code == 0, out.output
-    assert torch.equal(LatentMemory.load(tmp_path / "v0.safetensors").soft_prompt, stream.init.to(torch.float32))
+    assert torch.equal(LatentMemory.load(tmp_path / "v0.safetensors").soft_prompt, stream.init["soft_prompt"])
 
     out = run(memories_app, ["export", "--stream", "--format", "peft", str(tmp_path / "adapter"), *common, "--json"])
     assert out.exit_code == 0, out.output
@@ -484,3 +485,119 @@ def test_a_rollback_empties_the_pool(smol, tmp_path):
     assert len(stream.pooled) == 1
     stream.restore_version(0, reason="by hand")
     assert stream.pooled == []
+
+
+# -- a lora stream memory ------------------------------------------------------------------
+def test_a_lora_stream_memory_starts_as_the_base_model_learns_and_continues_in_a_new_process(smol, tmp_path):
+    from elm_memory.backends.base import PromptInput
+    from elm_memory.backends.teacher_forcing import completion_logprobs
+
+    cfg = _config(kind="lora")
+    stream = StreamMemory(cfg, smol, tmp_path, namespace="team-a")
+    assert stream.kind == "lora" and stream.init_is_base_model and cfg.stream.lr == 1e-4
+    assert all(not t.any() for n, t in stream.init.items() if n.endswith(".B"))
+    ids, at = _prompt(smol)
+    completion = smol.tokenizer("so \\boxed{5}", add_special_tokens=False)["input_ids"]
+    [served] = stream.serve([PromptInput(tuple(ids))], at)
+    assert served.memory is not None and served.soft_prompt is None
+    with torch.no_grad():  # B = 0: the untrained memory scores every token exactly as the base model does
+        under, _ = completion_logprobs(smol.model, [served], [completion])
+        base, _ = completion_logprobs(smol.model, [PromptInput(tuple(ids))], [completion])
+    assert torch.equal(under, base)
+
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    update = stream.learn("What is 2 + 3?", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert update.applied and update.version == 1 and update.moved > 0
+    saved = LatentMemory.load(stream.files.path(1))
+    assert saved.kind == "lora" and saved.meta.config["stream"]["history"][0]["label"] == "5"
+    assert any(t.any() for n, t in saved.params.items() if n.endswith(".B"))  # the update moved B off zero
+    with torch.no_grad():
+        [now] = stream.serve([PromptInput(tuple(ids))], at)
+        trained, _ = completion_logprobs(smol.model, [now], [completion])
+    assert not torch.equal(trained, base)
+
+    again = StreamMemory(cfg, smol, tmp_path, namespace="team-a")  # another process: the same version and moments
+    assert again.version == 1
+    assert all(torch.equal(again.params[n], stream.params[n]) for n in stream.params)
+    assert again._optimizer_state().keys() == stream._optimizer_state().keys() != set()
+    assert again.summary()["kind"] == "lora" and again.summary()["updates"] == 1
+
+
+def test_a_non_finite_lora_update_leaves_the_last_good_version_serving(smol, tmp_path, monkeypatch):
+    stream = StreamMemory(_config(kind="lora"), smol, tmp_path)
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    before = {n: p.detach().clone() for n, p in stream.params.items()}
+
+    def poisoned(self, *args, **kwargs):
+        for p in self.params.values():
+            p.grad = torch.full_like(p, float("nan"))
+        return 0.0
+
+    monkeypatch.setattr(StreamMemory, "_backward", poisoned)
+    update = stream.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert update.skipped == "non_finite" and stream.version == 0 and stream.files.versions() == [0]
+    assert all(torch.equal(stream.params[n], before[n]) for n in before)
+
+
+def test_a_stream_memory_of_another_kind_on_disk_is_refused_by_name(smol, tmp_path):
+    from elm_memory.errors import MemoryKindError
+
+    StreamMemory(_config(), smol, tmp_path, namespace="team-a")
+    with pytest.raises(MemoryKindError, match="stream.kind=soft_prompt"):
+        StreamMemory(_config(kind="lora"), smol, tmp_path, namespace="team-a")
+    with pytest.raises(MemoryKindError, match="not a lora memory"):
+        StreamMemory(_config(), smol, tmp_path, namespace="team-a").adapter()
+
+
+def test_a_lora_stream_memory_exports_as_a_peft_lora_adapter_that_peft_loads(smol, tmp_path):
+    import peft
+    from typer.testing import CliRunner
+
+    from elm_memory.cli.memories import memories_app
+    from elm_memory.config import ModelConfig
+    from elm_memory.models.loading import load_model
+
+    stream = StreamMemory(_config(kind="lora"), smol, tmp_path / "store" / "stream", namespace="team-a")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    stream.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    common = ["--store", str(tmp_path / "store"), "--namespace", "team-a"]
+    out = CliRunner().invoke(memories_app, ["export", "--stream", "--format", "peft", str(tmp_path / "ad"), *common])
+    assert out.exit_code == 0, out.output
+    base = load_model(ModelConfig(name_or_path="packaged:smollm2-135m", dtype="float32", device="cpu")).model
+    model = peft.PeftModel.from_pretrained(base, str(tmp_path / "ad"))
+    name = "model.layers.0.self_attn.q_proj"
+    module = dict(model.base_model.model.named_modules())[name]
+    assert torch.equal(module.lora_B["default"].weight.detach(), stream.params[f"lora.{name}.B"].detach())
+
+
+def test_the_graph_answers_with_a_lora_stream_memory_and_learns(smol, tmp_path):
+    with _stream_elm(smol, tmp_path, ["so \\boxed{5}"], objective="sft", kind="lora") as elm:
+        first = elm.answer("What is 2 + 3?")
+        assert first.answer == "5" and first.stream_update["applied"] and first.stream_update["version"] == 1
+        # the stream memory's greedy row and its samples carried the lora; the zero-shot row did not
+        assert sum(p.memory is not None for p in elm.backend.calls) == 1 + 3
+        assert elm.services().stream_memory("default").summary()["kind"] == "lora"
+
+
+@pytest.mark.model
+def test_elm_stream_with_a_lora_memory_reports_its_init_as_zero_shot_and_learns(
+    evidence_config, tiny_loaded, tiny_backend, tmp_path
+):
+    from elm_memory.data.datasets import load_problems
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+    from elm_memory.eval.records import RecordLog
+
+    cfg = evidence_config.model_copy(update={"stream": evidence_config.stream.model_copy(update={"kind": "lora"})})
+    problems = load_problems("synth-arith", limit=2, seed=17)
+    runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+    run_stream(problems, ["elm_stream"], cfg, tmp_path, dataset="synth-arith", seed=17, runtime=runtime, progress=False)
+    records = RecordLog(tmp_path / "records.jsonl").read()
+    for r in records:
+        extra = r["extra"]["stream"]
+        assert extra["kind"] == "lora" and extra["init_is_zero_shot"]
+        assert extra["rows"]["init_greedy"] == extra["rows"]["zero_shot"]
+        assert extra["versions"]["grpo"] <= r["index"]  # one version per applied update at most
+    assert LatentMemory.load(next((tmp_path / "stream" / "grpo").rglob("v000000.safetensors"))).kind == "lora"

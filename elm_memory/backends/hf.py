@@ -152,23 +152,44 @@ class HFBackend:
     def generate_many(
         self, requests: Sequence[tuple[Sequence[PromptLike], SamplingParams]]
     ) -> list[list[list[Generation]]]:
-        """Several ``generate`` calls at once: what each returns, with all their prompts decoded as
-        one batch where they can share it (each prompt under its own call's params and seed, so its
-        rows are the ones its own call would decode, up to the batch's effect on bf16 arithmetic).
+        """Several ``generate`` calls at once: what each returns, with the prompts of calls that can share a
+        batch decoded as one (each prompt under its own call's params and seed, so its rows are the ones its
+        own call would decode, up to the batch's effect on bf16 arithmetic).
 
-        Calls with a lora/prefix memory (a hook or cache serves a whole batch), with ``logprobs``, or
-        more rows than ``backend.max_batch_rows``, and the ``generate`` decode loop, run one by one.
+        Calls share a batch when their prompts all carry the same lora memory, or none: a hook serves a whole
+        batch, so a stream memory's greedy answer and samples share one decode, the base model's rows another.
+        Calls with a prefix memory, mixed memories, or ``logprobs``, groups of more rows than
+        ``backend.max_batch_rows``, and the ``generate`` decode loop run one by one.
         """
         calls = [([to_prompt_input(p, self.tokenizer) for p in prompts], params) for prompts, params in requests]
-        rows = sum(len(inputs) * params.n for inputs, params in calls)
-        fusable = (
-            len(calls) > 1
-            and self.decode_loop == "elm"
-            and rows <= self.batch_size
-            and not any(params.logprobs or any(p.memory is not None for p in inputs) for inputs, params in calls)
-        )
-        if not fusable:
-            return [self.generate(inputs, params) for inputs, params in calls]
+        out: list[list[list[Generation]] | None] = [None] * len(calls)
+        groups: dict[int, list[int]] = {}
+        for i, (inputs, params) in enumerate(calls):
+            memories = {id(p.memory): p.memory for p in inputs}
+            memory = next(iter(memories.values())) if len(memories) == 1 else None
+            shareable = (
+                self.decode_loop == "elm"
+                and not params.logprobs
+                and len(memories) == 1
+                and (memory is None or memory.kind == "lora")
+            )
+            # a call that cannot share gets a group of its own (a negative key no memory id takes)
+            groups.setdefault(id(memory) if shareable else -1 - i, []).append(i)
+        for indices in groups.values():
+            group = [calls[i] for i in indices]
+            rows = sum(len(inputs) * params.n for inputs, params in group)
+            if len(group) > 1 and rows <= self.batch_size:
+                results = self._generate_fused(group)
+            else:
+                results = [self.generate(inputs, params) for inputs, params in group]
+            for i, result in zip(indices, results, strict=True):
+                out[i] = result
+        return [r for r in out if r is not None]
+
+    def _generate_fused(
+        self, calls: Sequence[tuple[list[PromptInput], SamplingParams]]
+    ) -> list[list[list[Generation]]]:
+        """Calls whose prompts share one memory (or none), decoded as one batch."""
         batch = [p for inputs, _ in calls for p in inputs]
         options, generators, stops = [], [], []
         for inputs, params in calls:
@@ -190,7 +211,7 @@ class HFBackend:
             eos_ids=self.eos_ids,
             generators=generators if any(g is not None for g in generators) else None,
             should_stop=stop if any(stops) else None,
-            memory=None,
+            memory=batch[0].memory,
             **tensors,
         )
         out: list[list[list[Generation]]] = []

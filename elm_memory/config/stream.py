@@ -36,7 +36,19 @@ class StreamConfig(ConfigSection):
             "self-distillation, the log-likelihood of the generations that agree with the vote."
         ),
     )
-    learning_rate: float = Field(default=3e-4, gt=0.0, description="AdamW learning rate of the stream memory.")
+    kind: Literal["soft_prompt", "lora"] = Field(
+        default="soft_prompt",
+        description=(
+            "`soft_prompt`: `memory.num_tokens` vectors before the question, started from `init`. `lora`: "
+            "rank `memory.lora_rank` on every attention and MLP projection, B = 0 at the start, so the untrained "
+            "stream memory is the base model exactly (its greedy answer is zero-shot's)."
+        ),
+    )
+    learning_rate: float | None = Field(
+        default=None,
+        gt=0.0,
+        description="AdamW learning rate of the stream memory (default: 3e-4 for a soft prompt, 1e-4 for lora).",
+    )
     max_grad_norm: float = Field(default=1.0, gt=0.0, description="Gradient clipping per update.")
     init: Literal["instruction", "random"] = Field(
         default="instruction",
@@ -91,6 +103,13 @@ class StreamConfig(ConfigSection):
             "never fewer than twice `guard_window`, so the version a rollback returns to is still there."
         ),
     )
+
+    @property
+    def lr(self) -> float:
+        """``learning_rate``, or the kind's default (the per-question memories' rates for the same kinds)."""
+        if self.learning_rate is not None:
+            return self.learning_rate
+        return 1e-4 if self.kind == "lora" else 3e-4
 
     @property
     def versions_to_keep(self) -> int:

@@ -31,7 +31,8 @@ from elm_memory.graph.context import ELMRunContext
 from elm_memory.graph.nodes import ELMNodes, _elapsed, _warning, answer_params, candidate_state
 from elm_memory.graph.routing import VOTE
 from elm_memory.graph.state import ELMState
-from elm_memory.training.stream import Generated, StreamMemory, answer_budget_samples, under_soft_prompt
+from elm_memory.training.stream import StreamMemory
+from elm_memory.training.stream_samples import Generated, answer_budget_samples
 from elm_memory.verifiers.base import SamplingVerifier
 from elm_memory.verifiers.consistency import agreement_scores
 
@@ -63,17 +64,17 @@ class StreamNodes(ELMNodes):
         cfg = svc.config
         question = state["question"]
         stream = svc.stream_memory(state["namespace"])
-        version, soft = stream.version, stream.soft_prompt
         prompt = svc.prompts.answer_prompt(question, memory_tokens=cfg.memory.num_tokens)
         rows, kinds, memory_id, warnings = self._candidate_rows(prompt, state.get("memory_id"))
-        rows.append(prompt.with_memory(soft))
-        kinds.append(STREAM_KIND)
         params = answer_params(cfg, prompt, svc.backend.info.max_context)
         samples, sample_params = answer_budget_samples(self._sampler(), question, prompt, params)
-        on_policy = under_soft_prompt(samples, soft, prompt.memory_at)
-        requests: list[GenerateRequest] = [(rows, params), (on_policy, sample_params)]
-        greedy_groups, sample_groups = generate_requests(svc.backend, requests)
-        greedy = [gens[0] for gens in greedy_groups]
+        # the serving version's greedy row and samples: one call each (a lora memory decodes as its own batch)
+        version, at = stream.version, prompt.memory_at
+        mine, on_policy = stream.serve([prompt.zero_shot()], at), stream.serve(samples, at)
+        requests: list[GenerateRequest] = [(rows, params), (mine, params), (on_policy, sample_params)]
+        greedy_groups, mine_groups, sample_groups = generate_requests(svc.backend, requests)
+        kinds.append(STREAM_KIND)
+        greedy = [gens[0] for gens in [*greedy_groups, *mine_groups]]
         drawn = [g for gens in sample_groups for g in gens]
         candidates = [candidate_state(kind, gen) for kind, gen in zip(kinds, greedy, strict=True)]
         answers = [extract_answer(g.text) for g in drawn]

@@ -96,7 +96,8 @@ def _adapter(memory: LatentMemory, folder: Path, models: dict[str, Any]) -> str:
 
 def export_stream(cfg: ELMConfig, namespace: str, version: int | None, out: Path, format_: str) -> str:
     """One stream memory version (default: the serving one) as a memory file (``out``, or ``out/<id>.safetensors``
-    for a folder) or a PEFT prompt-tuning adapter folder. Its metadata keeps the history that trained it."""
+    for a folder) or a PEFT adapter folder (prompt tuning for a soft prompt, LoRA for a lora stream memory). Its
+    metadata keeps the history that trained it."""
     from elm_memory.memory.peft import memory_position, require_prefix
     from elm_memory.store.stream_files import StreamFiles, stream_root
 
@@ -105,7 +106,8 @@ def export_stream(cfg: ELMConfig, namespace: str, version: int | None, out: Path
         raise StoreError(f"namespace {namespace!r} has no stream memory under {files.dir.parent}")
     memory, _ = files.read(version)
     if format_ == "peft":
-        require_prefix(memory, memory_position(memory, cfg.prompt.soft_prompt_position))
+        if memory.kind == "soft_prompt":  # a lora stream memory is a PEFT LoRA adapter wherever prompts go
+            require_prefix(memory, memory_position(memory, cfg.prompt.soft_prompt_position))
         return _adapter(memory, out, prepared_models())
     path = out if out.suffix == ".safetensors" else export_path(out, memory.id)
     memory.save(path)

@@ -1,5 +1,6 @@
-"""Where a stream memory is trained: one soft prompt per namespace that every answered question updates once,
-from the generations the answer path already drew with it (no extra decode).
+"""Where a stream memory is trained: one latent memory per namespace (a soft prompt, or a LoRA with
+``stream.kind: lora``) that every answered question updates once, from the generations the answer path already
+drew with it (no extra decode).
 
 One update, given a question's prompt, the memory's greedy answer and samples (drawn with the version that
 serves) and the label (the vote the answer path returned):
@@ -9,7 +10,7 @@ serves) and the label (the vote the answer path returned):
 - ``sft``: self-distillation, the mean log-likelihood of the generations (greedy and samples) that agree with
   the label; skipped when none does;
 
-then gradient clipping and one AdamW step on the soft prompt, the base model frozen. A non-finite loss or
+then gradient clipping and one AdamW step on the memory's tensors, the base model frozen. A non-finite loss or
 result leaves the serving version as it was. Every applied update is written as a new version
 (:class:`~elm_memory.store.stream_files.StreamFiles`) under a file lock, after re-reading the newest version,
 so two learners of one namespace serialise. The collapse guard (:mod:`.stream_guard`) reads each question's
@@ -22,7 +23,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -31,43 +32,25 @@ import torch
 
 from elm_memory.answers import equivalent
 from elm_memory.atomic import write_bytes_atomic
-from elm_memory.backends.base import GenerateRequest, PromptInput, SamplingParams
+from elm_memory.backends.base import PromptInput
 from elm_memory.backends.teacher_forcing import completion_logprobs
 from elm_memory.config import ELMConfig
-from elm_memory.errors import NonFiniteError
+from elm_memory.errors import MemoryKindError, NonFiniteError
 from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import question_hash
 from elm_memory.memory.init import init_soft_prompt
+from elm_memory.memory.kinds import LORA, SOFT_PROMPT
+from elm_memory.memory.lora import LoraAdapter
 from elm_memory.models.loading import LoadedModel
 from elm_memory.store.stream_files import StreamFiles
 from elm_memory.training.losses import advantages_from_rewards, policy_loss, sft_loss
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
+from elm_memory.training.stream_samples import Generated, under_soft_prompt
 
 #: What a stream memory's file says it is (its ``question`` field: a stream memory has no one question).
 STREAM_QUESTION = "stream memory of namespace {namespace}"
 #: Longest question text kept per history entry in a version's file (the hash identifies it whole).
 HISTORY_QUESTION_CHARS = 400
-
-
-def answer_budget_samples(sampler: Any, question: str, prompt: Any, answer: SamplingParams) -> GenerateRequest:
-    """The sampling verifier's seeded rows for ``question`` (from ``prompt``'s zero-shot form), their budget cut
-    to the answer's: the samples a stream memory votes over and learns from are answers like its greedy one."""
-    rows, params = sampler.sample_request(question, prompt.zero_shot())
-    return rows, dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, answer.max_new_tokens))
-
-
-def under_soft_prompt(rows: Sequence[Any], soft: torch.Tensor, at: int) -> list[PromptInput]:
-    """The same rows (seeds kept) with the stream memory's soft prompt inserted at ``at``: on-policy samples."""
-    return [dataclasses.replace(p, soft_prompt=soft, soft_prompt_at=at) for p in rows]
-
-
-@dataclass(frozen=True)
-class Generated:
-    """One generation the answer path drew with the stream memory: its tokens and final answer."""
-
-    token_ids: Sequence[int]
-    answer: str | None
-    sampled: bool  # a sample (on-policy for GRPO), not the greedy answer
 
 
 @dataclass
@@ -82,7 +65,7 @@ class StreamUpdate:
     skipped: str | None = None  # why no update: "uniform_rewards" | "no_agreeing" | "weak_label" | "rolled_back" | ...
     loss: float | None = None
     grad_norm: float | None = None
-    moved: float | None = None  # ||soft - init|| / ||init|| after the update
+    moved: float | None = None  # ||memory - init|| / ||init|| after the update (all its tensors)
     seconds: float = 0.0
     guard: dict[str, Any] | None = None  # the window's verdict, when this question closed one
 
@@ -109,6 +92,7 @@ class StreamMemory:
     def __init__(self, config: ELMConfig, loaded: LoadedModel, root: str | Path, namespace: str | None = None):
         self.config = config
         self.cfg = config.stream
+        self.kind = SOFT_PROMPT if self.cfg.kind == "soft_prompt" else LORA
         self.loaded = loaded
         self.namespace = namespace or config.namespace
         self.files = StreamFiles(root, self.namespace)
@@ -120,38 +104,120 @@ class StreamMemory:
         )
         self.temperature = config.verifier.consistency_temperature  # what the answer path's samples used
         self.pooled: list[_Pooled] = []  # questions waiting for a batch (stream.update_every > 1), this process only
+        self.init = self.initial_tensors()  # rebuilt, not stored: the same text (or seed) gives the same tensors
         with self.files.lock():
             if self.files.current_version() is None:
-                init = self.initial_soft_prompt()
-                self._write(0, init, history=[], optim={})
+                self.params = _parameters(self.init)
+                self._write(0, history=[], optim={})
             self._load_current()
 
     # -- state -----------------------------------------------------------------------
     def initial_soft_prompt(self) -> torch.Tensor:
-        """The untrained stream memory: the format instruction's token embeddings, tiled to k (or random)."""
+        """The untrained soft-prompt memory: the format instruction's token embeddings, tiled to k (or random)."""
         k = self.config.memory.num_tokens
         ids = self.loaded.tokenizer(self.cfg.format_instruction, add_special_tokens=False)["input_ids"]
         mode = "question" if self.cfg.init == "instruction" else "random"
         return init_soft_prompt(self.loaded.model.get_input_embeddings(), ids, k, mode, self.config.training.seed)
+
+    def initial_tensors(self) -> dict[str, torch.Tensor]:
+        """The untrained memory's tensors by name: a soft prompt, or a LoRA with B = 0 (the base model)."""
+        if self.kind == SOFT_PROMPT:
+            return {"soft_prompt": self.initial_soft_prompt()}
+        m = self.config.memory
+        lora = LoraAdapter.initial(
+            self.loaded.model, rank=m.lora_rank, alpha=m.lora_alpha, seed=self.config.training.seed
+        )
+        return lora.tensors()
+
+    @property
+    def init_is_base_model(self) -> bool:
+        """Whether the untrained memory answers exactly as the base model (a LoRA from B = 0)."""
+        return self.kind == LORA
+
+    @property
+    def soft(self) -> torch.Tensor:
+        """The trained soft prompt itself (a soft-prompt stream memory only)."""
+        if self.kind != SOFT_PROMPT:
+            raise MemoryKindError(f"the stream memory of {self.namespace!r} is a lora memory, not a soft prompt")
+        return self.params["soft_prompt"]
 
     @property
     def soft_prompt(self) -> torch.Tensor:
         """The serving version's soft prompt (a copy: later updates do not change it)."""
         return self.soft.detach().clone()
 
+    def adapter(self, *, trainable: bool = False) -> LoraAdapter:
+        """The serving LoRA (a copy, unless ``trainable``: then the tensors the optimizer updates)."""
+        if self.kind != LORA:
+            raise MemoryKindError(f"the stream memory of {self.namespace!r} is a soft prompt, not a lora memory")
+        lora = _lora_of(self.params, self.config.memory.lora_alpha)
+        return lora if trainable else lora.detached()
+
+    def serve(self, rows: Sequence[Any], at: int) -> list[PromptInput]:
+        """The rows (seeds kept) conditioned on the serving version: on-policy greedy answers and samples."""
+        if self.kind == SOFT_PROMPT:
+            return under_soft_prompt(rows, self.soft_prompt, at)
+        adapter = self.adapter()  # one object for all the rows: the backend decodes them as one batch
+        return [dataclasses.replace(p, memory=adapter) for p in rows]
+
+    def serve_init(self, rows: Sequence[Any], at: int) -> list[PromptInput]:
+        """The rows under the untrained memory (for a LoRA: the rows themselves, the base model)."""
+        if self.kind == SOFT_PROMPT:
+            return under_soft_prompt(rows, self.init["soft_prompt"], at)
+        return list(rows)
+
     def _load_current(self) -> None:
         memory, optim = self.files.read()
+        if memory.kind != self.kind:
+            raise MemoryKindError(
+                f"the stream memory of {self.namespace!r} on disk is a {memory.kind} memory but stream.kind is "
+                f"{self.cfg.kind}: use another store path or namespace, or set stream.kind={memory.kind}"
+            )
         meta = memory.meta.config["stream"]
         self.version = int(meta["version"])
-        self.init = self.initial_soft_prompt()  # rebuilt, not stored: the same text (or seed) gives the same tensor
         self.history: list[dict[str, Any]] = list(meta.get("history", []))
-        self.soft = torch.nn.Parameter(memory.soft_prompt.detach().to(torch.float32).clone())
-        self.optim = torch.optim.AdamW([self.soft], lr=self.cfg.learning_rate, weight_decay=0.0)
-        if optim:
-            self.optim.state[self.soft] = {k: v.clone() for k, v in optim.items()}
+        self.params = _parameters(memory.params)
+        self._new_optimizer(optim)
         guard_state = meta.get("guard")
         if guard_state is not None:
             self.guard.restore(guard_state)
+
+    def _new_optimizer(self, state: dict[str, torch.Tensor] | None = None) -> None:
+        """AdamW over the memory's tensors, with the moments ``state`` holds (none: fresh)."""
+        self.optim = torch.optim.AdamW(list(self.params.values()), lr=self.cfg.lr, weight_decay=0.0)
+        if state:
+            self._set_optimizer_state(state)
+
+    def _optimizer_state(self) -> dict[str, torch.Tensor]:
+        """The moments by name (a soft prompt's unprefixed, as its files have always held them)."""
+        out = {}
+        for name, p in self.params.items():
+            for key, value in self.optim.state.get(p, {}).items():
+                out[key if self.kind == SOFT_PROMPT else f"{name}/{key}"] = value.detach().clone()
+        return out
+
+    def _set_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
+        for name, p in self.params.items():
+            if self.kind == SOFT_PROMPT:
+                mine = state
+            else:
+                mine = {k.split("/", 1)[1]: v for k, v in state.items() if k.split("/", 1)[0] == name}
+            if mine:
+                self.optim.state[p] = {k: v.clone() for k, v in mine.items()}
+
+    def _copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set the memory's tensors to ``tensors`` (an earlier version's), in place."""
+        if set(tensors) != set(self.params):
+            raise MemoryKindError(f"stream memory version tensors {sorted(tensors)[:3]} do not match the memory's")
+        with torch.no_grad():
+            for name, p in self.params.items():
+                p.copy_(tensors[name].to(torch.float32))
+
+    def moved(self) -> float:
+        """||memory - init|| / ||init|| over all its tensors."""
+        diff = sum(float((p.detach() - self.init[n]).pow(2).sum()) for n, p in self.params.items())
+        base = sum(float(t.pow(2).sum()) for t in self.init.values())
+        return (diff**0.5) / max(base**0.5, 1e-12)
 
     def refresh(self) -> None:
         """Serve the newest version on disk (another learner may have written it)."""
@@ -162,14 +228,7 @@ class StreamMemory:
             if any(v > served for v in self._rollback_versions()):
                 self.pooled = []  # drawn with versions that have since been rolled back
 
-    def _write(
-        self,
-        version: int,
-        soft: torch.Tensor,
-        *,
-        history: list[dict[str, Any]],
-        optim: dict[str, torch.Tensor],
-    ) -> None:
+    def _write(self, version: int, *, history: list[dict[str, Any]], optim: dict[str, torch.Tensor]) -> None:
         info = self.loaded.info
         meta = {
             "version": version,
@@ -179,8 +238,9 @@ class StreamMemory:
             "history": history,
             "guard": self.guard.state(),
         }
+        tensors = {"adapter": self.adapter()} if self.kind == LORA else {"soft_prompt": self.soft_prompt}
         memory = LatentMemory.create(
-            soft.detach().to(torch.float32).clone(),
+            **tensors,
             question=STREAM_QUESTION.format(namespace=self.namespace),
             namespace=self.namespace,
             model=info,
@@ -264,19 +324,20 @@ class StreamMemory:
 
     def _step(self, update: StreamUpdate, batch: list[_Pooled]) -> None:
         """One optimizer step over the batch's generations (each question's loss weighted 1/len(batch))."""
-        before = {k: v.clone() for k, v in self.optim.state.get(self.soft, {}).items()}
-        old = self.soft.detach().clone()
+        before = self._optimizer_state()
+        old = {n: p.detach().clone() for n, p in self.params.items()}
         self.optim.zero_grad(set_to_none=True)
         try:
             loss = sum(self._backward(b.prompt_ids, b.at, b.completions, b.weights, 1 / len(batch)) for b in batch)
-            norm = float(torch.nn.utils.clip_grad_norm_([self.soft], self.cfg.max_grad_norm))
+            norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.max_grad_norm))
             self.optim.step()
-            if not (torch.isfinite(self.soft).all() and torch.isfinite(torch.tensor(norm))):
+            finite = all(bool(torch.isfinite(p).all()) for p in self.params.values())
+            if not (finite and torch.isfinite(torch.tensor(norm))):
                 raise NonFiniteError(f"stream memory update from version {self.version} is non-finite")
         except NonFiniteError:
-            with torch.no_grad():  # the last good version keeps serving
-                self.soft.copy_(old)
-            self.optim.state[self.soft] = before
+            self._copy_in(old)  # the last good version keeps serving
+            self.optim.state.clear()
+            self._set_optimizer_state(before)
             update.skipped = "non_finite"
             return
         version = self.version + 1
@@ -289,12 +350,11 @@ class StreamMemory:
         if len(batch) > 1:  # the batch's other questions too; "label" stays the last one's, so counting is the same
             entry["batch"] = [_trained_on(b) for b in batch]
         self.history.append(entry)
-        state = self.optim.state[self.soft]
-        self._write(version, self.soft, history=self.history, optim={k: v for k, v in state.items()})
+        self._write(version, history=self.history, optim=self._optimizer_state())
         self.version = version
         update.applied, update.version = True, version
         update.loss, update.grad_norm = round(loss, 6), round(norm, 6)
-        update.moved = round(float((self.soft.detach() - self.init).norm() / self.init.norm().clamp(min=1e-12)), 6)
+        update.moved = round(self.moved(), 6)
 
     def _backward(
         self,
@@ -307,7 +367,10 @@ class StreamMemory:
         """Backward of the objective over ``completions`` (one row at a time: a CPU keeps the peak of one)."""
         model = self.loaded.model
         pad = self.loaded.tokenizer.pad_token_id or 0
-        prompt = PromptInput(tuple(prompt_ids), soft_prompt=self.soft, soft_prompt_at=at)
+        if self.kind == SOFT_PROMPT:
+            prompt = PromptInput(tuple(prompt_ids), soft_prompt=self.soft, soft_prompt_at=at)
+        else:  # gradients reach A and B through the hooks
+            prompt = PromptInput(tuple(prompt_ids), memory=self.adapter(trainable=True))
         total = 0.0
         n = len(completions)
         max_len = max(1, max(len(c) for c in completions))
@@ -347,11 +410,10 @@ class StreamMemory:
                 "question_hash": question_hash(question),
             }
         )
-        with torch.no_grad():
-            self.soft.copy_(target.soft_prompt.to(torch.float32))
-        self.optim = torch.optim.AdamW([self.soft], lr=self.cfg.learning_rate, weight_decay=0.0)
+        self._copy_in(target.params)
+        self._new_optimizer()
         self.pooled = []  # drawn with the versions rolled back
-        self._write(version, self.soft, history=self.history, optim={})
+        self._write(version, history=self.history, optim={})
         self.version = version
 
     def restore_version(self, version: int, *, reason: str) -> None:
@@ -362,21 +424,19 @@ class StreamMemory:
             new = (new if new is not None else self.version) + 1
             self.history.append({"version": new, "rollback_to": version, "reasons": [reason]})
             self.pooled = []
-            with torch.no_grad():
-                self.soft.copy_(memory.soft_prompt.to(torch.float32))
-            self.optim = torch.optim.AdamW([self.soft], lr=self.cfg.learning_rate, weight_decay=0.0)
-            if optim:
-                self.optim.state[self.soft] = {k: v.clone() for k, v in optim.items()}
-            self._write(new, self.soft, history=self.history, optim=optim)
+            self._copy_in(memory.params)
+            self._new_optimizer(optim)
+            self._write(new, history=self.history, optim=optim)
             self.version = new
 
     def summary(self) -> dict[str, Any]:
         """Version, updates, rollbacks and distance from the init (for listings and records)."""
         applied = [h for h in self.history if "label" in h]
         rollbacks = [h for h in self.history if h.get("rollback_to") is not None]
-        moved = float((self.soft.detach() - self.init).norm() / self.init.norm().clamp(min=1e-12))
+        moved = self.moved()
         return {
             "namespace": self.namespace,
+            "kind": self.kind,
             "version": self.version,
             "updates": len(applied),
             "rollbacks": [
@@ -397,3 +457,17 @@ def _trained_on(item: _Pooled) -> dict[str, Any]:
         "label": item.label,
         "label_share": round(item.share, 4),
     }
+
+
+def _parameters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
+    """Trainable float32 copies of a memory's tensors, by name."""
+    return {n: torch.nn.Parameter(t.detach().to(torch.float32).clone()) for n, t in tensors.items()}
+
+
+def _lora_of(tensors: Mapping[str, torch.Tensor], alpha: float) -> LoraAdapter:
+    """A LoRA over these very tensors (``lora.<module>.A`` / ``.B``): gradients reach them through its hooks."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for name, t in tensors.items():
+        module, part = name[len("lora.") :].rsplit(".", 1)
+        pairs.setdefault(module, {})[part] = t
+    return LoraAdapter({m: (ab["A"], ab["B"]) for m, ab in pairs.items()}, alpha)

@@ -3,7 +3,8 @@
 Per question, one batched call draws, with the same per-sample seeds where rows are sampled:
 
 - zero-shot greedy and the ``consistency`` verifier's k zero-shot samples (self-consistency: greedy + k, vote);
-- the stream memory's **untrained init**, greedy (the ablation of training);
+- the stream memory's **untrained init**, greedy (the ablation of training; a LoRA stream memory's init is the
+  base model itself, B = 0, so its answer is zero-shot's and is not decoded twice);
 - the question with the one-sentence format instruction appended, greedy (``zero_shot_format``);
 - per trained arm (one per objective), the stream memory's greedy + the same k samples under its serving version.
 
@@ -32,7 +33,8 @@ from elm_memory.errors import ConfigError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
 from elm_memory.eval.methods.baselines import ZeroShot
 from elm_memory.graph.nodes import answer_params
-from elm_memory.training.stream import Generated, StreamMemory, answer_budget_samples, under_soft_prompt
+from elm_memory.training.stream import StreamMemory
+from elm_memory.training.stream_samples import Generated, answer_budget_samples
 
 #: Where an evaluation keeps its stream memories: ``<run>/stream/<objective>/<namespace folder>/``.
 STREAM_DIR = "stream"
@@ -140,29 +142,33 @@ class StreamEval:
         format_params = answer_params(cfg, formatted, rt.backend.info.max_context)
         samples, sample_params = answer_budget_samples(self.sampler, question, prompt, params)
         arms = self.arms
-        init = next(iter(arms.values())).init
-        softs = {"init": init, **{obj: arm.soft_prompt for obj, arm in arms.items()}}
+        lead = next(iter(arms.values()))
         versions = {obj: arm.version for obj, arm in arms.items()}
-        names = ["zero_shot", *softs]  # greedy rows, then sample groups, in this order
+        at, zero = prompt.memory_at, prompt.zero_shot()
 
-        at = prompt.memory_at
-        greedy_rows = [prompt.zero_shot(), *(prompt.with_memory(s) for s in softs.values())]
-        requests: list[GenerateRequest] = [(greedy_rows, params), (samples, sample_params)]
+        decode_init = not lead.init_is_base_model
+        base = [zero, *(lead.serve_init([zero], at) if decode_init else [])]
+        same_budget = format_params.max_new_tokens == params.max_new_tokens
+        if same_budget:
+            base.append(formatted.zero_shot())
         # the init's samples are not drawn: its ablation is its greedy answer (the vote's control is self-consistency)
-        requests += [(under_soft_prompt(samples, s, at), sample_params) for obj, s in softs.items() if obj != "init"]
-        if format_params.max_new_tokens == params.max_new_tokens:
-            requests[0] = ([*greedy_rows, formatted.zero_shot()], params)
-        else:  # a budget of its own (a longer prompt near the context's end): its own call
+        requests: list[GenerateRequest] = [(base, params), (samples, sample_params)]
+        for arm in arms.values():  # an arm's greedy row and samples share one memory: one decode batch
+            requests += [(arm.serve([zero], at), params), (arm.serve(samples, at), sample_params)]
+        if not same_budget:  # a budget of its own (a longer prompt near the context's end): its own call
             requests.append(([formatted.zero_shot()], format_params))
         generated = generate_requests(rt.backend, requests)
         decode_seconds = time.perf_counter() - t0
 
-        greedy = [gens[0] for gens in generated[0]]
-        format_gen = greedy[len(names)] if len(greedy) > len(names) else generated[-1][0][0]
-        sampled_names = [n for n in names if n != "init"]
-        groups = [[g for gens in group for g in gens] for group in generated[1 : 1 + len(sampled_names)]]
-        sample_groups = dict(zip(sampled_names, groups, strict=True))
-        answers = {n: extract_answer(g.text) for n, g in zip(names, greedy, strict=False)}
+        base_gen = [gens[0] for gens in generated[0]]
+        format_gen = base_gen[-1] if same_budget else generated[-1][0][0]
+        greedy = {"zero_shot": base_gen[0]}
+        sample_groups = {"zero_shot": [g for gens in generated[1] for g in gens]}
+        for j, obj in enumerate(arms):
+            greedy[obj] = generated[2 + 2 * j][0][0]
+            sample_groups[obj] = [g for gens in generated[3 + 2 * j] for g in gens]
+        answers = {n: extract_answer(g.text) for n, g in greedy.items()}
+        answers["init"] = extract_answer(base_gen[1].text) if decode_init else answers["zero_shot"]
         sampled = {n: [extract_answer(g.text) for g in grp] for n, grp in sample_groups.items()}
         rows: dict[str, str | None] = {
             "zero_shot": answers["zero_shot"],
@@ -178,10 +184,9 @@ class StreamEval:
             "question": question,
             "prompt": prompt,
             "generations": {
-                obj: [Generated(greedy[i].token_ids, answers[obj], False)]
-                + [Generated(g.token_ids, extract_answer(g.text), True) for g in sample_groups[obj]]
-                for i, obj in enumerate(names)
-                if obj in arms
+                obj: [Generated(greedy[obj].token_ids, answers[obj], False)]
+                + [Generated(g.token_ids, a, True) for g, a in zip(sample_groups[obj], sampled[obj], strict=True)]
+                for obj in arms
             },
             "labels": {obj: rows[f"stream_vote[{obj}]"] for obj in arms},
             "versions": versions,
@@ -193,7 +198,7 @@ class StreamEval:
         ]
         return MethodOutput(
             answer=rows[f"stream_vote[{first}]"],
-            response=greedy[names.index(first)].text,
+            response=greedy[first].text,
             route="vote",
             candidates=candidates,
             extra={
@@ -201,6 +206,8 @@ class StreamEval:
                     "rows": rows,
                     "samples": sampled,
                     "versions": versions,
+                    "kind": lead.kind,
+                    "init_is_zero_shot": not decode_init,
                     "decode_rows": sum(len(r[0]) for r in requests),
                     "decode_seconds": round(decode_seconds, 3),
                 }

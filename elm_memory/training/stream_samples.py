@@ -1,0 +1,34 @@
+"""The answer path's generations a stream memory learns from: the sampling verifier's seeded rows at the answer's
+budget, put under the serving memory, and what each drew (shared by the evaluation and the graph)."""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elm_memory.backends.base import GenerateRequest, PromptInput, SamplingParams
+
+
+def answer_budget_samples(sampler: Any, question: str, prompt: Any, answer: SamplingParams) -> GenerateRequest:
+    """The sampling verifier's seeded rows for ``question`` (from ``prompt``'s zero-shot form), their budget cut
+    to the answer's: the samples a stream memory votes over and learns from are answers like its greedy one."""
+    rows, params = sampler.sample_request(question, prompt.zero_shot())
+    return rows, dataclasses.replace(params, max_new_tokens=min(params.max_new_tokens, answer.max_new_tokens))
+
+
+def under_soft_prompt(rows: Sequence[Any], soft: torch.Tensor, at: int) -> list[PromptInput]:
+    """The same rows (seeds kept) with the stream memory's soft prompt inserted at ``at``: on-policy samples."""
+    return [dataclasses.replace(p, soft_prompt=soft, soft_prompt_at=at) for p in rows]
+
+
+@dataclass(frozen=True)
+class Generated:
+    """One generation the answer path drew with the stream memory: its tokens and final answer."""
+
+    token_ids: Sequence[int]
+    answer: str | None
+    sampled: bool  # a sample (on-policy for GRPO), not the greedy answer
