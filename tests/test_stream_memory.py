@@ -345,6 +345,7 @@ def test_elm_memories_streams_lists_versions_updates_and_rollbacks(smol, tmp_pat
     assert out.exit_code == 0, out.output
     [row] = json.loads(out.stdout)
     assert (row["namespace"], row["version"], row["updates"], row["versions_written"]) == ("team-a", 2, 1, 3)
+    assert row["kind"] == "soft_prompt"
     assert row["rollbacks"] == [{"version": 2, "to": 0, "reasons": ["by hand"]}]
     assert LatentMemory.load(row["path"]).meta.config["stream"]["version"] == 2
 

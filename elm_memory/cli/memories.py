@@ -121,7 +121,7 @@ def streams(
     for s in found:
         rollbacks = ", ".join(f"v{r['version']}->v{r['to']}" for r in s["rollbacks"]) or "none"
         typer.echo(
-            f"{s['namespace']}  version {s['version']}  {s['objective']}  {s['updates']} updates  "
+            f"{s['namespace']}  version {s['version']}  {s['kind']} {s['objective']}  {s['updates']} updates  "
             f"rollbacks: {rollbacks}  {s['versions_kept']} of {s['versions_written']} versions kept  {s['path']}"
         )
     typer.echo(f"{len(found)} stream memories", err=True)

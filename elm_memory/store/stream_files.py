@@ -141,18 +141,27 @@ def list_streams(root: str | Path) -> list[dict[str, Any]]:
                 "version": version,
                 "versions_written": version + 1,  # numbered from v0 (the init), one per write
                 "versions_kept": sum(bool(_VERSION.match(p.name)) for p in current.parent.iterdir()),
+                "kind": meta.kind,
                 "objective": stream.get("objective"),
-                "updates": sum("label" in h for h in history),
-                "rollbacks": [
-                    {"version": h["version"], "to": h["rollback_to"], "reasons": h.get("reasons", [])}
-                    for h in history
-                    if h.get("rollback_to") is not None
-                ],
+                **updates_and_rollbacks(history),
                 "created_at": meta.created_at,
                 "path": str(path),
             }
         )
     return out
+
+
+def updates_and_rollbacks(history: list[dict[str, Any]]) -> dict[str, Any]:
+    """What a version's history says happened: how many updates trained it (an entry with a label; a pooled
+    batch counts once) and each rollback with its target and reasons."""
+    return {
+        "updates": sum("label" in h for h in history),
+        "rollbacks": [
+            {"version": h["version"], "to": h["rollback_to"], "reasons": h.get("reasons", [])}
+            for h in history
+            if h.get("rollback_to") is not None
+        ],
+    }
 
 
 def folder_name(namespace: str) -> str:

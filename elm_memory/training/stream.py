@@ -42,7 +42,7 @@ from elm_memory.memory.init import init_soft_prompt
 from elm_memory.memory.kinds import LORA, SOFT_PROMPT
 from elm_memory.memory.lora import LoraAdapter
 from elm_memory.models.loading import LoadedModel
-from elm_memory.store.stream_files import StreamFiles
+from elm_memory.store.stream_files import StreamFiles, updates_and_rollbacks
 from elm_memory.training.losses import advantages_from_rewards, policy_loss, sft_loss
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
 from elm_memory.training.stream_samples import Generated, under_soft_prompt
@@ -430,19 +430,13 @@ class StreamMemory:
             self.version = new
 
     def summary(self) -> dict[str, Any]:
-        """Version, updates, rollbacks and distance from the init (for listings and records)."""
-        applied = [h for h in self.history if "label" in h]
-        rollbacks = [h for h in self.history if h.get("rollback_to") is not None]
-        moved = self.moved()
+        """Kind, version, updates, rollbacks and distance from the init (for listings and records)."""
         return {
             "namespace": self.namespace,
             "kind": self.kind,
             "version": self.version,
-            "updates": len(applied),
-            "rollbacks": [
-                {"version": h["version"], "to": h["rollback_to"], "reasons": h["reasons"]} for h in rollbacks
-            ],
-            "moved": round(moved, 6),
+            **updates_and_rollbacks(self.history),
+            "moved": round(self.moved(), 6),
         }
 
     def write_summary(self, path: str | Path) -> None:
