@@ -391,18 +391,26 @@ def _interrupt(requests):
     raise KeyboardInterrupt
 
 
-def test_generate_many_decodes_calls_sharing_one_lora_memory_as_one_batch(tiny_backend, tiny_loaded):
-    """A lora stream memory's greedy row and samples share a decode; the base model's calls share another; each
-    row is the one its own call gives (float32)."""
-    from elm_memory.memory.lora import LoraAdapter
+def test_generate_many_decodes_rows_of_different_lora_memories_and_none_as_one_batch(tiny_backend, tiny_loaded):
+    """A stream memory's rows beside the base model's (and another LoRA's) in one decode: each LoRA reaches its
+    own rows only, through the samples' repetition and the finished rows dropped; every row equals the row of
+    its own call (float32)."""
+    from elm_memory.memory.lora import LoraAdapter, RowLoras
 
-    lora = LoraAdapter.initial(tiny_loaded.model, rank=2, alpha=4.0, seed=3)
+    loras = [LoraAdapter.initial(tiny_loaded.model, rank=2, alpha=4.0, seed=s) for s in (3, 4)]
     with torch.no_grad():
-        for _, b in lora.weights.values():
-            b.normal_(0, 0.5)  # well away from the base model, so a lost adapter would show
+        for lora in loras:
+            for _, b in lora.weights.values():
+                b.normal_(0, 0.5)  # well away from the base model, so a delta on the wrong rows would show
     a, b, c = _prompts(tiny_backend)
-    a_mem, b_mem = PromptInput(a, memory=lora), PromptInput(b, memory=lora)
-    requests = [([a], GREEDY), ([a_mem], GREEDY), ([c], SAMPLED), ([b_mem], SAMPLED)]
+    one, two = loras
+    requests = [
+        ([a], GREEDY),
+        ([PromptInput(a, memory=one)], GREEDY),
+        ([PromptInput(b, memory=two), b], GREEDY),
+        ([c], SAMPLED),
+        ([PromptInput(b, memory=one)], SAMPLED),
+    ]
     alone = [tiny_backend.generate(prompts, params) for prompts, params in requests]
     calls = []
     real = decode.sample
@@ -414,6 +422,7 @@ def test_generate_many_decodes_calls_sharing_one_lora_memory_as_one_batch(tiny_b
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(decode, "sample", spy)
         together = tiny_backend.generate_many(requests)
-    assert calls == [None, lora]  # two decodes: the base model's calls, then the lora's
+    assert len(calls) == 1 and isinstance(calls[0], RowLoras)  # one decode for all five calls
     assert [_ids(r) for r in together] == [_ids(r) for r in alone]
-    assert _ids(together[0]) != _ids(together[1])  # the adapter was applied to its rows only
+    assert _ids(together[0]) != _ids(together[1])  # the adapter changed its rows
+    assert _ids(together[2])[1] == _ids(tiny_backend.generate([b], GREEDY))[0]

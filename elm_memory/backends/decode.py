@@ -39,7 +39,7 @@ import torch
 from elm_memory.backends import packed_attention
 from elm_memory.backends.lookup import LookupDrafter
 from elm_memory.backends.sampling import RowChoice, pick_tokens
-from elm_memory.memory.kinds import AppliedMemory
+from elm_memory.memory.kinds import LORA, LORA_ROWS, AppliedMemory
 from elm_memory.models.logits import last_positions
 
 if TYPE_CHECKING:
@@ -118,7 +118,7 @@ def sample(
             should_stop,
             prompt_tokens,
             earlier_outputs,
-            captured if memory is None or memory.kind != "lora" else None,
+            captured if memory is None or memory.kind not in (LORA, LORA_ROWS) else None,
         )
 
 
@@ -142,7 +142,7 @@ def _sample(
     assert inputs is not None
     options = per_prompt[0]
     row_prompt = [p for p, o in enumerate(per_prompt) for _ in range(o.n)]  # the prompt of each row
-    if len(row_prompt) > options.lookup_max_rows:
+    if len(row_prompt) > options.lookup_max_rows or applied.on_rows is not None:  # lookup drops rows its own way
         options = replace(options, lookup_draft_tokens=0)
     if options.lookup_draft_tokens > 0 and prompt_tokens is None and input_ids is not None:
         pairs = zip(input_ids.tolist(), attention_mask.tolist(), strict=True)
@@ -160,6 +160,7 @@ def _sample(
         input_ids = None if input_ids is None else input_ids[expand]
         inputs_embeds = None if inputs_embeds is None else inputs_embeds[expand]
         mask, positions = mask[expand], positions[expand]
+        applied.select_rows(expand)
     mask = applied.mask(mask)  # a prefix's positions in front; position ids count the prompt's own tokens
     out = model(
         input_ids=input_ids,
@@ -173,6 +174,7 @@ def _sample(
     logits = out.logits[:, -1, :]
     if expand is not None and options.share_prompt_kv:  # one prefill per prompt, its KV repeated per row
         cache.batch_select_indices(expand)
+        applied.select_rows(expand)
         logits, mask, positions = logits[expand], mask[expand], positions[expand]
 
     choice = RowChoice.of(row_prompt, per_prompt, generators, device)
@@ -211,6 +213,7 @@ def _sample(
             keep = [b for b, a in enumerate(alive) if a]
             idx = torch.tensor(keep, device=device)
             cache.batch_select_indices(idx)
+            applied.select_rows(idx)
             mask, next_pos, picked = mask[idx], next_pos[idx], picked[idx]
             temperature, top_p, keys = temperature[idx], top_p[idx], keys[idx]
             live, alive = [live[b] for b in keep], [True] * len(keep)

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -44,6 +44,8 @@ from elm_memory.backends.lookup import RecentOutputs
 from elm_memory.backends.postprocess import answer_closed_after, eos_ids_of, finish_generation
 from elm_memory.backends.teacher_forcing import completion_logprobs
 from elm_memory.errors import ConfigError
+from elm_memory.memory.kinds import LORA, MemoryAdapter
+from elm_memory.memory.lora import LoraAdapter, RowLoras
 from elm_memory.models.loading import LoadedModel
 
 log = logging.getLogger(__name__)
@@ -156,26 +158,31 @@ class HFBackend:
         batch decoded as one (each prompt under its own call's params and seed, so its rows are the ones its
         own call would decode, up to the batch's effect on bf16 arithmetic).
 
-        Calls share a batch when their prompts all carry the same lora memory, or none: a hook serves a whole
-        batch, so a stream memory's greedy answer and samples share one decode, the base model's rows another.
-        Calls with a prefix memory, mixed memories, or ``logprobs``, groups of more rows than
-        ``backend.max_batch_rows``, and the ``generate`` decode loop run one by one.
+        Prompts with a LoRA memory or none share a batch: each LoRA's delta reaches its own rows only
+        (:class:`~elm_memory.memory.lora.RowLoras`), so a stream memory's greedy answer and samples decode
+        beside the base model's rows. Calls with a prefix memory or ``logprobs`` and the ``generate`` decode
+        loop run one by one; past ``backend.max_batch_rows`` rows, the calls of each memory share a batch.
         """
         calls = [([to_prompt_input(p, self.tokenizer) for p in prompts], params) for prompts, params in requests]
         out: list[list[list[Generation]] | None] = [None] * len(calls)
-        groups: dict[int, list[int]] = {}
-        for i, (inputs, params) in enumerate(calls):
-            memories = {id(p.memory): p.memory for p in inputs}
-            memory = next(iter(memories.values())) if len(memories) == 1 else None
-            shareable = (
-                self.decode_loop == "elm"
-                and not params.logprobs
-                and len(memories) == 1
-                and (memory is None or memory.kind == "lora")
-            )
-            # a call that cannot share gets a group of its own (a negative key no memory id takes)
-            groups.setdefault(id(memory) if shareable else -1 - i, []).append(i)
-        for indices in groups.values():
+        shareable = [
+            i
+            for i, (inputs, params) in enumerate(calls)
+            if self.decode_loop == "elm"
+            and not params.logprobs
+            and all(p.memory is None or p.memory.kind == LORA for p in inputs)
+        ]
+        if sum(len(calls[i][0]) * calls[i][1].n for i in shareable) <= self.batch_size:
+            groups = [shareable, *([i] for i in range(len(calls)) if i not in shareable)]
+        else:
+            by_memory: dict[Any, list[int]] = {}
+            for i, (inputs, _) in enumerate(calls):
+                memories = {id(p.memory) for p in inputs}
+                # a call of one memory joins that memory's group; others run alone (a key no id takes)
+                key = memories.pop() if i in shareable and len(memories) == 1 else ("alone", i)
+                by_memory.setdefault(key, []).append(i)
+            groups = list(by_memory.values())
+        for indices in groups:
             group = [calls[i] for i in indices]
             rows = sum(len(inputs) * params.n for inputs, params in group)
             if len(group) > 1 and rows <= self.batch_size:
@@ -189,7 +196,7 @@ class HFBackend:
     def _generate_fused(
         self, calls: Sequence[tuple[list[PromptInput], SamplingParams]]
     ) -> list[list[list[Generation]]]:
-        """Calls whose prompts share one memory (or none), decoded as one batch."""
+        """Calls whose prompts have LoRA memories or none, decoded as one batch."""
         batch = [p for inputs, _ in calls for p in inputs]
         options, generators, stops = [], [], []
         for inputs, params in calls:
@@ -211,7 +218,7 @@ class HFBackend:
             eos_ids=self.eos_ids,
             generators=generators if any(g is not None for g in generators) else None,
             should_stop=stop if any(stops) else None,
-            memory=batch[0].memory,
+            memory=_one_memory(batch),
             **tensors,
         )
         out: list[list[list[Generation]]] = []
@@ -425,3 +432,11 @@ class HFBackend:
     def _finish(self, tokens: list[int], reason: str) -> Generation:
         """Cut at the first EOS (kept out of the completion); ``reason`` is the decoder's unless an EOS came first."""
         return finish_generation(self.tokenizer, tokens, self.eos_ids, engine_reason=reason)
+
+
+def _one_memory(batch: Sequence[PromptInput]) -> MemoryAdapter | None:
+    """What a fused batch applies: the memory every prompt shares (or none), else each prompt's LoRA on its rows."""
+    memories = [p.memory for p in batch]
+    if len({id(m) for m in memories}) == 1:
+        return memories[0]
+    return RowLoras([cast(LoraAdapter | None, m) for m in memories])

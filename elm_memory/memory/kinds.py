@@ -9,7 +9,7 @@ keys and values. Either way the shared model is the same object with the same we
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -21,6 +21,9 @@ from elm_memory.errors import MemoryFormatError
 SOFT_PROMPT = "soft_prompt"
 LORA = "lora"
 PREFIX = "prefix"
+#: Several LoRA memories (or none) on the rows of one batch (:class:`~elm_memory.memory.lora.RowLoras`): never
+#: stored, only what a backend applies when it decodes prompts of different LoRA memories together.
+LORA_ROWS = "lora_rows"
 #: Every memory kind this library can train, store and apply (``memory.kind``).
 KINDS: tuple[str, ...] = (SOFT_PROMPT, LORA, PREFIX)
 
@@ -44,6 +47,14 @@ class AppliedMemory:
 
     cache: Any | None = None
     past_length: int = 0
+    #: called with the batch's new row order whenever the decode loop repeats or drops rows (a memory that
+    #: conditions some rows only follows its rows; None for memories that treat every row alike)
+    on_rows: Callable[[torch.Tensor], None] | None = None
+
+    def select_rows(self, index: torch.Tensor) -> None:
+        """The batch is now ``index`` of its previous rows (a prompt's rows repeated, finished rows dropped)."""
+        if self.on_rows is not None:
+            self.on_rows(index)
 
     def mask(self, attention_mask: torch.Tensor) -> torch.Tensor:
         """``attention_mask`` (B, T) with the prefix's ones in front (unchanged without a prefix)."""

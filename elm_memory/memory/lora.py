@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError
-from elm_memory.memory.kinds import LORA, AppliedMemory, digest_tensors
+from elm_memory.memory.kinds import LORA, LORA_ROWS, AppliedMemory, digest_tensors
 
 #: The paper's targets: every attention and MLP projection of a Llama/Qwen decoder layer.
 TARGET_MODULES: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -184,9 +184,91 @@ class LoraAdapter:
         try:
             for name, lin in modules.items():
                 a, b = self.weights[name]
-                dev = lin.weight.device
-                handles.append(lin.register_forward_hook(make_hook(a.to(dev), b.to(dev))))
+                # cast once where nothing needs a gradient (decoding): not per forward, per module
+                frozen = not (torch.is_grad_enabled() and (a.requires_grad or b.requires_grad))
+                dtype = lin.weight.dtype if frozen else None
+                handles.append(
+                    lin.register_forward_hook(make_hook(a.to(lin.weight.device, dtype), b.to(lin.weight.device, dtype)))
+                )
             yield AppliedMemory()
+        finally:
+            for h in handles:
+                h.remove()
+
+
+class RowLoras:
+    """Prompts of different LoRA memories (or none) in one batch: prompt i's rows get ``adapters[i]``'s delta,
+    a ``None`` prompt the base model. What a backend applies to decode a stream memory's rows beside the base
+    model's in one batch (a plain :class:`LoraAdapter` conditions every row). Decoding only: no gradients.
+
+    One hook per target module adds each adapter's delta to its own rows (``index_add`` over the rows it
+    holds); the decode loop reports every reordering of the batch (:meth:`AppliedMemory.select_rows`), so the
+    rows follow their prompts through repetition (n samples of a prompt) and dropped finished rows."""
+
+    kind = LORA_ROWS
+
+    def __init__(self, adapters: Sequence[LoraAdapter | None]):
+        self.adapters = list(adapters)
+        self.distinct = list({id(a): a for a in self.adapters if a is not None}.values())
+        if not self.distinct:
+            raise ValueError("RowLoras needs at least one lora memory")
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        return {f"{j}.{k}": t for j, a in enumerate(self.distinct) for k, t in a.tensors().items()}
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [t for a in self.distinct for t in a.parameters()]
+
+    def detached(self) -> RowLoras:
+        copies = {id(a): a.detached() for a in self.distinct}
+        return RowLoras([None if a is None else copies[id(a)] for a in self.adapters])
+
+    def digest(self) -> str:
+        return "rows:" + ",".join("-" if a is None else a.digest() for a in self.adapters)
+
+    @contextmanager
+    def apply(self, model: Any, batch_size: int) -> Iterator[AppliedMemory]:
+        """Hooks for the ``with`` block (always removed); starts with one batch row per prompt."""
+        owner = threading.get_ident()
+        which = torch.tensor(
+            [-1 if a is None else next(j for j, d in enumerate(self.distinct) if d is a) for a in self.adapters]
+        )
+        rows: list[torch.Tensor] = []
+
+        def follow(index: torch.Tensor) -> None:
+            nonlocal which
+            which = which[index.to(which.device)]
+            rows[:] = [torch.nonzero(which == j).flatten() for j in range(len(self.distinct))]
+
+        follow(torch.arange(len(self.adapters)))
+        per_module: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
+        linears: dict[str, torch.nn.Linear] = {}
+        for j, adapter in enumerate(self.distinct):
+            for name, lin in adapter.check_model(model).items():
+                a, b = adapter.weights[name]
+                linears[name] = lin
+                w = lin.weight
+                per_module.setdefault(name, []).append(
+                    (j, a.detach().to(w.device, w.dtype), b.detach().to(w.device, w.dtype), adapter.scale)
+                )
+
+        def make_hook(deltas: list[tuple[int, torch.Tensor, torch.Tensor, float]]) -> Any:
+            def hook(_module: Any, args: tuple[Any, ...], output: torch.Tensor) -> torch.Tensor:
+                if threading.get_ident() != owner:
+                    return output
+                x = args[0]
+                for j, a, b, scale in deltas:
+                    idx = rows[j].to(x.device)
+                    if idx.numel():
+                        delta = F.linear(F.linear(x.index_select(0, idx), a), b) * scale
+                        output = output.index_add(0, idx, delta.to(output.dtype))
+                return output
+
+            return hook
+
+        handles = [linears[name].register_forward_hook(make_hook(d)) for name, d in per_module.items()]
+        try:
+            yield AppliedMemory(on_rows=follow)
         finally:
             for h in handles:
                 h.remove()
