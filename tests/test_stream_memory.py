@@ -602,3 +602,29 @@ def test_elm_stream_with_a_lora_memory_reports_its_init_as_zero_shot_and_learns(
         assert extra["rows"]["init_greedy"] == extra["rows"]["zero_shot"]
         assert extra["versions"]["grpo"] <= r["index"]  # one version per applied update at most
     assert LatentMemory.load(next((tmp_path / "stream" / "grpo").rglob("v000000.safetensors"))).kind == "lora"
+
+
+def test_deleting_a_stream_memory_starts_it_again_from_its_init_and_drops_what_the_deleted_one_drew(smol, tmp_path):
+    from typer.testing import CliRunner
+
+    from elm_memory.cli.memories import memories_app
+    from elm_memory.store.stream_files import list_streams
+
+    root = tmp_path / "store" / "stream"
+    stream = StreamMemory(_config(), smol, root, namespace="team-a")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    assert stream.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5").applied
+    run = CliRunner().invoke
+    out = run(memories_app, ["delete", "--stream", "--store", str(tmp_path / "store")])
+    assert out.exit_code != 0 and "--namespace" in out.output  # which namespace is never guessed
+    out = run(memories_app, ["delete", "--stream", "--store", str(tmp_path / "store"), "--namespace", "team-a"])
+    assert out.exit_code == 0 and "deleted 2 versions" in out.output, out.output
+    assert list_streams(root) == []
+    out = run(memories_app, ["delete", "--stream", "--store", str(tmp_path / "store"), "--namespace", "team-a"])
+    assert out.exit_code != 0 and "has no stream memory" in out.output
+    # the learner still holding version 1 learns next: drawn by the deleted memory, so no update; v0 again
+    update = stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5")
+    assert update.skipped == "stream_deleted" and update.version == 0
+    assert stream.files.versions() == [0] and torch.equal(stream.soft_prompt, stream.init["soft_prompt"])
+    assert stream.history == [] and stream.summary()["updates"] == 0

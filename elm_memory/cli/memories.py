@@ -19,7 +19,16 @@ import typer
 
 from elm_memory.cli import memory_views as views
 from elm_memory.cli.errors import handle_errors
-from elm_memory.cli.memory_options import ConfigOpt, JsonOpt, NamespaceOpt, PresetOpt, SetOpt, StoreOpt, UrlOpt
+from elm_memory.cli.memory_options import (
+    ConfigOpt,
+    JsonOpt,
+    NamespaceOpt,
+    PresetOpt,
+    SetOpt,
+    StoreOpt,
+    UrlOpt,
+    load_config,
+)
 from elm_memory.errors import ConfigError, StoreError
 from elm_memory.faults import point
 
@@ -34,23 +43,6 @@ memories_app = typer.Typer(
     ),
     no_args_is_help=True,
 )
-
-
-def _load_config(
-    config: Path | None, preset: str | None, sets: list[str] | None, store: Path | None, url: str | None
-) -> ELMConfig:
-    """The config every other command would use; ``--store`` (a path on this command line, so relative
-    to the current directory like any other) and ``--url`` override its ``store`` section."""
-    from elm_memory.config import ELMConfig, deep_merge, parse_overrides
-
-    overrides = parse_overrides(sets)
-    if store is not None:
-        from elm_memory.config.location import expand_user
-
-        overrides = deep_merge(overrides, {"store": {"path": str(expand_user(store).absolute())}})
-    if url is not None:
-        overrides = deep_merge(overrides, {"store": {"url": url}})
-    return ELMConfig.load(config, preset=preset, overrides=overrides)
 
 
 def _open(cfg: ELMConfig, *, create: bool = False) -> ChromaMemoryStore:
@@ -88,7 +80,7 @@ def list_(
     set_: SetOpt = None,
 ) -> None:
     """Memories in the store, oldest first (index rows only; no blob is opened)."""
-    s = _open(_load_config(config, preset, set_, store, url))
+    s = _open(load_config(config, preset, set_, store, url))
     records = s.list(namespace, kind=kind, limit=limit, offset=offset)
     if json_out:
         typer.echo(json.dumps([r.to_dict() for r in records], ensure_ascii=False))
@@ -113,7 +105,7 @@ def streams(
     trained it."""
     from elm_memory.store.stream_files import list_streams, stream_root
 
-    cfg = _load_config(config, preset, set_, store, None)
+    cfg = load_config(config, preset, set_, store, None)
     found = [s for s in list_streams(stream_root(cfg.store.path)) if namespace in (None, s["namespace"])]
     if json_out:
         typer.echo(json.dumps(found, ensure_ascii=False))
@@ -140,7 +132,7 @@ def show(
     set_: SetOpt = None,
 ) -> None:
     """One memory: metadata, training statistics, usage, soft-prompt and key shapes (blob validated)."""
-    s = _open(_load_config(config, preset, set_, store, url))
+    s = _open(load_config(config, preset, set_, store, url))
     record = s.record(memory_id, namespace)
     view = views.memory_view(record, s.load(record))
     typer.echo(json.dumps(view, ensure_ascii=False) if json_out else views.memory_text(view))
@@ -151,6 +143,9 @@ def show(
 def delete(
     memory_ids: Annotated[list[str] | None, typer.Argument(help="Memory ids.", show_default=False)] = None,
     all_: Annotated[bool, typer.Option("--all", help="Every memory of --namespace (and its indexes).")] = False,
+    stream: Annotated[
+        bool, typer.Option("--stream", help="The stream memory of --namespace, every version (it starts again).")
+    ] = False,
     compact: Annotated[
         bool, typer.Option(help="After --all, VACUUM the embedded index so no freed page keeps deleted text.")
     ] = True,
@@ -163,14 +158,24 @@ def delete(
     set_: SetOpt = None,
 ) -> None:
     """Delete memories: index rows, blob and utility counters (journalled; `check --repair` finishes an
-    interrupted one). `--namespace NS --all` deletes a whole namespace."""
+    interrupted one). `--namespace NS --all` deletes a whole namespace, `--namespace NS --stream` its stream
+    memory (every version; its next learner starts again from the untrained memory)."""
     from elm_memory.store.base import MemoryNotFoundError
 
+    if stream:
+        if memory_ids or all_ or namespace is None:
+            raise ConfigError("--stream deletes one namespace's stream memory: give --namespace NS, no ids, no --all")
+        from elm_memory.store.stream_files import delete_stream, stream_root
+
+        root = stream_root(load_config(config, preset, set_, store, url).store.path)
+        removed = delete_stream(root, namespace)
+        typer.echo(json.dumps({"deleted_versions": removed}) if json_out else f"deleted {len(removed)} versions")
+        return
     if all_ and (memory_ids or namespace is None):
         raise ConfigError("--all deletes a whole namespace: give --namespace NS and no ids")
     if not all_ and not memory_ids:
         raise ConfigError("give memory ids to delete, or --namespace NS --all")
-    s = _open(_load_config(config, preset, set_, store, url))
+    s = _open(load_config(config, preset, set_, store, url))
     if all_:
         assert namespace is not None
         deleted = s.delete_namespace(namespace)
@@ -214,7 +219,7 @@ def stats(
     ((won + agreed) / (won + agreed + lost)), mean similarity when used, right/wrong against gold."""
     if sort not in views.SORT_KEYS:
         raise ConfigError(f"--sort must be one of {', '.join(views.SORT_KEYS)}, got {sort!r}")
-    s = _open(_load_config(config, preset, set_, store, url))
+    s = _open(load_config(config, preset, set_, store, url))
     rows = views.sort_stats(
         [views.stats_row(r, s.utility_of(r.namespace, [r.id]).get(r.id)) for r in s.list(namespace)], sort, limit
     )
@@ -246,7 +251,7 @@ def evict(
     set_: SetOpt = None,
 ) -> None:
     """Remove expired memories (--expired) and/or evict down to --keep per namespace by --policy."""
-    cfg = _load_config(config, preset, set_, store, url)
+    cfg = load_config(config, preset, set_, store, url)
     if not expired and keep is None and cfg.store.max_memories is None:
         raise ConfigError("nothing to evict to: give --keep N (or set store.max_memories), or --expired")
     if expired and cfg.store.ttl_days is None:
@@ -276,7 +281,7 @@ def compact(
 ) -> None:
     """Rewrite the index collections with their live rows (HNSW keeps every deleted entry and searches
     through it, so after a large eviction queries are no faster), then VACUUM the embedded index."""
-    s = _open(_load_config(config, preset, set_, store, url))
+    s = _open(load_config(config, preset, set_, store, url))
     rows = s.rebuild_index(namespace)
     compacted = s.compact_index()
     if json_out:
@@ -319,7 +324,7 @@ def merge(
 
     if strategy not in STRATEGIES:
         raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
-    cfg = _load_config(config, preset, set_, store, url)
+    cfg = load_config(config, preset, set_, store, url)
     s = _open(cfg)
     clusters = find_clusters(
         s,
@@ -401,7 +406,7 @@ def export(
         raise ConfigError(f"--format must be safetensors or peft, got {format_!r}")
     out = Path(targets[-1])
     memory_ids = [*targets[:-1], *(memory_ids or [])]
-    cfg = _load_config(config, preset, set_, store, url)
+    cfg = load_config(config, preset, set_, store, url)
     if stream or version is not None:
         if memory_ids or not stream:
             raise ConfigError(
@@ -449,7 +454,7 @@ def import_(
     embedding fingerprint); its keys are rebuilt with retrieval.key, which loads the model."""
     from elm_memory.store import transfer
 
-    cfg = _load_config(config, preset, set_, store, url)
+    cfg = load_config(config, preset, set_, store, url)
     memories, adapters = transfer.read_imports(files, cfg)
     known = transfer.prepared_models()
     if adapters:
@@ -481,7 +486,7 @@ def check(
 ) -> None:
     """Find blobs without index rows, rows without blobs, stale and corrupt files, interrupted deletes and
     counters of deleted memories; exit 1 if any remain unfixed."""
-    s = _open(_load_config(config, preset, set_, store, url))
+    s = _open(load_config(config, preset, set_, store, url))
     report = s.check(repair=repair, deep=deep, temp_grace_seconds=grace)
     if json_out:
         typer.echo(json.dumps(report.to_dict()))

@@ -1,11 +1,15 @@
-"""The options every ``elm memories`` command shares: which store, which config, which namespace, JSON or text."""
+"""The options every ``elm memories`` command shares (which store, which config, which namespace, JSON or text),
+and the config they make."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
+
+if TYPE_CHECKING:
+    from elm_memory.config import ELMConfig
 
 StoreOpt = Annotated[
     Path | None,
@@ -23,3 +27,20 @@ SetOpt = Annotated[
 UrlOpt = Annotated[str | None, typer.Option("--url", help="Chroma server URL (index rows there, blobs in --store).")]
 NamespaceOpt = Annotated[str | None, typer.Option("--namespace", "-n", help="Only this namespace.")]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print JSON instead of text.")]
+
+
+def load_config(
+    config: Path | None, preset: str | None, sets: list[str] | None, store: Path | None, url: str | None
+) -> ELMConfig:
+    """The config every other command would use; ``--store`` (a path on this command line, so relative
+    to the current directory like any other) and ``--url`` override its ``store`` section."""
+    from elm_memory.config import ELMConfig, deep_merge, parse_overrides
+
+    overrides = parse_overrides(sets)
+    if store is not None:
+        from elm_memory.config.location import expand_user
+
+        overrides = deep_merge(overrides, {"store": {"path": str(expand_user(store).absolute())}})
+    if url is not None:
+        overrides = deep_merge(overrides, {"store": {"url": url}})
+    return ELMConfig.load(config, preset=preset, overrides=overrides)

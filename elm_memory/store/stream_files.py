@@ -10,7 +10,8 @@
 
 Every update writes a new version and only then moves ``CURRENT``: until the new file is durable the previous
 version serves, and a crash mid-write leaves at most an orphan file that is never served. Versions are never
-rewritten; a rollback is a new version holding an earlier one's tensor. :meth:`StreamFiles.prune` deletes all but
+rewritten; a rollback is a new version holding an earlier one's tensor. :func:`delete_stream` removes them all (the
+next learner starts again at version 0). :meth:`StreamFiles.prune` deletes all but
 the newest versions (``stream.keep_versions``): each file carries the whole history, so the newest keeps the
 record of every update.
 """
@@ -30,7 +31,7 @@ from safetensors.torch import load as load_tensors
 from safetensors.torch import save as save_tensors
 
 from elm_memory.atomic import write_bytes_atomic
-from elm_memory.errors import MemoryFormatError
+from elm_memory.errors import MemoryFormatError, StoreError
 from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import validate_namespace
 
@@ -104,6 +105,16 @@ class StreamFiles:
         write_bytes_atomic(self.dir / "CURRENT", f"{version}\n".encode("ascii"))
         return path
 
+    def delete(self) -> list[int]:
+        """Delete the pointer, then every version (the lock file stays). Call under :meth:`lock`."""
+        removed = self.versions()
+        (self.dir / "CURRENT").unlink(missing_ok=True)  # first: from here on no version serves
+        for version in removed:
+            path = self.path(version)
+            path.with_suffix(".optim.safetensors").unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
+        return removed
+
     def prune(self, keep: int) -> list[int]:
         """Delete every version but the newest ``keep`` (and the one that serves). Call under :meth:`lock`."""
         if keep <= 0:
@@ -115,6 +126,16 @@ class StreamFiles:
             path.with_suffix(".optim.safetensors").unlink(missing_ok=True)
             path.unlink(missing_ok=True)  # the memory last: an optimizer file without it is never read
         return doomed
+
+
+def delete_stream(root: str | Path, namespace: str) -> list[int]:
+    """Delete one namespace's stream memory, every version (``elm memories delete --stream``); the versions that
+    were on disk. Its next learner starts again from the untrained memory, as a new one would."""
+    files = StreamFiles(root, namespace)
+    if files.current_version() is None:
+        raise StoreError(f"namespace {namespace!r} has no stream memory under {files.dir.parent}")
+    with files.lock():
+        return files.delete()
 
 
 def stream_root(store_path: str | Path | None) -> Path:

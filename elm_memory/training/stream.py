@@ -62,7 +62,8 @@ class StreamUpdate:
     label: str | None
     rewards: list[float] = field(default_factory=list)
     applied: bool = False
-    skipped: str | None = None  # why no update: "uniform_rewards" | "no_agreeing" | "weak_label" | "rolled_back" | ...
+    # why no update: "uniform_rewards" | "no_agreeing" | "weak_label" | "rolled_back" | "stream_deleted" | ...
+    skipped: str | None = None
     loss: float | None = None
     grad_norm: float | None = None
     moved: float | None = None  # ||memory - init|| / ||init|| after the update (all its tensors)
@@ -96,20 +97,28 @@ class StreamMemory:
         self.loaded = loaded
         self.namespace = namespace or config.namespace
         self.files = StreamFiles(root, self.namespace)
-        self.guard = CollapseGuard(
-            window=self.cfg.guard_window,
-            max_unboxed_increase=self.cfg.guard_max_unboxed_increase,
-            max_agreement_drop=self.cfg.guard_max_agreement_drop,
-            max_repeated_answer=self.cfg.guard_max_repeated_answer,
-        )
+        self.guard = self._new_guard()
         self.temperature = config.verifier.consistency_temperature  # what the answer path's samples used
         self.pooled: list[_Pooled] = []  # questions waiting for a batch (stream.update_every > 1), this process only
         self.init = self.initial_tensors()  # rebuilt, not stored: the same text (or seed) gives the same tensors
         with self.files.lock():
             if self.files.current_version() is None:
-                self.params = _parameters(self.init)
-                self._write(0, history=[], optim={})
+                self._start()
             self._load_current()
+
+    def _new_guard(self) -> CollapseGuard:
+        return CollapseGuard(
+            window=self.cfg.guard_window,
+            max_unboxed_increase=self.cfg.guard_max_unboxed_increase,
+            max_agreement_drop=self.cfg.guard_max_agreement_drop,
+            max_repeated_answer=self.cfg.guard_max_repeated_answer,
+        )
+
+    def _start(self) -> None:
+        """Write version 0, the untrained memory with a fresh guard (a new namespace, or a deleted stream memory)."""
+        self.guard = self._new_guard()
+        self.params = _parameters(self.init)
+        self._write(0, history=[], optim={})
 
     # -- state -----------------------------------------------------------------------
     def initial_soft_prompt(self) -> torch.Tensor:
@@ -219,14 +228,21 @@ class StreamMemory:
         base = sum(float(t.pow(2).sum()) for t in self.init.values())
         return (diff**0.5) / max(base**0.5, 1e-12)
 
-    def refresh(self) -> None:
-        """Serve the newest version on disk (another learner may have written it)."""
+    def refresh(self) -> bool:
+        """Serve the newest version on disk (another learner may have written it). True when the stream memory
+        was deleted (``elm memories delete --stream``): it starts again from the untrained memory."""
         current = self.files.current_version()
-        if current is not None and current != self.version:
+        if current is None:
+            self._start()
+            self._load_current()
+            self.pooled = []
+            return True
+        if current != self.version:
             served = self.version
             self._load_current()
             if any(v > served for v in self._rollback_versions()):
                 self.pooled = []  # drawn with versions that have since been rolled back
+        return False
 
     def _write(self, version: int, *, history: list[dict[str, Any]], optim: dict[str, torch.Tensor]) -> None:
         info = self.loaded.info
@@ -265,8 +281,12 @@ class StreamMemory:
         """Read the question's answers into the guard, then update the memory once from them (under the lock)."""
         t0 = time.perf_counter()
         with self.files.lock():
-            self.refresh()
+            deleted = self.refresh()
             update = StreamUpdate(version_used=version_used, version=self.version, label=label)
+            if deleted:  # drawn with a memory that no longer exists: not the new one's experience
+                update.skipped = "stream_deleted"
+                update.seconds = round(time.perf_counter() - t0, 3)
+                return update
             verdict = self.guard.observe(
                 Observation(version_used, [g.answer for g in generations], zero_shot_answer, label)
             )
