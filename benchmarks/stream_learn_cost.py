@@ -7,6 +7,7 @@ version write). Both are measured in the same process on the same questions, so 
 
     .venv/bin/python -m benchmarks.stream_learn_cost                 # default model, 8 questions, sft
     .venv/bin/python -m benchmarks.stream_learn_cost --quick         # SmolLM2, 3 questions (plumbing)
+    .venv/bin/python -m benchmarks.stream_learn_cost --kind lora     # a LoRA stream memory
 
 Writes ``benchmarks/results/stream_learn_cost.json``.
 """
@@ -28,6 +29,7 @@ def _args() -> argparse.Namespace:
     parser.add_argument("--preset", default="cpu-demo")
     parser.add_argument("--n", type=int, default=8, help="questions (synth-arith, seed 5: not a pilot's questions)")
     parser.add_argument("--objective", default="sft", choices=["sft", "grpo"])
+    parser.add_argument("--kind", default="soft_prompt", choices=["soft_prompt", "lora"], help="stream.kind")
     parser.add_argument("--quick", action="store_true", help="SmolLM2 (cpu-tiny), 3 questions: plumbing only")
     parser.add_argument("--out", type=Path, default=RESULTS)
     return parser.parse_args()
@@ -48,7 +50,7 @@ def main() -> dict[str, Any]:
                 "store": {"path": store},
                 "learner": {"mode": "off"},
                 "verifier": {"name": "consistency", "route": "vote"},
-                "stream": {"mode": "stream", "objective": args.objective},
+                "stream": {"mode": "stream", "objective": args.objective, "kind": args.kind},
             },
         )
         rows = []
@@ -70,6 +72,7 @@ def main() -> dict[str, Any]:
         out = {
             "preset": preset,
             "objective": args.objective,
+            "kind": args.kind,
             "machine": machine_facts(cfg),
             "questions": rows,
             "mean_answer_s": statistics.fmean(r["answer_s"] for r in rows),

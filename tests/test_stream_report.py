@@ -56,6 +56,16 @@ def test_rows_are_graded_against_gold_and_tested_on_the_test_part_only():
     assert by[("stream_vote[grpo]", "self_consistency")] == (1, 0)
     assert by[("stream_greedy[grpo]", "format")] == (1, 0)
     assert "| stream_greedy[grpo] | zero_shot | 2 | 0 |" in markdown_stream(s)
+    # "no answer": a row without a boxed answer (None), per part
+    unboxed = [
+        _record(4, "5", _rows(None, "5", None, None, "5", "5")),
+        _record(5, "6", _rows("6", "6", "6", "6", "6", "6")),
+    ]
+    u = summarize_stream([records + unboxed], warmup=1)["parts"]["test"]["unboxed"]
+    assert u["zero_shot"] == 1 / 5 and u["stream_greedy[grpo]"] == 0.0
+    assert "| zero_shot | 40.0% | 50.0% | 20.0% | 16.7% |" in markdown_stream(
+        summarize_stream([records + unboxed], warmup=1)
+    )
 
 
 def test_a_question_in_two_runs_counts_once_in_a_sign_test():

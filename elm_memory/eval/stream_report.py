@@ -37,12 +37,14 @@ def arms_of(records: Sequence[Mapping[str, Any]]) -> list[str]:
 
 
 def graded(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """Per record: question id, index, and for every row whether its answer equals the gold answer."""
+    """Per record: question id, index, and for every row whether its answer equals the gold answer and whether it
+    has none (no ``\\boxed{}`` answer: the format failures training may repair)."""
     return [
         {
             "question_id": r["question_id"],
             "index": r["index"],
             "right": {row: bool(equivalent(a, r["gold"])) for row, a in r["extra"]["stream"]["rows"].items()},
+            "unboxed": {row: a is None for row, a in r["extra"]["stream"]["rows"].items()},
         }
         for r in records
     ]
@@ -59,6 +61,7 @@ def summarize_stream(runs: Sequence[Sequence[Mapping[str, Any]]], *, warmup: int
         chosen = [[g for g in run if keep(g)] for run in per_run]
         n = sum(len(c) for c in chosen)
         accuracy = {row: (sum(g["right"][row] for c in chosen for g in c) / n if n else None) for row in rows}
+        unboxed = {row: (sum(g["unboxed"][row] for c in chosen for g in c) / n if n else None) for row in rows}
         tests = []
         for arm in arms:
             for row_t, base in PLANNED:
@@ -67,7 +70,7 @@ def summarize_stream(runs: Sequence[Sequence[Mapping[str, Any]]], *, warmup: int
                 tests.append(
                     {"row": row, "baseline": base, "wins": wins, "losses": losses, "p": sign_test(wins, losses)}
                 )
-        out["parts"][part] = {"answers": n, "accuracy": accuracy, "tests": tests}
+        out["parts"][part] = {"answers": n, "accuracy": accuracy, "unboxed": unboxed, "tests": tests}
     return out
 
 
@@ -106,11 +109,14 @@ def markdown_stream(summary: Mapping[str, Any]) -> str:
     lines = [
         f"Stream memory rows ({summary['runs']} run(s); test = questions after the first {summary['warmup']}):",
         "",
-        f"| row | test ({test['answers']}) | all ({whole['answers']}) |",
-        "| --- | ---: | ---: |",
+        f"| row | test ({test['answers']}) | all ({whole['answers']}) | no answer, test | no answer, all |",
+        "| --- | ---: | ---: | ---: | ---: |",
     ]
     for row, acc in test["accuracy"].items():
-        lines.append(f"| {row} | {_pct(acc)} | {_pct(whole['accuracy'][row])} |")
+        lines.append(
+            f"| {row} | {_pct(acc)} | {_pct(whole['accuracy'][row])} | {_pct(test['unboxed'][row])} "
+            f"| {_pct(whole['unboxed'][row])} |"
+        )
     lines += ["", "Planned tests on the test part (exact two-sided sign test over distinct questions):", ""]
     lines += ["| row | against | wins | losses | p |", "| --- | --- | ---: | ---: | ---: |"]
     for t in test["tests"]:
