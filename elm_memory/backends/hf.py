@@ -139,9 +139,12 @@ class HFBackend:
         inputs = [to_prompt_input(p, self.tokenizer) for p in prompts]
         out: list[list[Generation] | None] = [None] * len(inputs)
         per_call = max(1, self.batch_size // max(1, params.n))
-        groups: dict[int, list[int]] = {}  # one batch per lora/prefix memory (a hook or cache serves a whole call)
+        # prompts with a LoRA or none share batches (each LoRA on its own rows); a prefix memory's cache serves a
+        # whole batch, and the generate loop applies one memory to all: one batch per memory there
+        groups: dict[Any, list[int]] = {}
         for i, p in enumerate(inputs):
-            groups.setdefault(id(p.memory), []).append(i)
+            rows = self.decode_loop == "elm" and (p.memory is None or p.memory.kind == LORA)
+            groups.setdefault("rows" if rows else id(p.memory), []).append(i)
         for indices in groups.values():
             for start in range(0, len(indices), per_call):
                 chunk = indices[start : start + per_call]
@@ -248,7 +251,7 @@ class HFBackend:
             if not params.greedy
             else None
         )
-        memory = batch[0].memory  # generate() groups prompts by memory
+        memory = _one_memory(batch)  # generate() groups the prompts a batch can hold
         if self.decode_loop == "elm":
             rows = self._decode_loop(batch, inputs, mask, params, seeds)
         elif memory is not None:
@@ -309,7 +312,7 @@ class HFBackend:
             eos_ids=self.eos_ids,
             generators=generators,
             should_stop=stop,
-            memory=batch[0].memory,
+            memory=_one_memory(batch),
             **inputs,
         )
 
