@@ -426,3 +426,30 @@ def test_generate_many_decodes_rows_of_different_lora_memories_and_none_as_one_b
     assert [_ids(r) for r in together] == [_ids(r) for r in alone]
     assert _ids(together[0]) != _ids(together[1])  # the adapter changed its rows
     assert _ids(together[2])[1] == _ids(tiny_backend.generate([b], GREEDY))[0]
+
+
+def test_one_generate_call_with_a_lora_prompt_and_plain_prompts_decodes_one_batch(tiny_backend, tiny_loaded):
+    """A question's zero-shot row and its LoRA memory's row in one call (the graph's two candidates): one decode,
+    each row as it decodes alone."""
+    from elm_memory.memory.lora import LoraAdapter
+
+    lora = LoraAdapter.initial(tiny_loaded.model, rank=2, alpha=4.0, seed=5)
+    with torch.no_grad():
+        for _, b in lora.weights.values():
+            b.normal_(0, 0.5)
+    a, b, _ = _prompts(tiny_backend)
+    prompts = [PromptInput(a), PromptInput(a, memory=lora), PromptInput(b)]
+    alone = [tiny_backend.generate([p], GREEDY)[0] for p in prompts]
+    calls = []
+    real = decode.sample
+
+    def spy(*args, **kwargs):
+        calls.append(kwargs.get("memory"))
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode, "sample", spy)
+        together = tiny_backend.generate(prompts, GREEDY)
+    assert len(calls) == 1
+    assert [[g.token_ids for g in gens] for gens in together] == [[g.token_ids for g in gens] for gens in alone]
+    assert together[0][0].token_ids != together[1][0].token_ids
