@@ -230,8 +230,10 @@ class RowLoras:
     def apply(self, model: Any, batch_size: int) -> Iterator[AppliedMemory]:
         """Hooks for the ``with`` block (always removed); starts with one batch row per prompt."""
         owner = threading.get_ident()
+        device = next(model.parameters()).device  # row indices live there: no copy per hook call
         which = torch.tensor(
-            [-1 if a is None else next(j for j, d in enumerate(self.distinct) if d is a) for a in self.adapters]
+            [-1 if a is None else next(j for j, d in enumerate(self.distinct) if d is a) for a in self.adapters],
+            device=device,
         )
         rows: list[torch.Tensor] = []
 
@@ -240,7 +242,7 @@ class RowLoras:
             which = which[index.to(which.device)]
             rows[:] = [torch.nonzero(which == j).flatten() for j in range(len(self.distinct))]
 
-        follow(torch.arange(len(self.adapters)))
+        follow(torch.arange(len(self.adapters), device=device))
         per_module: dict[str, list[tuple[int, torch.Tensor, torch.Tensor, float]]] = {}
         linears: dict[str, torch.nn.Linear] = {}
         for j, adapter in enumerate(self.distinct):
@@ -258,7 +260,7 @@ class RowLoras:
                     return output
                 x = args[0]
                 for j, a, b, scale in deltas:
-                    idx = rows[j].to(x.device)
+                    idx = rows[j]
                     if idx.numel():
                         delta = F.linear(F.linear(x.index_select(0, idx), a), b) * scale
                         output = output.index_add(0, idx, delta.to(output.dtype))
