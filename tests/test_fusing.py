@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 
@@ -391,19 +392,40 @@ def _interrupt(requests):
     raise KeyboardInterrupt
 
 
+def _moved_lora(model, seed):
+    """A LoRA well away from the base model (B drawn, not zero), so a delta on the wrong rows would show."""
+    from elm_memory.memory.lora import LoraAdapter
+
+    lora = LoraAdapter.initial(model, rank=2, alpha=4.0, seed=seed)
+    with torch.no_grad():
+        for _, b in lora.weights.values():
+            b.normal_(0, 0.5)
+    return lora
+
+
+@contextlib.contextmanager
+def _decodes():
+    """The memory each decode.sample call applied, in order."""
+    memories = []
+    real = decode.sample
+
+    def spy(*args, **kwargs):
+        memories.append(kwargs.get("memory"))
+        return real(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(decode, "sample", spy)
+        yield memories
+
+
 def test_generate_many_decodes_rows_of_different_lora_memories_and_none_as_one_batch(tiny_backend, tiny_loaded):
     """A stream memory's rows beside the base model's (and another LoRA's) in one decode: each LoRA reaches its
     own rows only, through the samples' repetition and the finished rows dropped; every row equals the row of
     its own call (float32)."""
-    from elm_memory.memory.lora import LoraAdapter, RowLoras
+    from elm_memory.memory.lora import RowLoras
 
-    loras = [LoraAdapter.initial(tiny_loaded.model, rank=2, alpha=4.0, seed=s) for s in (3, 4)]
-    with torch.no_grad():
-        for lora in loras:
-            for _, b in lora.weights.values():
-                b.normal_(0, 0.5)  # well away from the base model, so a delta on the wrong rows would show
+    one, two = _moved_lora(tiny_loaded.model, 3), _moved_lora(tiny_loaded.model, 4)
     a, b, c = _prompts(tiny_backend)
-    one, two = loras
     requests = [
         ([a], GREEDY),
         ([PromptInput(a, memory=one)], GREEDY),
@@ -412,15 +434,7 @@ def test_generate_many_decodes_rows_of_different_lora_memories_and_none_as_one_b
         ([PromptInput(b, memory=one)], SAMPLED),
     ]
     alone = [tiny_backend.generate(prompts, params) for prompts, params in requests]
-    calls = []
-    real = decode.sample
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("memory"))
-        return real(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode, "sample", spy)
+    with _decodes() as calls:
         together = tiny_backend.generate_many(requests)
     assert len(calls) == 1 and isinstance(calls[0], RowLoras)  # one decode for all five calls
     assert [_ids(r) for r in together] == [_ids(r) for r in alone]
@@ -431,25 +445,12 @@ def test_generate_many_decodes_rows_of_different_lora_memories_and_none_as_one_b
 def test_one_generate_call_with_a_lora_prompt_and_plain_prompts_decodes_one_batch(tiny_backend, tiny_loaded):
     """A question's zero-shot row and its LoRA memory's row in one call (the graph's two candidates): one decode,
     each row as it decodes alone."""
-    from elm_memory.memory.lora import LoraAdapter
-
-    lora = LoraAdapter.initial(tiny_loaded.model, rank=2, alpha=4.0, seed=5)
-    with torch.no_grad():
-        for _, b in lora.weights.values():
-            b.normal_(0, 0.5)
+    lora = _moved_lora(tiny_loaded.model, 5)
     a, b, _ = _prompts(tiny_backend)
     prompts = [PromptInput(a), PromptInput(a, memory=lora), PromptInput(b)]
     alone = [tiny_backend.generate([p], GREEDY)[0] for p in prompts]
-    calls = []
-    real = decode.sample
-
-    def spy(*args, **kwargs):
-        calls.append(kwargs.get("memory"))
-        return real(*args, **kwargs)
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(decode, "sample", spy)
+    with _decodes() as calls:
         together = tiny_backend.generate(prompts, GREEDY)
     assert len(calls) == 1
-    assert [[g.token_ids for g in gens] for gens in together] == [[g.token_ids for g in gens] for gens in alone]
+    assert _ids(together) == _ids(alone)
     assert together[0][0].token_ids != together[1][0].token_ids
