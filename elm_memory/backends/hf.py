@@ -163,8 +163,8 @@ class HFBackend:
 
         Prompts with a LoRA memory or none share a batch: each LoRA's delta reaches its own rows only
         (:class:`~elm_memory.memory.lora.RowLoras`), so a stream memory's greedy answer and samples decode
-        beside the base model's rows. Calls with a prefix memory or ``logprobs`` and the ``generate`` decode
-        loop run one by one; past ``backend.max_batch_rows`` rows, the calls of each memory share a batch.
+        beside the base model's rows. Calls with a prefix memory or ``logprobs``, the ``generate`` decode loop,
+        and calls that together pass ``backend.max_batch_rows`` rows run one by one.
         """
         calls = [([to_prompt_input(p, self.tokenizer) for p in prompts], params) for prompts, params in requests]
         out: list[list[list[Generation]] | None] = [None] * len(calls)
@@ -175,25 +175,12 @@ class HFBackend:
             and not params.logprobs
             and all(p.memory is None or p.memory.kind == LORA for p in inputs)
         ]
-        if sum(len(calls[i][0]) * calls[i][1].n for i in shareable) <= self.batch_size:
-            groups = [shareable, *([i] for i in range(len(calls)) if i not in shareable)]
-        else:
-            by_memory: dict[Any, list[int]] = {}
-            for i, (inputs, _) in enumerate(calls):
-                memories = {id(p.memory) for p in inputs}
-                # a call of one memory joins that memory's group; others run alone (a key no id takes)
-                key = memories.pop() if i in shareable and len(memories) == 1 else ("alone", i)
-                by_memory.setdefault(key, []).append(i)
-            groups = list(by_memory.values())
-        for indices in groups:
-            group = [calls[i] for i in indices]
-            rows = sum(len(inputs) * params.n for inputs, params in group)
-            if len(group) > 1 and rows <= self.batch_size:
-                results = self._generate_fused(group)
-            else:
-                results = [self.generate(inputs, params) for inputs, params in group]
-            for i, result in zip(indices, results, strict=True):
+        if len(shareable) > 1 and sum(len(calls[i][0]) * calls[i][1].n for i in shareable) <= self.batch_size:
+            for i, result in zip(shareable, self._generate_fused([calls[i] for i in shareable]), strict=True):
                 out[i] = result
+        for i, (inputs, params) in enumerate(calls):
+            if out[i] is None:
+                out[i] = self.generate(inputs, params)
         return [r for r in out if r is not None]
 
     def _generate_fused(
@@ -251,10 +238,9 @@ class HFBackend:
             if not params.greedy
             else None
         )
-        memory = _one_memory(batch)  # generate() groups the prompts a batch can hold
         if self.decode_loop == "elm":
             rows = self._decode_loop(batch, inputs, mask, params, seeds)
-        elif memory is not None:
+        elif (memory := batch[0].memory) is not None:  # generate() groups this loop's prompts by memory
             if memory.kind != "lora":
                 raise ConfigError(
                     f"backend.decode_loop=generate cannot apply a {memory.kind} memory; use decode_loop=elm"

@@ -106,7 +106,7 @@ class StreamConfig(ConfigSection):
 
     @property
     def lr(self) -> float:
-        """``learning_rate``, or the kind's default (the per-question memories' rates for the same kinds)."""
+        """``learning_rate``, or the kind's default: 3e-4 for a soft prompt, the paper's LoRA rate 1e-4 for lora."""
         if self.learning_rate is not None:
             return self.learning_rate
         return 1e-4 if self.kind == "lora" else 3e-4

@@ -66,15 +66,15 @@ class StreamNodes(ELMNodes):
         stream = svc.stream_memory(state["namespace"])
         prompt = svc.prompts.answer_prompt(question, memory_tokens=cfg.memory.num_tokens)
         rows, kinds, memory_id, warnings = self._candidate_rows(prompt, state.get("memory_id"))
+        version, at = stream.version, prompt.memory_at
+        rows += stream.serve([prompt.zero_shot()], at)  # the serving version's greedy answer
+        kinds.append(STREAM_KIND)
         params = answer_params(cfg, prompt, svc.backend.info.max_context)
         samples, sample_params = answer_budget_samples(self._sampler(), question, prompt, params)
-        # the serving version's greedy row and samples: one call each (a lora memory decodes as its own batch)
-        version, at = stream.version, prompt.memory_at
-        mine, on_policy = stream.serve([prompt.zero_shot()], at), stream.serve(samples, at)
-        requests: list[GenerateRequest] = [(rows, params), (mine, params), (on_policy, sample_params)]
-        greedy_groups, mine_groups, sample_groups = generate_requests(svc.backend, requests)
-        kinds.append(STREAM_KIND)
-        greedy = [gens[0] for gens in [*greedy_groups, *mine_groups]]
+        on_policy = stream.serve(samples, at)
+        requests: list[GenerateRequest] = [(rows, params), (on_policy, sample_params)]
+        greedy_groups, sample_groups = generate_requests(svc.backend, requests)
+        greedy = [gens[0] for gens in greedy_groups]
         drawn = [g for gens in sample_groups for g in gens]
         candidates = [candidate_state(kind, gen) for kind, gen in zip(kinds, greedy, strict=True)]
         answers = [extract_answer(g.text) for g in drawn]
