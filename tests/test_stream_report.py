@@ -86,3 +86,12 @@ def test_history_and_plot_mark_rollbacks(tmp_path):
     path = plot_stream(records, tmp_path, warmup=1)
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert plot_stream([{"method": "zero_shot", "extra": {}}], tmp_path, warmup=0) is None
+
+
+def test_the_zero_shot_vote_row_is_tested_against_self_consistency_only_when_recorded():
+    rows = _rows("1", "9", "1", "1", "1", "9")
+    plain = summarize_stream([[_record(0, "1", rows)]], warmup=0)
+    assert all(t["row"] != "stream_zs_vote[grpo]" for t in plain["parts"]["test"]["tests"])
+    with_zs = summarize_stream([[_record(0, "1", {**rows, "stream_zs_vote[grpo]": "1"})]], warmup=0)
+    by = {(t["row"], t["baseline"]): (t["wins"], t["losses"]) for t in with_zs["parts"]["test"]["tests"]}
+    assert by[("stream_zs_vote[grpo]", "self_consistency")] == (1, 0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from elm_memory.config.section import ConfigSection
 
@@ -34,6 +34,15 @@ class StreamConfig(ConfigSection):
         description=(
             "`grpo`: Dr.GRPO on the samples, reward 1 where a sample's answer equals the vote. `sft`: "
             "self-distillation, the log-likelihood of the generations that agree with the vote."
+        ),
+    )
+    learn_from: Literal["own", "zero_shot"] = Field(
+        default="own",
+        description=(
+            "`own`: the stream memory's greedy answer and samples, labelled by their vote (on-policy; the label "
+            "moves with the memory). `zero_shot`: zero-shot's greedy answer and the samples drawn without the "
+            "memory, labelled by their vote (self-consistency's): the label cannot drift with the memory, which "
+            "learns to give the vote's answer first. Needs objective `sft`."
         ),
     )
     kind: Literal["soft_prompt", "lora"] = Field(
@@ -103,6 +112,16 @@ class StreamConfig(ConfigSection):
             "never fewer than twice `guard_window`, so the version a rollback returns to is still there."
         ),
     )
+
+    @model_validator(mode="after")
+    def _off_policy_needs_sft(self) -> StreamConfig:
+        # the policy gradient assumes the samples were drawn by the memory being trained
+        if self.learn_from == "zero_shot" and self.objective != "sft":
+            raise ValueError(
+                f"stream.learn_from=zero_shot trains on samples the memory did not draw; stream.objective="
+                f"{self.objective} needs its own samples: set stream.objective=sft (or stream.learn_from=own)"
+            )
+        return self
 
     @property
     def lr(self) -> float:

@@ -22,6 +22,7 @@ PLANNED = (
     ("stream_vote[{arm}]", "self_consistency"),
     ("stream_greedy[{arm}]", "init_greedy"),
     ("stream_greedy[{arm}]", "format"),
+    ("stream_zs_vote[{arm}]", "self_consistency"),  # stream.learn_from: zero_shot only
 )
 
 
@@ -66,6 +67,8 @@ def summarize_stream(runs: Sequence[Sequence[Mapping[str, Any]]], *, warmup: int
         for arm in arms:
             for row_t, base in PLANNED:
                 row = row_t.format(arm=arm)
+                if row not in rows:
+                    continue
                 wins, losses = _signs(chosen, row, base)
                 tests.append(
                     {"row": row, "baseline": base, "wins": wins, "losses": losses, "p": sign_test(wins, losses)}
@@ -141,13 +144,18 @@ def plot_stream(records: Sequence[Mapping[str, Any]], out_dir: str | Path, *, wa
     ax = fig.subplots()
     xs = [g["index"] + 1 for g in grades]
     history = stream_history(mine)
+    # a LoRA stream memory's init is the base model: its curve would hide zero-shot's, so one curve names both
+    init_is_zero_shot = all(r["extra"]["stream"].get("init_is_zero_shot") for r in mine)
     for row in grades[0]["right"]:
+        if init_is_zero_shot and row == "init_greedy":
+            continue
         right, ys = 0, []
         for i, g in enumerate(grades, 1):
             right += g["right"][row]
             ys.append(right / i)
         dashed = row in ("zero_shot", "self_consistency")
-        line = ax.plot(xs, ys, label=row, linestyle="--" if dashed else "-", linewidth=1.2)[0]
+        label = "zero_shot (= init_greedy)" if init_is_zero_shot and row == "zero_shot" else row
+        line = ax.plot(xs, ys, label=label, linestyle="--" if dashed else "-", linewidth=1.2)[0]
         arm = row[row.find("[") + 1 : -1] if "[" in row else None
         if arm is not None:
             marks = [h["index"] + 1 for h in history.get(arm, []) if h["skipped"] == "rolled_back"]

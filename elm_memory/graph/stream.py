@@ -13,6 +13,10 @@ Same wiring and node names as the per-question graph::
   its own), and in ``both`` mode also submits the per-question job.
 
 Zero-shot's greedy answer is kept beside them: the collapse guard compares the memory's unboxed share with it.
+
+With ``stream.learn_from: zero_shot`` the samples are drawn without the memory; the vote is still the memory's
+greedy answer among them, but the memory learns from zero-shot's greedy answer and the samples, labelled by
+their own vote (self-consistency's), so its label cannot drift with it; the guard watches its greedy answer.
 """
 
 from __future__ import annotations
@@ -71,8 +75,9 @@ class StreamNodes(ELMNodes):
         kinds.append(STREAM_KIND)
         params = answer_params(cfg, prompt, svc.backend.info.max_context)
         samples, sample_params = answer_budget_samples(self._sampler(), question, prompt, params)
-        on_policy = stream.serve(samples, at)
-        requests: list[GenerateRequest] = [(rows, params), (on_policy, sample_params)]
+        if cfg.stream.learn_from == "own":  # on-policy: the samples the memory learns from are its own
+            samples = stream.serve(samples, at)
+        requests: list[GenerateRequest] = [(rows, params), (samples, sample_params)]
         greedy_groups, sample_groups = generate_requests(svc.backend, requests)
         greedy = [gens[0] for gens in greedy_groups]
         drawn = [g for gens in sample_groups for g in gens]
@@ -131,17 +136,24 @@ class StreamNodes(ELMNodes):
             stream = svc.stream_memory(info["namespace"])
             mine = next(c for c in state["candidates"] if c["kind"] == STREAM_KIND)
             zero = state["candidates"][0]
-            generations = [Generated(mine["token_ids"], mine["answer"], sampled=False)]
-            generations += [Generated(s["token_ids"], s["answer"], sampled=True) for s in info["samples"]]
+            drawn = [Generated(s["token_ids"], s["answer"], sampled=True) for s in info["samples"]]
+            if svc.config.stream.learn_from == "own":
+                generations = [Generated(mine["token_ids"], mine["answer"], sampled=False), *drawn]
+                label, served = state.get("answer"), None
+            else:  # zero-shot's rows and their vote (self-consistency's); the guard watches the memory's answer
+                generations = [Generated(zero["token_ids"], zero["answer"], sampled=False), *drawn]
+                label = plurality_vote([g.answer for g in drawn], zero["answer"], with_greedy=True)
+                served = [mine["answer"]]
             prompt = svc.prompts.answer_prompt(state["question"], memory_tokens=svc.config.memory.num_tokens)
             update = stream.learn(
                 state["question"],
                 prompt.token_ids,
                 prompt.memory_at,
                 generations,
-                label=state.get("answer"),
+                label=label,
                 version_used=info["version"],
                 zero_shot_answer=zero["answer"],
+                served_answers=served,
             )
             out["stream_update"] = update.to_dict()
         except Exception as exc:  # the answer is out already: a failed update is a warning, the last version serves

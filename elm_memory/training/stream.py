@@ -1,6 +1,7 @@
 """Where a stream memory is trained: one latent memory per namespace (a soft prompt, or a LoRA with
 ``stream.kind: lora``) that every answered question updates once, from the generations the answer path already
-drew with it (no extra decode).
+drew with it (no extra decode); with ``stream.learn_from: zero_shot``, from zero-shot's greedy answer and the
+samples drawn without it, labelled by self-consistency's vote.
 
 One update, given a question's prompt, the memory's greedy answer and samples (drawn with the version that
 serves) and the label (the vote the answer path returned):
@@ -277,8 +278,11 @@ class StreamMemory:
         label: str | None,
         version_used: int,
         zero_shot_answer: str | None,
+        served_answers: Sequence[str | None] | None = None,
     ) -> StreamUpdate:
-        """Read the question's answers into the guard, then update the memory once from them (under the lock)."""
+        """Read the question's answers into the guard, then update the memory once from ``generations`` (under
+        the lock). ``served_answers``: what the memory itself answered (greedy first, then its samples), when
+        ``generations`` are not its own (``stream.learn_from: zero_shot``): the guard watches the memory."""
         t0 = time.perf_counter()
         with self.files.lock():
             deleted = self.refresh()
@@ -288,7 +292,7 @@ class StreamMemory:
                 update.seconds = round(time.perf_counter() - t0, 3)
                 return update
             verdict = self.guard.observe(
-                Observation(version_used, [g.answer for g in generations], zero_shot_answer, label)
+                Observation(version_used, _answers(generations, served_answers), zero_shot_answer, label)
             )
             if verdict is not None:
                 update.guard = verdict.to_dict()
@@ -461,6 +465,10 @@ class StreamMemory:
 
     def write_summary(self, path: str | Path) -> None:
         write_bytes_atomic(path, json.dumps(self.summary(), indent=2).encode())
+
+
+def _answers(generations: Sequence[Generated], served: Sequence[str | None] | None) -> list[str | None]:
+    return list(served) if served is not None else [g.answer for g in generations]
 
 
 def _trained_on(item: _Pooled) -> dict[str, Any]:

@@ -8,6 +8,10 @@ Per question, one batched call draws, with the same per-sample seeds where rows 
 - the question with the one-sentence format instruction appended, greedy (``zero_shot_format``);
 - per trained arm (one per objective), the stream memory's greedy + the same k samples under its serving version.
 
+With ``stream.learn_from: zero_shot`` every arm learns instead from zero-shot's greedy answer and samples,
+labelled by self-consistency's vote (no extra decode either), and a ``stream_zs_vote`` row is added: the arm's
+greedy answer voting among the zero-shot samples (what the graph answers then).
+
 The method's answer is the first arm's vote over its own greedy answer and samples (the compute of
 self-consistency, k + 1 generations); that vote is the label the arm then learns from, with no decode of its
 own. Every row's answer, the versions used and each update are in the record's ``extra`` (read by
@@ -95,6 +99,11 @@ class StreamEval:
         self.specs = arms or [Arm(obj, obj) for obj in objectives or [cfg.stream.objective]]
         if self.specs[0].label != "vote":
             raise ConfigError(f"{name}: the first arm answers, so its label must be the vote")
+        if cfg.stream.learn_from == "zero_shot" and any(a.objective != "sft" for a in self.specs):
+            raise ConfigError(
+                f"{name} trains a grpo arm, but stream.learn_from=zero_shot trains on samples the memory did not "
+                "draw (sft only): use elm_stream with stream.objective=sft, or stream.learn_from=own"
+            )
         self.objectives = [a.name for a in self.specs]
         self._arms: dict[str, StreamMemory] | None = None
         self._pending: dict[str, Any] | None = None
@@ -176,19 +185,26 @@ class StreamEval:
             "format": extract_answer(format_gen.text),
             "init_greedy": answers["init"],
         }
+        zero_shot_source = cfg.stream.learn_from == "zero_shot"
         for obj in arms:
             rows[f"stream_greedy[{obj}]"] = answers[obj]
             rows[f"stream_vote[{obj}]"] = plurality_vote(sampled[obj], answers[obj], with_greedy=True)
+            if zero_shot_source:  # what the graph answers then: its greedy answer among the zero-shot samples
+                rows[f"stream_zs_vote[{obj}]"] = plurality_vote(sampled["zero_shot"], answers[obj], with_greedy=True)
         first = self.objectives[0]
+
+        def drawn(source: str) -> list[Generated]:
+            return [Generated(greedy[source].token_ids, answers[source], False)] + [
+                Generated(g.token_ids, a, True) for g, a in zip(sample_groups[source], sampled[source], strict=True)
+            ]
+
         self._pending = {
             "question": question,
             "prompt": prompt,
-            "generations": {
-                obj: [Generated(greedy[obj].token_ids, answers[obj], False)]
-                + [Generated(g.token_ids, a, True) for g, a in zip(sample_groups[obj], sampled[obj], strict=True)]
-                for obj in arms
-            },
-            "labels": {obj: rows[f"stream_vote[{obj}]"] for obj in arms},
+            # learn_from zero_shot: every arm trains on self-consistency's rows and vote; the guard watches its own
+            "generations": {obj: drawn("zero_shot" if zero_shot_source else obj) for obj in arms},
+            "labels": {obj: rows["self_consistency" if zero_shot_source else f"stream_vote[{obj}]"] for obj in arms},
+            "served": {obj: [answers[obj], *sampled[obj]] for obj in arms},
             "versions": versions,
             "zero_shot": answers["zero_shot"],
         }
@@ -230,6 +246,7 @@ class StreamEval:
                 label=pending["labels"][obj],
                 version_used=pending["versions"][obj],
                 zero_shot_answer=pending["zero_shot"],
+                served_answers=pending["served"][obj],
             )
             updates[obj] = update.to_dict()
         extra = output.extra.setdefault("stream", {})
