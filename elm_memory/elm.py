@@ -192,7 +192,7 @@ class ELM:
         if self._graph is None:
             from elm_memory.graph import build_elm_graph
 
-            self._graph = build_elm_graph(self.services)
+            self._graph = build_elm_graph(self.services, config=self.config)
         return self._graph
 
     def services(self) -> ELMServices:

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from elm_memory.errors import ConfigError
 
 if TYPE_CHECKING:
+    from elm_memory.config import ELMConfig
     from elm_memory.elm import ELM
     from elm_memory.graph.services import ELMServices
 
@@ -46,6 +47,11 @@ def served_elm() -> ELM:
 
 def served_services() -> ELMServices:
     return served_elm().services()
+
+
+def served_config() -> ELMConfig:
+    """The process's config (cheap: the model, store and learner are built by :func:`served_services`)."""
+    return served_elm().config
 
 
 def chat_model_from_env() -> Any:

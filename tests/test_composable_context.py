@@ -227,3 +227,20 @@ def test_the_elm_graph_run_directly_refuses_a_misspelt_key_by_name(elm):
     with pytest.raises(ConfigError, match=r"'llm'"):  # a parent's schema, run without the parent
         elm.graph.invoke({"question": Q}, context=_context(DataclassContext))
     assert _learned_namespaces(elm) == ["red-ada"]  # nothing learned for the refused runs
+
+
+def test_a_served_graph_refuses_a_misspelt_key_before_its_services_are_built(elm):
+    from elm_memory.graph import build_elm_graph
+
+    built: list[int] = []
+
+    def services():  # what a served graph's provider does on its first run: build the model
+        built.append(1)
+        return elm.services()
+
+    graph = build_elm_graph(services, declare_context_schema=False, config=lambda: elm.config)
+    with pytest.raises(ConfigError, match=r"unknown context key\(s\) 'usr_id'"):
+        graph.invoke({"question": Q}, context={"usr_id": "ada", "team": "red"})
+    assert built == []
+    assert graph.invoke({"question": Q}, context={"user_id": "ada", "team": "red"})["namespace"] == "red-ada"
+    assert built

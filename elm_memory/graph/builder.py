@@ -13,13 +13,15 @@ strict online protocol, where memory i exists before question i+1 is answered).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 from langchain_core.runnables import RunnableConfig
 from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import Runtime
 
-from elm_memory.graph.context import ELMRunContext
+from elm_memory.config import ELMConfig
+from elm_memory.graph.context import ELMRunContext, as_run_context
 from elm_memory.graph.nodes import ELMNodes, ServicesProvider, after_respond, after_route
 from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import ELMInput, ELMOutput, ELMState
@@ -31,6 +33,7 @@ def build_elm_graph(
     checkpointer: Any = None,
     name: str = "elm",
     declare_context_schema: bool = True,
+    config: ELMConfig | Callable[[], ELMConfig] | None = None,
 ) -> Any:
     """The compiled ELM graph, bound to ``services`` (or a callable returning them, called per
     node so a served graph can build them on first use). Runs take JSON settings as
@@ -39,8 +42,12 @@ def build_elm_graph(
     ``declare_context_schema=False`` leaves the schema out of the compiled graph and has the
     first node validate the context instead: LangGraph Server silently drops context keys
     that a declared schema lacks, so a served graph could not refuse a misspelt key.
+
+    ``config`` (or a callable returning it, cheap to call): the config the run's context is checked against
+    before ``services`` is first called. A served graph builds its model on its first run; with ``config`` a
+    misspelt context key fails that run at once instead of after the model is built.
     """
-    nodes = ModeNodes(services)
+    nodes = ModeNodes(services, config)
     schema = ELMRunContext if declare_context_schema else None
     graph = StateGraph(ELMState, context_schema=schema, input_schema=ELMInput, output_schema=ELMOutput)
     # (state, runtime, config) nodes work at run time; langgraph's add_node overloads list only one of the two
@@ -64,16 +71,22 @@ class ModeNodes:
     """The nodes of ``stream.mode``, chosen per call: the services (and so the config) of a served graph are
     built on first use, after the graph is compiled."""
 
-    def __init__(self, services: ELMServices | ServicesProvider):
+    def __init__(
+        self, services: ELMServices | ServicesProvider, config: ELMConfig | Callable[[], ELMConfig] | None = None
+    ):
         from elm_memory.graph.stream import StreamNodes
 
         self.per_question = ELMNodes(services)
         self.stream = StreamNodes(services)
+        self._config = config
 
     def _nodes(self) -> ELMNodes:
         return self.per_question if self.per_question.services.config.stream.mode == "per_question" else self.stream
 
     def retrieve(self, state: ELMState, runtime: Runtime[ELMRunContext], config: RunnableConfig) -> dict[str, Any]:
+        if self._config is not None:  # the context's keys, before the services (and a served graph's model) exist
+            cfg = self._config() if callable(self._config) else self._config
+            as_run_context(runtime.context, config=config, template=cfg.namespace_template)
         return self._nodes().retrieve(state, runtime, config)
 
     def dual_generate(self, state: ELMState) -> dict[str, Any]:
