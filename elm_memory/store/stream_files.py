@@ -5,6 +5,7 @@
     <root>/<namespace folder>/   (the namespace made safe as a folder name, plus its hash: see folder_name)
         v000007.safetensors        the memory (a LatentMemory file: soft prompt + metadata, history included)
         v000007.optim.safetensors  its optimizer's moments, so another process continues the same run
+                                   (the newest MOMENTS_KEPT versions only: see prune_moments)
         CURRENT                    the version that serves ("7"), replaced atomically
         .lock                      held by whoever writes a version
 
@@ -36,6 +37,9 @@ from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import validate_namespace
 
 _VERSION = re.compile(r"^v(\d{6})\.safetensors$")
+#: Versions whose optimizer moments are kept: a resumed evaluation restores at most the version before the newest
+#: (its last record's), and a rollback starts a fresh optimizer; a LoRA's moments are twice its own size.
+MOMENTS_KEPT = 2
 
 
 class StreamFiles:
@@ -114,6 +118,18 @@ class StreamFiles:
             path.with_suffix(".optim.safetensors").unlink(missing_ok=True)
             path.unlink(missing_ok=True)
         return removed
+
+    def prune_moments(self, keep: int = MOMENTS_KEPT) -> list[int]:
+        """Delete the optimizer moments of every version but the newest ``keep`` (and the one that serves); the
+        memories stay. A version without moments continues with a fresh optimizer. Call under :meth:`lock`."""
+        current = self.current_version()
+        dropped = []
+        for version in self.versions()[: -keep if keep > 0 else None]:
+            moments = self.path(version).with_suffix(".optim.safetensors")
+            if version != current and moments.exists():
+                moments.unlink()
+                dropped.append(version)
+        return dropped
 
     def prune(self, keep: int) -> list[int]:
         """Delete every version but the newest ``keep`` (and the one that serves). Call under :meth:`lock`."""

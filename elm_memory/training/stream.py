@@ -266,6 +266,7 @@ class StreamMemory:
         )
         self.files.write(version, memory, optim)
         self.files.prune(self.cfg.versions_to_keep)
+        self.files.prune_moments()
 
     # -- learning ----------------------------------------------------------------------
     def learn(
