@@ -126,5 +126,46 @@ def test_a_stream_evaluation_learning_from_zero_shot_refuses_a_grpo_arm(evidence
 
     stream = evidence_config.stream.model_copy(update={"objective": "sft", "learn_from": "zero_shot"})
     runtime = EvalRuntime(evidence_config.model_copy(update={"stream": stream}), tmp_path, loaded=None, backend=None)
-    with pytest.raises(ConfigError, match="grpo arm"):
+    with pytest.raises(ConfigError, match=r"stream arm 'grpo'.*stream.objective=sft"):
         elm_stream_objectives(runtime)
+
+
+def test_an_arm_sets_how_it_learns_but_not_what_it_is(evidence_config):
+    from elm_memory.eval.methods.stream_method import Arm
+
+    arm = Arm("fast", "sft", settings=(("learning_rate", 1e-3), ("learn_from", "zero_shot")))
+    mine = arm.stream_config(evidence_config.stream)
+    assert (mine.lr, mine.learn_from, mine.objective) == (1e-3, "zero_shot", "sft")
+    assert mine.guard_window == evidence_config.stream.guard_window  # the rest is the run's
+    with pytest.raises(ConfigError, match="kind cannot differ between arms"):
+        Arm("x", "sft", settings=(("kind", "lora"),))
+    with pytest.raises(ConfigError, match="stream arm 'slow'"):
+        Arm("slow", "sft", settings=(("learning_rate", -1.0),)).stream_config(evidence_config.stream)
+
+
+@pytest.mark.model
+def test_elm_stream_sources_trains_one_arm_on_its_own_vote_and_one_on_self_consistencys(
+    evidence_config, tiny_loaded, tmp_path
+):
+    from elm_memory.data.datasets import load_problems
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+    from elm_memory.eval.records import RecordLog
+
+    problems = load_problems("synth-arith", limit=1, seed=17)
+    runtime = EvalRuntime(evidence_config, tmp_path, loaded=tiny_loaded, backend=MemorySensitive(tiny_loaded))
+    run_stream(
+        problems,
+        ["elm_stream_sources"],
+        evidence_config,
+        tmp_path,
+        dataset="synth-arith",
+        seed=17,
+        runtime=runtime,
+        progress=False,
+    )
+    [record] = RecordLog(tmp_path / "records.jsonl").read()
+    extra = record["extra"]["stream"]
+    assert record["answer"] == extra["rows"]["stream_vote[sft]"] == "7"  # the first arm answers
+    assert extra["updates"]["sft"]["label"] == "7" and extra["updates"]["sft_zs"]["label"] == "5"
+    assert "stream_zs_vote[sft_zs]" in extra["rows"] and "stream_zs_vote[sft]" not in extra["rows"]

@@ -26,5 +26,6 @@ eval_methods.register("self_consistency", "elm_memory.eval.methods.voting:SelfCo
 eval_methods.register("maj_at_k", "elm_memory.eval.methods.voting:MajorityAtK")
 eval_methods.register("elm_stream", "elm_memory.eval.methods.stream_method:elm_stream")
 eval_methods.register("elm_stream_objectives", "elm_memory.eval.methods.stream_method:elm_stream_objectives")
+eval_methods.register("elm_stream_sources", "elm_memory.eval.methods.stream_method:elm_stream_sources")
 eval_methods.register("elm_stream_gold", "elm_memory.eval.methods.stream_method:elm_stream_gold")
 eval_methods.register("zero_shot_format", "elm_memory.eval.methods.stream_method:zero_shot_format")

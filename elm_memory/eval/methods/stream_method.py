@@ -30,9 +30,12 @@ import dataclasses
 import time
 from typing import Any
 
+from pydantic import ValidationError
+
 from elm_memory.answers import extract_answer
 from elm_memory.answers.vote import plurality_vote
 from elm_memory.backends.base import GenerateRequest, PromptInput, generate_requests
+from elm_memory.config.stream import StreamConfig
 from elm_memory.errors import ConfigError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
 from elm_memory.eval.methods.baselines import ZeroShot
@@ -67,18 +70,39 @@ class ZeroShotFormat(ZeroShot):
 LABEL_SOURCES = ("vote", "gold")
 
 
+#: What an arm may set for itself: how and from what it learns. Not ``kind``: the run's untrained-init row is one.
+ARM_SETTINGS = ("learn_from", "learning_rate", "min_label_share", "update_every", "max_grad_norm")
+
+
 @dataclasses.dataclass(frozen=True)
 class Arm:
-    """One trained stream memory of an evaluation: its row name, objective and where its label comes from
-    (``vote``: its own greedy + samples' plurality, the product's rule; ``gold``: the dataset's answer)."""
+    """One trained stream memory of an evaluation: its row name, objective, where its label comes from
+    (``vote``: the vote of the rows it learns from, the product's rule; ``gold``: the dataset's answer), and
+    ``settings``: ``stream`` fields of its own (:data:`ARM_SETTINGS`), the run's config for the rest."""
 
     name: str
     objective: str
     label: str = "vote"
+    settings: tuple[tuple[str, Any], ...] = ()
 
     def __post_init__(self) -> None:
         if self.label not in LABEL_SOURCES:
             raise ConfigError(f"stream arm {self.name!r}: label must be one of {LABEL_SOURCES}, got {self.label!r}")
+        unknown = sorted({k for k, _ in self.settings} - set(ARM_SETTINGS))
+        if unknown:
+            raise ConfigError(
+                f"stream arm {self.name!r}: {', '.join(unknown)} cannot differ between arms; an arm may set "
+                f"{', '.join(ARM_SETTINGS)}"
+            )
+
+    def stream_config(self, base: StreamConfig) -> StreamConfig:
+        """The run's ``stream`` section with this arm's objective and settings (validated as a whole)."""
+        try:
+            return StreamConfig.model_validate(
+                {**base.model_dump(), **dict(self.settings), "objective": self.objective}
+            )
+        except ValidationError as exc:
+            raise ConfigError(f"stream arm {self.name!r}: {exc.errors()[0]['msg']}") from None
 
 
 class StreamEval:
@@ -99,11 +123,7 @@ class StreamEval:
         self.specs = arms or [Arm(obj, obj) for obj in objectives or [cfg.stream.objective]]
         if self.specs[0].label != "vote":
             raise ConfigError(f"{name}: the first arm answers, so its label must be the vote")
-        if cfg.stream.learn_from == "zero_shot" and any(a.objective != "sft" for a in self.specs):
-            raise ConfigError(
-                f"{name} trains a grpo arm, but stream.learn_from=zero_shot trains on samples the memory did not "
-                "draw (sft only): use elm_stream with stream.objective=sft, or stream.learn_from=own"
-            )
+        self.streams = {a.name: a.stream_config(cfg.stream) for a in self.specs}
         self.objectives = [a.name for a in self.specs]
         self._arms: dict[str, StreamMemory] | None = None
         self._pending: dict[str, Any] | None = None
@@ -119,8 +139,7 @@ class StreamEval:
             rt, cfg = self.runtime, self.runtime.config
             self._arms = {}
             for spec in self.specs:
-                stream = cfg.stream.model_copy(update={"objective": spec.objective})
-                arm_cfg = cfg.model_copy(update={"stream": stream})
+                arm_cfg = cfg.model_copy(update={"stream": self.streams[spec.name]})
                 root = rt.out_dir / STREAM_DIR / spec.name
                 self._arms[spec.name] = StreamMemory(arm_cfg, rt.loaded, root, namespace=cfg.namespace)
         return self._arms
@@ -185,11 +204,11 @@ class StreamEval:
             "format": extract_answer(format_gen.text),
             "init_greedy": answers["init"],
         }
-        zero_shot_source = cfg.stream.learn_from == "zero_shot"
+        zero_shot_source = {obj: self.streams[obj].learn_from == "zero_shot" for obj in arms}
         for obj in arms:
             rows[f"stream_greedy[{obj}]"] = answers[obj]
             rows[f"stream_vote[{obj}]"] = plurality_vote(sampled[obj], answers[obj], with_greedy=True)
-            if zero_shot_source:  # what the graph answers then: its greedy answer among the zero-shot samples
+            if zero_shot_source[obj]:  # what the graph answers then: its greedy answer among the zero-shot samples
                 rows[f"stream_zs_vote[{obj}]"] = plurality_vote(sampled["zero_shot"], answers[obj], with_greedy=True)
         first = self.objectives[0]
 
@@ -202,8 +221,10 @@ class StreamEval:
             "question": question,
             "prompt": prompt,
             # learn_from zero_shot: every arm trains on self-consistency's rows and vote; the guard watches its own
-            "generations": {obj: drawn("zero_shot" if zero_shot_source else obj) for obj in arms},
-            "labels": {obj: rows["self_consistency" if zero_shot_source else f"stream_vote[{obj}]"] for obj in arms},
+            "generations": {obj: drawn("zero_shot" if zero_shot_source[obj] else obj) for obj in arms},
+            "labels": {
+                obj: rows["self_consistency" if zero_shot_source[obj] else f"stream_vote[{obj}]"] for obj in arms
+            },
             "served": {obj: [answers[obj], *sampled[obj]] for obj in arms},
             "versions": versions,
             "zero_shot": answers["zero_shot"],
@@ -283,6 +304,14 @@ def elm_stream(runtime: EvalRuntime) -> StreamEval:
 
 def elm_stream_objectives(runtime: EvalRuntime) -> StreamEval:
     return StreamEval(runtime, ["grpo", "sft"], name="elm_stream_objectives")
+
+
+def elm_stream_sources(runtime: EvalRuntime) -> StreamEval:
+    """Two ``sft`` arms on the same questions: ``sft`` learns from its own votes, ``sft_zs`` from zero-shot's rows
+    and self-consistency's vote (the ablation of the label source)."""
+    own, zero_shot = (("learn_from", "own"),), (("learn_from", "zero_shot"),)
+    arms = [Arm("sft", "sft", settings=own), Arm("sft_zs", "sft", settings=zero_shot)]
+    return StreamEval(runtime, name="elm_stream_sources", arms=arms)
 
 
 def elm_stream_gold(runtime: EvalRuntime) -> StreamEval:
