@@ -72,6 +72,19 @@ def test_guard_rolls_back_when_agreement_falls_below_the_first_window():
     assert verdict is not None and verdict.rollback_to == 2 and any("agreement" in r for r in verdict.reasons)
 
 
+def test_guard_rolls_back_a_rise_in_agreement_only_when_asked_to():
+    def run(guard):
+        for v in (0, 1):  # the baseline: half the samples agree
+            guard.observe(_obs(v, ["1", "1", "2", "3"], label=str(v)))
+        guard.observe(_obs(2, ["4", "4", "4", "4"], label="4"))
+        return guard.observe(_obs(3, ["5", "5", "5", "6"], label="5"))  # agreement 0.875: a rise of 0.375
+
+    verdict = run(CollapseGuard(window=2, max_agreement_rise=0.3, max_repeated_answer=1.0))
+    assert verdict is not None and verdict.rollback_to == 2 and any("agreement 0.88 >" in r for r in verdict.reasons)
+    assert run(CollapseGuard(window=2, max_agreement_rise=0.4, max_repeated_answer=1.0)).reasons == []
+    assert run(CollapseGuard(window=2, max_repeated_answer=1.0)).reasons == []  # off by default
+
+
 def test_guard_rolls_back_a_constant_answer():
     guard = CollapseGuard(window=4, max_repeated_answer=0.5)
     for v in range(3):

@@ -71,8 +71,8 @@ MethodOpt = Annotated[
         "-m",
         help="Method(s), repeatable or comma-separated: zero_shot, self_consistency, maj_at_k, verifier_at_2, "
         "icl, reasoning_bank, lag, lag_tts, elm_input, elm_untrained, elm_kv, elm_kv_centered, elm_stream, "
-        "elm_stream_objectives, elm_stream_sources, elm_stream_gold (an upper bound: learns from the gold answer), zero_shot_format "
-        "(or a plugin).",
+        "elm_stream_objectives, elm_stream_sources, elm_stream_gold (an upper bound: learns from the gold "
+        "answer), zero_shot_format (or a plugin).",
     ),
 ]
 

@@ -89,6 +89,15 @@ class StreamConfig(ConfigSection):
         le=1.0,
         description="Roll back when the samples' mean majority share falls this far below the first window's.",
     )
+    guard_max_agreement_rise: float | None = Field(
+        default=None,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "Roll back when the samples' mean majority share rises this far above the first window's (samples "
+            "collapsing onto one another; real learning raises it too, so off unless set)."
+        ),
+    )
     guard_max_repeated_answer: float = Field(
         default=0.5,
         gt=0.0,

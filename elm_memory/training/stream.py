@@ -113,6 +113,7 @@ class StreamMemory:
             max_unboxed_increase=self.cfg.guard_max_unboxed_increase,
             max_agreement_drop=self.cfg.guard_max_agreement_drop,
             max_repeated_answer=self.cfg.guard_max_repeated_answer,
+            max_agreement_rise=self.cfg.guard_max_agreement_rise,
         )
 
     def _start(self) -> None:

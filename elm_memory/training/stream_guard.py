@@ -8,7 +8,10 @@ generations, which cost nothing extra, over windows of ``window`` questions:
 - **unboxed**: the share of the memory's answers (greedy + samples) with no ``\boxed{}``, against zero-shot's
   greedy answers on the same questions; rolled back when it exceeds it by more than ``max_unboxed_increase``;
 - **agreement**: the mean majority share of the memory's answers; rolled back when it falls more than
-  ``max_agreement_drop`` below the first window's (the memory's own starting point);
+  ``max_agreement_drop`` below the first window's (the memory's own starting point), and, when
+  ``max_agreement_rise`` is set, when it rises more than that above it: samples collapsing onto one another
+  (a LoRA trained on its own votes went from 0.40 to 0.78 while a sample stayed as often right), which a rise
+  from real learning also shows, so this rule is off unless set;
 - **repeated answer**: rolled back when one answer wins the vote on more than ``max_repeated_answer`` of the
   window's questions.
 
@@ -71,6 +74,7 @@ class CollapseGuard:
         max_unboxed_increase: float = 0.25,
         max_agreement_drop: float = 0.2,
         max_repeated_answer: float = 0.5,
+        max_agreement_rise: float | None = None,
     ):
         if window < 2:
             raise ValueError(f"the guard's window must hold at least 2 questions, got {window}")
@@ -78,6 +82,7 @@ class CollapseGuard:
         self.max_unboxed_increase = max_unboxed_increase
         self.max_agreement_drop = max_agreement_drop
         self.max_repeated_answer = max_repeated_answer
+        self.max_agreement_rise = max_agreement_rise
         self.pending: list[Observation] = []
         self.baseline_agreement: float | None = None
 
@@ -98,6 +103,13 @@ class CollapseGuard:
             verdict.reasons.append(
                 f"agreement {stats.agreement:.2f} < first window's {self.baseline_agreement:.2f} - "
                 f"{self.max_agreement_drop}"
+            )
+        elif (
+            self.max_agreement_rise is not None and stats.agreement > self.baseline_agreement + self.max_agreement_rise
+        ):
+            verdict.reasons.append(
+                f"agreement {stats.agreement:.2f} > first window's {self.baseline_agreement:.2f} + "
+                f"{self.max_agreement_rise}"
             )
         if stats.repeated_answer > self.max_repeated_answer:
             verdict.reasons.append(f"one answer won {stats.repeated_answer:.2f} of the window's votes")
