@@ -39,7 +39,8 @@ class MemorySensitive:
 def test_learning_from_zero_shot_needs_the_sft_objective():
     with pytest.raises(ConfigError, match="stream.objective=sft"):
         ELMConfig.load(overrides={"stream": {"learn_from": "zero_shot"}})
-    assert ELMConfig.load(overrides={"stream": {"learn_from": "zero_shot", "objective": "sft"}})
+    cfg = ELMConfig.load(overrides={"stream": {"learn_from": "zero_shot", "objective": "sft"}})
+    assert cfg.stream.learn_from == "zero_shot"
 
 
 def test_the_guard_watches_the_answers_the_memory_served_not_the_rows_it_learned_from(smol, tmp_path):
@@ -51,10 +52,12 @@ def test_the_guard_watches_the_answers_the_memory_served_not_the_rows_it_learned
     ids = smol.tokenizer(WITHOUT, add_special_tokens=False)["input_ids"]
     learned = [Generated(ids, "5", sampled=i > 0) for i in range(4)]
     update = stream.learn(
-        "q", [1, 2, 3], 3, learned, label="5", version_used=0, zero_shot_answer="5", served_answers=["7", None]
+        "q", [1, 2, 3], 3, learned, label="5", version_used=0, zero_shot_answer="5", served_answers=["7", None, "7"]
     )
     assert update.applied and update.rewards == [1.0] * 4  # trained on the zero-shot rows, labelled by their vote
-    assert stream.guard.pending[-1].memory_answers == ["7", None]
+    seen = stream.guard.pending[-1]
+    assert seen.memory_answers == ["7", None, "7"]
+    assert seen.label == "7"  # the repeated-answer rule counts the memory's own vote, not the label it learned
 
 
 def _graph(smol, tmp_path, learn_from):
@@ -118,6 +121,10 @@ def test_elm_stream_learning_from_zero_shot_trains_on_self_consistencys_vote(
         assert extra["updates"]["sft"]["label"] == "5"  # self-consistency's vote, not its own
     else:
         assert "stream_zs_vote[sft]" not in rows and extra["updates"]["sft"]["label"] == "7"
+    # either way the guard saw the memory's own answers: its greedy 7 and its 3 samples under it
+    [newest] = sorted((tmp_path / "stream" / "sft").rglob("v000001.safetensors"))
+    [seen] = LatentMemory.load(newest).meta.config["stream"]["guard"]["pending"]
+    assert seen["memory_answers"] == ["7"] * 4 and seen["label"] == "7"
 
 
 def test_a_stream_evaluation_learning_from_zero_shot_refuses_a_grpo_arm(evidence_config, tmp_path):

@@ -85,6 +85,16 @@ def test_guard_rolls_back_a_rise_in_agreement_only_when_asked_to():
     assert run(CollapseGuard(window=2, max_repeated_answer=1.0)).reasons == []  # off by default
 
 
+def test_guard_with_one_answer_a_question_reads_no_agreement():
+    # the graph learning from zero-shot's rows gives the guard the memory's greedy answer alone: one answer agrees
+    # with itself when boxed, which is the unboxed rule's business, not agreement's
+    guard = CollapseGuard(window=2, max_agreement_rise=0.1, max_repeated_answer=1.0)
+    for v in range(4):
+        verdict = guard.observe(_obs(v, [None if v < 2 else str(v)], zero=None, label=str(v)))
+    assert verdict is not None and verdict.stats.agreement is None and verdict.reasons == []
+    assert guard.baseline_agreement is None
+
+
 def test_guard_rolls_back_a_constant_answer():
     guard = CollapseGuard(window=4, max_repeated_answer=0.5)
     for v in range(3):
@@ -643,3 +653,31 @@ def test_deleting_a_stream_memory_starts_it_again_from_its_init_and_drops_what_t
     assert update.skipped == "stream_deleted" and update.version == 0
     assert stream.files.versions() == [0] and torch.equal(stream.soft_prompt, stream.init["soft_prompt"])
     assert stream.history == [] and stream.summary()["updates"] == 0
+
+
+@pytest.mark.model
+def test_a_second_resume_keeps_the_copy_the_first_one_made_and_its_optimizer(evidence_config, tiny_loaded, tmp_path):
+    # a process stopped after an update it did not record resumes by restoring the recorded version (a new one);
+    # stopped again before its next record, it must not restore that version twice: its moments are pruned by then
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.methods.stream_method import StreamEval
+
+    stream = evidence_config.stream.model_copy(update={"objective": "sft"})
+    cfg = evidence_config.model_copy(update={"stream": stream})
+
+    def process() -> tuple[StreamEval, StreamMemory]:
+        method = StreamEval(EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=None))
+        return method, method.arms["sft"]
+
+    _, arm = process()
+    ids, at = _prompt(tiny_loaded)
+    gens = _gens(tiny_loaded.tokenizer, ["\\boxed{5}"] * 3)
+    for v in (0, 1):
+        assert arm.learn("q", ids, at, gens, label="5", version_used=v, zero_shot_answer="5").applied
+    records = [{"index": 0, "extra": {"stream": {"updates": {"sft": {"version": 1}}}}}]  # v2 went unrecorded
+    method, arm = process()
+    method.resume(records)
+    assert arm.version == 3 and arm.history[-1]["rollback_to"] == 1 and arm.optim.state
+    method, arm = process()  # stopped again before the next record
+    method.resume(records)
+    assert arm.version == 3 and arm.optim.state  # served as it was, moments and all

@@ -2,7 +2,8 @@
 
 Per-question memories (the paper's) are learned from one question and retrieved for later ones; a stream
 memory is trained a little by each question, from the answer path's own generations (its greedy answer and
-the verifier's samples, drawn with the current version), so experience accumulates in one place.
+the verifier's samples, drawn with the current version; or zero-shot's, ``learn_from``), so experience
+accumulates in one place.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ class StreamConfig(ConfigSection):
         default=0.4,
         ge=0.0,
         le=1.0,
-        description="Skip the update when fewer of the memory's answers agree with the vote (0.4: 2 of 5).",
+        description="Skip the update when fewer of the rows it learns from agree with their vote (0.4: 2 of 5).",
     )
     guard_window: int = Field(
         default=8, ge=2, description="Questions the collapse guard looks back over (answered since the last check)."

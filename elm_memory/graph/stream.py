@@ -5,12 +5,13 @@ Same wiring and node names as the per-question graph::
     retrieve -> dual_generate -> route -> verify -> respond -> learn_memory
 
 - ``dual_generate`` draws, in one batched call, zero-shot's greedy answer, the stream memory's greedy answer
-  and the ``consistency`` verifier's k seeded samples *under the stream memory* (on-policy), plus the retrieved
-  memory's answer in ``both`` mode;
-- ``verify`` (route ``vote``) returns the vote of the stream memory's greedy answer and its samples (``both``:
+  and the ``consistency`` verifier's k seeded samples *under the stream memory* (on-policy; with
+  ``learn_from: zero_shot``, without it), plus the retrieved memory's answer in ``both`` mode;
+- ``verify`` (route ``vote``) returns the vote of the stream memory's greedy answer and the samples (``both``:
   with the retrieved memory's answer as one more vote): self-consistency's compute, with the memory in it;
 - ``learn_memory`` updates the stream memory once from those generations, labelled by that vote (no decode of
-  its own), and in ``both`` mode also submits the per-question job.
+  its own; with ``zero_shot``, from zero-shot's rows and their own vote, below), and in ``both`` mode also
+  submits the per-question job.
 
 Zero-shot's greedy answer is kept beside them: the collapse guard compares the memory's unboxed share with it.
 
@@ -101,7 +102,7 @@ class StreamNodes(ELMNodes):
         return {"route": VOTE, "timings": _elapsed("route", time.perf_counter())}
 
     def vote(self, state: ELMState) -> dict[str, Any]:
-        """The stream memory's greedy answer and its samples (``both``: and the retrieved memory's answer)."""
+        """The stream memory's greedy answer and the samples (``both``: and the retrieved memory's answer)."""
         t0 = time.perf_counter()
         candidates: list[dict[str, Any]] = [dict(c) for c in state["candidates"]]
         mine = next(c for c in candidates if c["kind"] == STREAM_KIND)

@@ -91,8 +91,10 @@ class StreamFiles:
                 f"never written); kept: {span}"
             )
         memory = LatentMemory.load(self.path(version))
-        optim_path = self.path(version).with_suffix(".optim.safetensors")
-        optim = load_tensors(optim_path.read_bytes()) if optim_path.exists() else {}
+        try:  # a version's moments may be pruned (prune_moments) at any time by a learner holding the lock
+            optim = load_tensors(self.path(version).with_suffix(".optim.safetensors").read_bytes())
+        except FileNotFoundError:
+            optim = {}
         return memory, optim
 
     def write(self, version: int, memory: LatentMemory, optim: dict[str, torch.Tensor]) -> Path:
@@ -121,10 +123,13 @@ class StreamFiles:
 
     def prune_moments(self, keep: int = MOMENTS_KEPT) -> list[int]:
         """Delete the optimizer moments of every version but the newest ``keep`` (and the one that serves); the
-        memories stay. A version without moments continues with a fresh optimizer. Call under :meth:`lock`."""
+        memories stay. A version without moments continues with a fresh optimizer. ``keep`` <= 0 keeps all, as
+        in :meth:`prune`. Call under :meth:`lock`."""
+        if keep <= 0:
+            return []
         current = self.current_version()
         dropped = []
-        for version in self.versions()[: -keep if keep > 0 else None]:
+        for version in self.versions()[:-keep]:
             moments = self.path(version).with_suffix(".optim.safetensors")
             if version != current and moments.exists():
                 moments.unlink()

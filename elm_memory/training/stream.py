@@ -3,8 +3,8 @@
 drew with it (no extra decode); with ``stream.learn_from: zero_shot``, from zero-shot's greedy answer and the
 samples drawn without it, labelled by self-consistency's vote.
 
-One update, given a question's prompt, the memory's greedy answer and samples (drawn with the version that
-serves) and the label (the vote the answer path returned):
+One update, given a question's prompt, the rows it learns from (the memory's greedy answer and samples, drawn
+with the version that serves; or zero-shot's) and the label (those rows' vote):
 
 - ``grpo``: Dr.GRPO on the samples, reward 1 where a sample's answer equals the label, advantage r - mean(r);
   skipped when every sample gets the same reward (no gradient);
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from elm_memory.answers import equivalent
+from elm_memory.answers.vote import plurality_vote
 from elm_memory.atomic import write_bytes_atomic
 from elm_memory.backends.base import PromptInput
 from elm_memory.backends.teacher_forcing import completion_logprobs
@@ -293,9 +294,8 @@ class StreamMemory:
                 update.skipped = "stream_deleted"
                 update.seconds = round(time.perf_counter() - t0, 3)
                 return update
-            verdict = self.guard.observe(
-                Observation(version_used, _answers(generations, served_answers), zero_shot_answer, label)
-            )
+            served = _answers(generations, served_answers)
+            verdict = self.guard.observe(Observation(version_used, served, zero_shot_answer, _own_vote(served)))
             if verdict is not None:
                 update.guard = verdict.to_dict()
             if verdict is not None and verdict.rollback_to is not None:
@@ -443,7 +443,8 @@ class StreamMemory:
         self.version = version
 
     def restore_version(self, version: int, *, reason: str) -> None:
-        """Serve ``version`` again (its tensor and optimizer moments) as a new version; the history says why."""
+        """Serve ``version`` again (its tensor, and its optimizer moments where still kept: else a fresh optimizer)
+        as a new version; the history says why."""
         with self.files.lock():
             memory, optim = self.files.read(version)
             new = self.files.current_version()
@@ -471,6 +472,12 @@ class StreamMemory:
 
 def _answers(generations: Sequence[Generated], served: Sequence[str | None] | None) -> list[str | None]:
     return list(served) if served is not None else [g.answer for g in generations]
+
+
+def _own_vote(served: Sequence[str | None]) -> str | None:
+    """The memory's vote over its own answers (greedy first): with ``learn_from: own`` the label itself; with
+    ``zero_shot`` not the label (self-consistency's, which no rollback can change), so the guard counts this."""
+    return plurality_vote(served[1:], served[0], with_greedy=True) if served else None
 
 
 def _trained_on(item: _Pooled) -> dict[str, Any]:

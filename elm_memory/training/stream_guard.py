@@ -34,9 +34,9 @@ class Observation:
     """What one answered question tells the guard: the memory version that drew the answers, and the answers."""
 
     version: int
-    memory_answers: list[str | None]  # the memory's greedy answer and its samples
+    memory_answers: list[str | None]  # the memory's greedy answer, then its samples where it drew any
     zero_shot_answer: str | None
-    label: str | None  # the vote the update learns
+    label: str | None  # the memory's own vote over memory_answers (what the repeated-answer rule counts)
 
 
 @dataclass
@@ -44,7 +44,7 @@ class WindowStats:
     versions: list[int]
     unboxed: float
     zero_shot_unboxed: float
-    agreement: float
+    agreement: float | None  # None when no question had two answers of the memory's to compare
     entropy: float
     repeated_answer: float
 
@@ -97,7 +97,9 @@ class CollapseGuard:
             verdict.reasons.append(
                 f"unboxed {stats.unboxed:.2f} > zero-shot's {stats.zero_shot_unboxed:.2f} + {self.max_unboxed_increase}"
             )
-        if self.baseline_agreement is None:
+        if stats.agreement is None:
+            pass  # one answer a question (a graph learning from zero-shot's rows): nothing to agree
+        elif self.baseline_agreement is None:
             self.baseline_agreement = stats.agreement  # the first window is the memory's own starting point
         elif stats.agreement < self.baseline_agreement - self.max_agreement_drop:
             verdict.reasons.append(
@@ -131,9 +133,9 @@ def window_stats(observations: Sequence[Observation]) -> WindowStats:
     answers = [a for o in observations for a in o.memory_answers]
     shares, entropies = [], []
     for o in observations:
-        vote = majority_vote(o.memory_answers)
-        shares.append(vote.share)
         entropies.append(answer_entropy(o.memory_answers))
+        if len(o.memory_answers) > 1:  # one answer agrees with itself when boxed: that is the unboxed rule's
+            shares.append(majority_vote(o.memory_answers).share)
     labels = [o.label for o in observations if o.label is not None]
     repeated = max((sum(equivalent(a, b) for b in labels) for a in labels), default=0)
     n = len(observations)
@@ -141,7 +143,7 @@ def window_stats(observations: Sequence[Observation]) -> WindowStats:
         versions=sorted({o.version for o in observations}),
         unboxed=sum(a is None for a in answers) / max(1, len(answers)),
         zero_shot_unboxed=sum(o.zero_shot_answer is None for o in observations) / max(1, n),
-        agreement=sum(shares) / max(1, n),
+        agreement=sum(shares) / len(shares) if shares else None,
         entropy=sum(entropies) / max(1, n),
         repeated_answer=repeated / max(1, n),
     )

@@ -6,15 +6,18 @@ Per question, one batched call draws, with the same per-sample seeds where rows 
 - the stream memory's **untrained init**, greedy (the ablation of training; a LoRA stream memory's init is the
   base model itself, B = 0, so its answer is zero-shot's and is not decoded twice);
 - the question with the one-sentence format instruction appended, greedy (``zero_shot_format``);
-- per trained arm (one per objective), the stream memory's greedy + the same k samples under its serving version.
-
-With ``stream.learn_from: zero_shot`` every arm learns instead from zero-shot's greedy answer and samples,
-labelled by self-consistency's vote (no extra decode either), and a ``stream_zs_vote`` row is added: the arm's
-greedy answer voting among the zero-shot samples (what the graph answers then).
+- per trained arm, the stream memory's greedy + the same k samples under its serving version.
 
 The method's answer is the first arm's vote over its own greedy answer and samples (the compute of
-self-consistency, k + 1 generations); that vote is the label the arm then learns from, with no decode of its
-own. Every row's answer, the versions used and each update are in the record's ``extra`` (read by
+self-consistency, k + 1 generations). With ``learn_from: own`` (an arm's ``stream`` setting) that vote is also
+the label the arm learns from, with no decode of its own. With ``learn_from: zero_shot`` the arm learns instead
+from zero-shot's greedy answer and samples, labelled by self-consistency's vote (no extra decode either), and a
+``stream_zs_vote`` row is added: the arm's greedy answer voting among the zero-shot samples, what the graph
+answers then (the answer stays the arm's own vote, so runs of either setting answer by one rule). The collapse
+guard reads the arm's greedy answer and its own samples either way (the graph, which draws no samples under
+the memory with ``zero_shot``, gives it the greedy answer only).
+
+Every row's answer, the versions used and each update are in the record's ``extra`` (read by
 :mod:`elm_memory.eval.stream_report`), so anyone can recount what decided each answer.
 
 ``elm_stream`` trains ``stream.objective``; ``elm_stream_objectives`` trains a ``grpo`` and an ``sft`` arm side
@@ -89,6 +92,8 @@ class Arm:
         if self.label not in LABEL_SOURCES:
             raise ConfigError(f"stream arm {self.name!r}: label must be one of {LABEL_SOURCES}, got {self.label!r}")
         unknown = sorted({k for k, _ in self.settings} - set(ARM_SETTINGS))
+        if "objective" in unknown:
+            raise ConfigError(f"stream arm {self.name!r}: its objective is Arm.objective, not a setting")
         if unknown:
             raise ConfigError(
                 f"stream arm {self.name!r}: {', '.join(unknown)} cannot differ between arms; an arm may set "
@@ -123,6 +128,9 @@ class StreamEval:
         self.specs = arms or [Arm(obj, obj) for obj in objectives or [cfg.stream.objective]]
         if self.specs[0].label != "vote":
             raise ConfigError(f"{name}: the first arm answers, so its label must be the vote")
+        names = [a.name for a in self.specs]
+        if len(set(names)) != len(names):
+            raise ConfigError(f"{name}: stream arms need distinct names, got {names}")
         self.streams = {a.name: a.stream_config(cfg.stream) for a in self.specs}
         self.objectives = [a.name for a in self.specs]
         self._arms: dict[str, StreamMemory] | None = None
@@ -283,6 +291,9 @@ class StreamEval:
         updates = ((last.get("extra") or {}).get("stream") or {}).get("updates") or {}
         for obj, arm in self.arms.items():
             recorded = (updates.get(obj) or {}).get("version")
+            newest = arm.history[-1] if arm.history else {}
+            if newest.get("rollback_to") == recorded:
+                continue  # an earlier resume already serves a copy of it (with its moments, now pruned there)
             if recorded is not None and recorded != arm.version:
                 arm.restore_version(int(recorded), reason="resume: the update after the last record was not recorded")
 
