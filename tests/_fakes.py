@@ -138,3 +138,18 @@ def weights_checksum(model) -> str:
         h.update(name.encode())
         h.update(p.detach().float().numpy().tobytes())
     return h.hexdigest()
+
+
+def stream_graph_config(tmp_path, **stream):
+    """cpu-tiny with a stream memory in the graph: store under ``tmp_path``, no learner, 3 consistency samples."""
+    from elm_memory.config import ELMConfig
+
+    return ELMConfig.load(
+        preset="cpu-tiny",
+        overrides={
+            "store": {"path": str(tmp_path / "store")},
+            "learner": {"mode": "off"},
+            "verifier": {"name": "consistency", "consistency_samples": 3},
+            "stream": {"mode": "stream", **stream},
+        },
+    )

@@ -61,17 +61,11 @@ def test_the_guard_watches_the_answers_the_memory_served_not_the_rows_it_learned
 
 
 def _graph(smol, tmp_path, learn_from):
+    from _fakes import stream_graph_config
+
     from elm_memory import ELM
 
-    cfg = ELMConfig.load(
-        preset="cpu-tiny",
-        overrides={
-            "store": {"path": str(tmp_path / "store")},
-            "learner": {"mode": "off"},
-            "verifier": {"name": "consistency", "consistency_samples": 3},
-            "stream": {"mode": "stream", "objective": "sft", "learn_from": learn_from},
-        },
-    )
+    cfg = stream_graph_config(tmp_path, objective="sft", learn_from=learn_from)
     return ELM(cfg, loaded=smol, backend=MemorySensitive(smol))
 
 

@@ -266,20 +266,12 @@ def test_a_second_process_continues_from_the_newest_version(smol, tmp_path):
 
 # -- in the graph ------------------------------------------------------------------------
 def _stream_elm(smol, tmp_path, texts, **stream):
-    from _fakes import ScriptedRollouts
+    from _fakes import ScriptedRollouts, stream_graph_config
 
     from elm_memory import ELM
     from elm_memory.backends.hf import HFBackend
 
-    cfg = ELMConfig.load(
-        preset="cpu-tiny",
-        overrides={
-            "store": {"path": str(tmp_path / "store")},
-            "learner": {"mode": "off"},
-            "verifier": {"name": "consistency", "consistency_samples": 3},
-            "stream": {"mode": "stream", **stream},
-        },
-    )
+    cfg = stream_graph_config(tmp_path, **stream)
     return ELM(cfg, loaded=smol, backend=ScriptedRollouts(HFBackend(smol), texts))
 
 
