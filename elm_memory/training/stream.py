@@ -32,7 +32,6 @@ from typing import Any
 import torch
 
 from elm_memory.answers import equivalent
-from elm_memory.answers.vote import plurality_vote
 from elm_memory.atomic import write_bytes_atomic
 from elm_memory.backends.base import PromptInput
 from elm_memory.backends.teacher_forcing import completion_logprobs
@@ -47,7 +46,7 @@ from elm_memory.models.loading import LoadedModel
 from elm_memory.store.stream_files import StreamFiles, updates_and_rollbacks
 from elm_memory.training.losses import advantages_from_rewards, policy_loss, sft_loss
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
-from elm_memory.training.stream_samples import Generated, under_soft_prompt
+from elm_memory.training.stream_samples import Generated, own_vote, under_soft_prompt
 
 #: What a stream memory's file says it is (its ``question`` field: a stream memory has no one question).
 STREAM_QUESTION = "stream memory of namespace {namespace}"
@@ -294,8 +293,8 @@ class StreamMemory:
                 update.skipped = "stream_deleted"
                 update.seconds = round(time.perf_counter() - t0, 3)
                 return update
-            served = _answers(generations, served_answers)
-            verdict = self.guard.observe(Observation(version_used, served, zero_shot_answer, _own_vote(served)))
+            served = list(served_answers) if served_answers is not None else [g.answer for g in generations]
+            verdict = self.guard.observe(Observation(version_used, served, zero_shot_answer, own_vote(served)))
             if verdict is not None:
                 update.guard = verdict.to_dict()
             if verdict is not None and verdict.rollback_to is not None:
@@ -468,16 +467,6 @@ class StreamMemory:
 
     def write_summary(self, path: str | Path) -> None:
         write_bytes_atomic(path, json.dumps(self.summary(), indent=2).encode())
-
-
-def _answers(generations: Sequence[Generated], served: Sequence[str | None] | None) -> list[str | None]:
-    return list(served) if served is not None else [g.answer for g in generations]
-
-
-def _own_vote(served: Sequence[str | None]) -> str | None:
-    """The memory's vote over its own answers (greedy first): with ``learn_from: own`` the label itself; with
-    ``zero_shot`` not the label (self-consistency's, which no rollback can change), so the guard counts this."""
-    return plurality_vote(served[1:], served[0], with_greedy=True) if served else None
 
 
 def _trained_on(item: _Pooled) -> dict[str, Any]:

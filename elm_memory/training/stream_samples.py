@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 
+from elm_memory.answers.vote import plurality_vote
 from elm_memory.backends.base import GenerateRequest, PromptInput, SamplingParams
 
 
@@ -32,3 +33,9 @@ class Generated:
     token_ids: Sequence[int]
     answer: str | None
     sampled: bool  # a sample (on-policy for GRPO), not the greedy answer
+
+
+def own_vote(served: Sequence[str | None]) -> str | None:
+    """The memory's vote over its own answers (greedy first): with ``learn_from: own`` the label itself; with
+    ``zero_shot`` not the label (self-consistency's, which no rollback can change): what the guard counts."""
+    return plurality_vote(served[1:], served[0], with_greedy=True) if served else None
