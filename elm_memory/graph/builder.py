@@ -21,7 +21,7 @@ from langgraph.graph import END, START, StateGraph
 from langgraph.runtime import Runtime
 
 from elm_memory.config import ELMConfig
-from elm_memory.graph.context import ELMRunContext, as_run_context
+from elm_memory.graph.context import ELMRunContext
 from elm_memory.graph.nodes import ELMNodes, ServicesProvider, after_respond, after_route
 from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import ELMInput, ELMOutput, ELMState
@@ -76,17 +76,13 @@ class ModeNodes:
     ):
         from elm_memory.graph.stream import StreamNodes
 
-        self.per_question = ELMNodes(services)
-        self.stream = StreamNodes(services)
-        self._config = config
+        self.per_question = ELMNodes(services, config)
+        self.stream = StreamNodes(services, config)
 
     def _nodes(self) -> ELMNodes:
-        return self.per_question if self.per_question.services.config.stream.mode == "per_question" else self.stream
+        return self.per_question if self.per_question.config.stream.mode == "per_question" else self.stream
 
     def retrieve(self, state: ELMState, runtime: Runtime[ELMRunContext], config: RunnableConfig) -> dict[str, Any]:
-        if self._config is not None:  # the context's keys, before the services (and a served graph's model) exist
-            cfg = self._config() if callable(self._config) else self._config
-            as_run_context(runtime.context, config=config, template=cfg.namespace_template)
         return self._nodes().retrieve(state, runtime, config)
 
     def dual_generate(self, state: ELMState) -> dict[str, Any]:

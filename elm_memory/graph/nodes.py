@@ -69,24 +69,36 @@ def _warning(message: str) -> list[str]:
 
 
 class ELMNodes:
-    """The nodes, bound to one process's services (``services`` may build them on first use)."""
+    """The nodes, bound to one process's services (``services`` may build them on first use). ``config`` (or a
+    cheap callable returning it): the services' config, readable before they are built (see :attr:`config`)."""
 
-    def __init__(self, services: ELMServices | ServicesProvider):
+    def __init__(
+        self, services: ELMServices | ServicesProvider, config: ELMConfig | Callable[[], ELMConfig] | None = None
+    ):
         self._services: ServicesProvider = services if callable(services) else (lambda: services)
+        self._config = config
 
     @property
     def services(self) -> ELMServices:
         return self._services()
+
+    @property
+    def config(self) -> ELMConfig:
+        """The config, without building the services when it was given: a served graph builds its model on its
+        first run, and a run's context keys and the mode are checked before that."""
+        if self._config is None:
+            return self.services.config
+        return self._config() if callable(self._config) else self._config
 
     # -- retrieve ------------------------------------------------------------------------
     def retrieve(self, state: ELMState, runtime: Runtime[ELMRunContext], config: RunnableConfig) -> dict[str, Any]:
         """Top-1 memory of the run's namespace, or none (empty pool, a gate, a failure)."""
         t0 = time.perf_counter()
         question = validate_question(state["question"])
-        svc = self.services
         # strict (unknown keys refused) when this graph is the one being run; inside a parent graph the
         # context is the parent's, of its own schema: ELM reads its keys and ignores the others
-        context = as_run_context(runtime.context, config=config, template=svc.config.namespace_template)
+        context = as_run_context(runtime.context, config=config, template=self.config.namespace_template)
+        svc = self.services
         namespace = resolve_namespace(
             state.get("namespace"),
             context,

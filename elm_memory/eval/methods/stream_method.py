@@ -128,11 +128,10 @@ class StreamEval:
         self.specs = arms or [Arm(obj, obj) for obj in objectives or [cfg.stream.objective]]
         if self.specs[0].label != "vote":
             raise ConfigError(f"{name}: the first arm answers, so its label must be the vote")
-        names = [a.name for a in self.specs]
-        if len(set(names)) != len(names):
-            raise ConfigError(f"{name}: stream arms need distinct names, got {names}")
-        self.streams = {a.name: a.stream_config(cfg.stream) for a in self.specs}
         self.objectives = [a.name for a in self.specs]
+        if len(set(self.objectives)) != len(self.objectives):
+            raise ConfigError(f"{name}: stream arms need distinct names, got {self.objectives}")
+        self.streams = {a.name: a.stream_config(cfg.stream) for a in self.specs}
         self._arms: dict[str, StreamMemory] | None = None
         self._pending: dict[str, Any] | None = None
 
