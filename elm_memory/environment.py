@@ -8,8 +8,10 @@ takes for the given config, and the versions of the libraries elm-memory runs on
 from __future__ import annotations
 
 import platform
+import subprocess
 import sys
 from importlib import metadata
+from pathlib import Path
 from typing import Any
 
 from elm_memory.hardware import Hardware, resolve_placement
@@ -69,7 +71,42 @@ def collect_env(config: Any, hardware: Hardware | None = None) -> dict[str, Any]
             "warnings": list(placement.warnings),
         },
         "packages": package_versions(),
+        "code": code_version(),
     }
+
+
+def code_version() -> dict[str, Any]:
+    """Which elm-memory code runs: the package's version and, when it runs from a git checkout, the commit and
+    whether tracked files differ from it (``dirty``). Evidence is one code version: a run records this, and a
+    resume under other code adds its own, so mixed code shows. Outside a checkout ``commit`` is None."""
+    source = Path(__file__).resolve().parent
+    commit: str | None = None
+    dirty: bool | None = None
+    try:
+        head = subprocess.run(
+            ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
+        )
+        if head.returncode == 0:
+            commit = head.stdout.strip()
+            status = subprocess.run(
+                ["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no", "--", "."],
+                capture_output=True,
+                text=True,
+                timeout=30,
+                check=False,
+            )
+            dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
+    except (OSError, subprocess.TimeoutExpired):  # no git, or a slow file system: the version alone
+        pass
+    return {"version": package_versions(("elm-memory",))["elm-memory"], "commit": commit, "dirty": dirty}
+
+
+def format_code(code: dict[str, Any]) -> str:
+    """``0.1.0, commit 4b26fa7 (uncommitted changes)``: one line for reports."""
+    text = str(code.get("version") or "unknown version")
+    if code.get("commit"):
+        text += f", commit {str(code['commit'])[:7]}" + (" (uncommitted changes)" if code.get("dirty") else "")
+    return text
 
 
 def format_env(report: dict[str, Any]) -> str:
@@ -101,4 +138,6 @@ def format_env(report: dict[str, Any]) -> str:
     ]
     lines += [f"warning         {w}" for w in res["warnings"]]
     lines.append("packages        " + ", ".join(f"{k} {v or 'not installed'}" for k, v in report["packages"].items()))
+    if "code" in report:
+        lines.append(f"code            elm-memory {format_code(report['code'])}")
     return "\n".join(lines)

@@ -432,6 +432,11 @@ def test_a_resume_on_another_machine_adds_it_to_the_manifest(tmp_path):
     assert merged["machines"] == [{"cpu": "A"}, {"cpu": "B"}]
     assert merged["methods"] == ["zero_shot", "elm_input"]
     assert json.loads((tmp_path / "run.json").read_text()) == merged
+    # the code that ran is kept the same way: a resume under another commit adds it, so mixed code shows
+    code = check_manifest(tmp_path, {**base, "code_versions": [{"commit": "abc"}]}, fields)
+    assert code["code_versions"] == [{"commit": "abc"}] and code["machines"] == merged["machines"]
+    again = check_manifest(tmp_path, {**base, "code_versions": [{"commit": "def"}]}, fields)
+    assert again["code_versions"] == [{"commit": "abc"}, {"commit": "def"}]
     with pytest.raises(ConfigError, match="holds another run"):  # the machine never makes it another run
         check_manifest(tmp_path, {**base, "config": {"x": 2}, "machines": [{"cpu": "A"}]}, fields)
 

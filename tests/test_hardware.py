@@ -161,6 +161,7 @@ def test_elm_env_text_names_the_decision():
     )
     assert r.returncode == 0, r.stderr
     assert "dtype float32 (requested float32)" in r.stdout and "torch cpu path" in r.stdout
+    assert "code            elm-memory " in r.stdout
 
 
 def test_attention_kernel_follows_the_device_unless_set():
@@ -240,3 +241,26 @@ def test_reuse_stops_a_freed_logits_buffer_from_faulting_in_again():
     assert kept == "False"
     # 39 MB is about 9,500 pages of 4 KiB: faulted in again on every allocation unless the buffer is kept
     assert fresh > 2000 and reused < fresh / 20, (fresh, reused)
+
+
+def test_code_version_names_the_commit_of_the_running_source(monkeypatch):
+    from pathlib import Path
+
+    import elm_memory
+    from elm_memory import environment
+
+    code = environment.code_version()
+    source = Path(elm_memory.__file__).resolve().parent
+    head = subprocess.run(["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True)
+    if head.returncode == 0:  # a checkout (the tests' own); an installed wheel has no commit
+        assert code["commit"] == head.stdout.strip() and isinstance(code["dirty"], bool)
+    assert environment.format_code({"version": "0.1.0", "commit": "4b26fa7aa", "dirty": True}) == (
+        "0.1.0, commit 4b26fa7 (uncommitted changes)"
+    )
+    assert environment.format_code({"version": "0.1.0", "commit": None, "dirty": None}) == "0.1.0"
+
+    def no_git(*args, **kwargs):
+        raise FileNotFoundError("git")
+
+    monkeypatch.setattr(environment.subprocess, "run", no_git)
+    assert environment.code_version()["commit"] is None  # no git: the version alone, no error

@@ -117,3 +117,72 @@ def test_report_prints_a_partial_runs_table_and_refuses_a_directory_that_is_no_r
     assert json.loads((a / "summary.json").read_text())["zero_shot"]["n"] == 3
     bad = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert bad.exit_code != 0 and "not an online run directory" in bad.output
+    assert "code version" not in result.output  # one clean version (here: none recorded) is not worth a line
+    one = {"version": "0.1.0", "commit": "aaaaaaa1", "dirty": False}
+    for codes, warned in (
+        ([one], False),
+        ([one, {**one, "commit": "bbbbbbb2"}], True),
+        ([{**one, "dirty": True}], True),
+    ):
+        manifest = json.loads((a / "run.json").read_text())
+        (a / "run.json").write_text(json.dumps({**manifest, "code_versions": codes}))
+        shown = CliRunner().invoke(app, ["report", str(a), "--no-plots"]).output
+        assert ("more than one code version or from uncommitted code" in shown) is warned, shown
+    assert "commit aaaaaaa; 0.1.0, commit bbbbbbb" not in shown and "(uncommitted changes)" in shown
+
+
+def make_stream_run(root: Path, seed: int, golds: list[str], greedy: list[str], answered: int | None = None) -> Path:
+    """An `elm_stream` run: zero-shot always wrong ("0"), the stream memory's greedy answer as given."""
+    out = root / f"stream{seed}"
+    out.mkdir()
+    ids = [f"s{seed}-q{i}" for i in range(len(golds))]
+    (out / "run.json").write_text(
+        json.dumps({"dataset": "synth-arith", "seed": seed, "question_ids": ids, "config": CONFIG})
+    )
+    lines = []
+    for i in range(len(golds) if answered is None else answered):
+        rows = {
+            "zero_shot": "0",
+            "self_consistency": "0",
+            "format": "0",
+            "init_greedy": "0",
+            "stream_greedy[sft]": greedy[i],
+            "stream_vote[sft]": greedy[i],
+        }
+        lines.append(
+            {
+                "method": "elm_stream",
+                "index": i,
+                "question_id": ids[i],
+                "gold": golds[i],
+                "correct": greedy[i] == golds[i],
+                "route": "vote",
+                "extra": {"stream": {"rows": rows, "updates": {}}},
+                "timings": {"answer": 1.0, "learn": 0.0},
+                "pool_size": 0,
+                "pool_bytes": 0,
+                "warnings": [],
+            }
+        )
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return out
+
+
+def test_stream_runs_are_pooled_over_each_runs_second_half(tmp_path):
+    # seed 1: 4 questions, right only in the warm-up; seed 2 stopped after 2 of 4, right on its second
+    a = make_stream_run(tmp_path, 1, ["1", "2", "3", "4"], ["1", "2", "9", "9"])
+    b = make_stream_run(tmp_path, 2, ["1", "2", "3", "4"], ["9", "2", "3", "4"], answered=2)
+    with pytest.raises(ConfigError, match="elm_stream answers for 2 of its 4"):
+        compare_seeds([a, b])
+    c = compare_seeds([a, b], partial=True)
+    assert c.stream is not None and c.stream["warmup"] == [2, 1]
+    test = c.stream["parts"]["test"]
+    assert test["answers"] == 2 + 1
+    assert test["accuracy"]["stream_greedy[sft]"] == pytest.approx(1 / 3)
+    [zero] = [t for t in test["tests"] if t["row"] == "stream_greedy[sft]" and t["baseline"] == "zero_shot"]
+    assert (zero["wins"], zero["losses"]) == (1, 0)
+    assert "Stream memory rows (2 run(s)" in markdown_seeds(c) and c.to_json()["stream"] == c.stream
+    plain = compare_seeds(
+        [make_run(tmp_path, 17, [True], [(True, True)]), make_run(tmp_path, 42, [True], [(True, True)])]
+    )
+    assert plain.stream is None and "stream" not in plain.to_json()

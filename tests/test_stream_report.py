@@ -3,6 +3,8 @@ over runs by distinct question, the history of versions and rollbacks, and the p
 
 from __future__ import annotations
 
+import pytest
+
 from elm_memory.eval.stream_report import markdown_stream, plot_stream, stream_history, summarize_stream
 
 
@@ -95,3 +97,16 @@ def test_the_zero_shot_vote_row_is_tested_against_self_consistency_only_when_rec
     with_zs = summarize_stream([[_record(0, "1", {**rows, "stream_zs_vote[grpo]": "1"})]], warmup=0)
     by = {(t["row"], t["baseline"]): (t["wins"], t["losses"]) for t in with_zs["parts"]["test"]["tests"]}
     assert by[("stream_zs_vote[grpo]", "self_consistency")] == (1, 0)
+
+
+def test_each_run_keeps_its_own_warm_up_when_pooled():
+    # run a stopped after 2 questions (warm-up 1), run b ran 4 (warm-up 2): each run's own second half is tested
+    a = [_record(i, "1", _rows("9", "1", "1", "1", "1", "1"), qid=f"a{i}") for i in range(2)]
+    b = [_record(i, "1", _rows("9", "1", "1", "1", "1", "1"), qid=f"b{i}") for i in range(4)]
+    s = summarize_stream([a, b], warmup=[1, 2])
+    assert s["parts"]["test"]["answers"] == 1 + 2 and s["warmup"] == [1, 2]
+    [zero] = [t for t in s["parts"]["test"]["tests"] if t["baseline"] == "zero_shot"]
+    assert (zero["wins"], zero["losses"]) == (3, 0)
+    assert "after the first 1, 2 of each run" in markdown_stream(s)
+    with pytest.raises(ValueError, match="2 warm-up lengths for 1 runs"):
+        summarize_stream([a], warmup=[1, 2])

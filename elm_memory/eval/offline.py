@@ -30,6 +30,7 @@ from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import SamplingParams, answer_budget
 from elm_memory.config import ELMConfig
 from elm_memory.data.datasets import Problem
+from elm_memory.environment import code_version
 from elm_memory.errors import ConfigError
 from elm_memory.eval.methods.base import EvalRuntime, memory_store_config, open_runtime
 from elm_memory.eval.progress import ProgressBar
@@ -92,6 +93,7 @@ def run_offline(
             "memories_from": str(source.resolve()) if source else None,
             "methods": ["offline"],
             "machines": [machine_facts(config)],
+            "code_versions": [code_version()],
         },
         RESUME_FIELDS,
         config_defaults(),

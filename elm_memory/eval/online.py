@@ -3,7 +3,8 @@ every method answers it, is scored, then learns from it (sync), before the next 
 
 Output directory::
 
-    run.json        what was run (dataset, seed, question order, config, methods) and on which machines
+    run.json        what was run (dataset, seed, question order, config, methods), on which machines
+                    and with which code (elm-memory version, git commit)
     records.jsonl   one line per (method, question): answer, route, memory, scores, timings, and what
                     decided (the verifier's sample answers, the memory's training votes, the seeds)
     summary.json    per-method accuracy, routes, time split answer / learn, pool size on disk
@@ -24,6 +25,7 @@ from typing import Any
 from elm_memory.answers import equivalent
 from elm_memory.config import ELMConfig
 from elm_memory.data.datasets import Problem
+from elm_memory.environment import code_version
 from elm_memory.errors import ConfigError
 from elm_memory.eval.methods.base import EvalMethod, EvalRuntime, build_method, open_runtime
 from elm_memory.eval.progress import ProgressBar
@@ -139,6 +141,7 @@ def _manifest(
         "config": config.model_dump(mode="json"),
         "methods": methods,
         "machines": [machine_facts(config)],
+        "code_versions": [code_version()],
     }
 
 
@@ -251,7 +254,7 @@ def finish(
     from elm_memory.eval.paired import markdown_paired, paired_curves, paired_summaries
     from elm_memory.eval.report import markdown_online, plot_online
     from elm_memory.eval.significance import head_to_head, markdown_head_to_head
-    from elm_memory.eval.stream_report import markdown_stream, plot_stream, stream_records, summarize_stream
+    from elm_memory.eval.stream_report import markdown_stream, plot_stream, stream_records, summarize_stream, warmup_of
 
     records = RecordLog(out / "records.jsonl").read()
     order = {m: n for n, m in enumerate(methods)}
@@ -275,8 +278,7 @@ def finish(
         table += "\n" + markdown_paired(p)
     stream = None
     if stream_records(records):  # a stream memory's rows: test part = the stream's second half
-        warmup = len({r["question_id"] for r in records}) // 2
-        stream = summarize_stream([records], warmup=warmup)
+        stream = summarize_stream([records], warmup=warmup_of(records))
         table += "\n" + markdown_stream(stream)
     write_json_atomic(out / "summary.json", summary)
     write_json_atomic(

@@ -61,6 +61,10 @@ def write_json_atomic(path: str | os.PathLike[str], obj: Any) -> Path:
     return write_bytes_atomic(path, text.encode("utf-8"))
 
 
+#: Manifest lists a resume extends instead of matching: the machines and the code versions that ran.
+APPENDED_FIELDS = ("machines", "code_versions")
+
+
 def check_manifest(
     out_dir: Path,
     manifest: dict[str, Any],
@@ -72,7 +76,8 @@ def check_manifest(
     Resuming with another dataset order or config would mix two experiments in one table,
     so it is refused; adding methods to a run is allowed (they run on the same order).
     ``manifest["machines"]`` (see :func:`machine_facts`) is not part of a run's identity: a resume
-    on another machine adds its own, so every number in the run can be read with its CPU.
+    on another machine adds its own, so every number in the run can be read with its CPU; so does
+    ``manifest["code_versions"]`` (:func:`~elm_memory.environment.code_version`), so mixed code shows.
     ``defaults`` maps a field to its default value (e.g. ``"config"`` to the default config's dump):
     a key the old manifest lacks reads as its default, so a run written before a setting existed
     resumes under a newer version as long as the setting keeps its default.
@@ -91,12 +96,14 @@ def check_manifest(
                     "(a preset's value that changed since: pass the run's own with --set) or use a new --out"
                 )
         old_methods = list(old.get("methods", []))
-        machines = list(old.get("machines", []))
-        machines += [m for m in manifest.get("machines", []) if m not in machines]
+        appended = {}
+        for f in APPENDED_FIELDS:
+            values = list(old.get(f, []))
+            appended[f] = values + [v for v in manifest.get(f, []) if v not in values]
         manifest = {
             **old,
             "methods": old_methods + [m for m in manifest["methods"] if m not in old_methods],
-            "machines": machines,
+            **appended,
         }
     out_dir.mkdir(parents=True, exist_ok=True)
     write_json_atomic(path, manifest)

@@ -8,7 +8,8 @@ some runs recorded (added to the library after an older run) are listed, not ref
 
 Per method it reports each seed's accuracy, the mean and the spread (sample standard deviation,
 min and max), the difference to the ``zero_shot`` method of the same run, and the gains and
-losses against the method's own zero-shot candidate (ELM's), summed over seeds.
+losses against the method's own zero-shot candidate (ELM's), summed over seeds. Stream-memory runs
+(``elm_stream``) also get their rows pooled over the runs' test halves, with the planned sign tests.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from elm_memory.eval.metrics import summarize_online
 from elm_memory.eval.paired import markdown_paired, paired_summaries
 from elm_memory.eval.records import RecordLog
 from elm_memory.eval.significance import head_to_head, markdown_head_to_head
+from elm_memory.eval.stream_report import markdown_stream, stream_records, summarize_stream, warmup_of
 
 
 @dataclass
@@ -45,6 +47,7 @@ class SeedComparison:
     unrecorded: list[str] = field(default_factory=list)  # config keys only some runs recorded
     head_to_head: list[dict[str, Any]] = field(default_factory=list)  # pooled over runs, by distinct question
     paired: list[dict[str, Any]] = field(default_factory=list)  # eval.paired, pooled over runs
+    stream: dict[str, Any] | None = None  # eval.stream_report, pooled over runs' test halves
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -54,6 +57,7 @@ class SeedComparison:
             "config_keys_not_recorded_by_every_run": self.unrecorded,
             "head_to_head": self.head_to_head,
             "paired": self.paired,
+            **({"stream": self.stream} if self.stream is not None else {}),
         }
 
 
@@ -126,7 +130,16 @@ def compare_seeds(paths: Sequence[str | Path], *, partial: bool = False, first: 
         unrecorded=unrecorded,
         head_to_head=head_to_head([r.records for r in runs]),
         paired=paired_summaries([r.records for r in runs], methods, runs[0].config),  # one config: checked above
+        stream=_pooled_stream(runs),
     )
+
+
+def _pooled_stream(runs: Sequence[SeedRun]) -> dict[str, Any] | None:
+    """Stream-memory runs: every row on the runs' test halves together (each run's own second half, so a seed
+    stopped early keeps its planned split) and the planned sign tests over distinct questions."""
+    if not all(stream_records(r.records) for r in runs):
+        return None
+    return summarize_stream([r.records for r in runs], warmup=[warmup_of(r.records) for r in runs])
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -201,4 +214,6 @@ def markdown_seeds(comparison: SeedComparison) -> str:
     if comparison.paired:
         for p in comparison.paired:
             table += "\n" + markdown_paired(p)
+    if comparison.stream is not None:
+        table += "\n" + markdown_stream(comparison.stream)
     return table

@@ -32,6 +32,12 @@ def stream_records(records: Sequence[Mapping[str, Any]]) -> list[Mapping[str, An
     return sorted(mine, key=lambda r: (r["method"], r["index"]))
 
 
+def warmup_of(records: Sequence[Mapping[str, Any]]) -> int:
+    """The planned warm-up: the first half of the questions a run answered (the smaller half when odd); the
+    rest is its test part."""
+    return len({r["question_id"] for r in stream_records(records)}) // 2
+
+
 def arms_of(records: Sequence[Mapping[str, Any]]) -> list[str]:
     rows = records[0]["extra"]["stream"]["rows"] if records else {}
     return [name[len("stream_vote[") : -1] for name in rows if name.startswith("stream_vote[")]
@@ -51,15 +57,20 @@ def graded(records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
     ]
 
 
-def summarize_stream(runs: Sequence[Sequence[Mapping[str, Any]]], *, warmup: int) -> dict[str, Any]:
+def summarize_stream(runs: Sequence[Sequence[Mapping[str, Any]]], *, warmup: int | Sequence[int]) -> dict[str, Any]:
     """Rows' accuracy on the test part (index >= ``warmup``) and on all, and the planned sign tests on the test
-    part, pooled over ``runs`` (each a run's records)."""
+    part, pooled over ``runs`` (each a run's records). ``warmup``: one for every run, or one per run (seeds
+    stopped at different counts each keep their own second half)."""
+    warmups = [warmup] * len(runs) if isinstance(warmup, int) else list(warmup)
+    if len(warmups) != len(runs):
+        raise ValueError(f"{len(warmups)} warm-up lengths for {len(runs)} runs")
     per_run = [graded(stream_records(r)) for r in runs]
     arms = arms_of(stream_records(runs[0])) if runs else []
     rows = list(per_run[0][0]["right"]) if per_run and per_run[0] else []
-    out: dict[str, Any] = {"warmup": warmup, "arms": arms, "runs": len(runs), "parts": {}}
-    for part, keep in (("test", lambda g: g["index"] >= warmup), ("all", lambda g: True)):
-        chosen = [[g for g in run if keep(g)] for run in per_run]
+    out: dict[str, Any] = {"warmup": warmup if isinstance(warmup, int) else warmups, "arms": arms, "runs": len(runs)}
+    out["parts"] = {}
+    for part in ("test", "all"):
+        chosen = [[g for g in run if part == "all" or g["index"] >= w] for run, w in zip(per_run, warmups, strict=True)]
         n = sum(len(c) for c in chosen)
         accuracy = {row: (sum(g["right"][row] for c in chosen for g in c) / n if n else None) for row in rows}
         unboxed = {row: (sum(g["unboxed"][row] for c in chosen for g in c) / n if n else None) for row in rows}
@@ -110,7 +121,7 @@ def markdown_stream(summary: Mapping[str, Any]) -> str:
     parts = summary["parts"]
     test, whole = parts["test"], parts["all"]
     lines = [
-        f"Stream memory rows ({summary['runs']} run(s); test = questions after the first {summary['warmup']}):",
+        f"Stream memory rows ({summary['runs']} run(s); test = questions after the first {_warmups(summary)}):",
         "",
         f"| row | test ({test['answers']}) | all ({whole['answers']}) | no answer, test | no answer, all |",
         "| --- | ---: | ---: | ---: | ---: |",
@@ -125,6 +136,11 @@ def markdown_stream(summary: Mapping[str, Any]) -> str:
     for t in test["tests"]:
         lines.append(f"| {t['row']} | {t['baseline']} | {t['wins']} | {t['losses']} | {t['p']:.3g} |")
     return "\n".join(lines) + "\n"
+
+
+def _warmups(summary: Mapping[str, Any]) -> str:
+    w = summary["warmup"]
+    return str(w) if isinstance(w, int) else ", ".join(map(str, w)) + " of each run"
 
 
 def _pct(value: float | None) -> str:
