@@ -142,6 +142,12 @@ def test_an_arm_sets_how_it_learns_but_not_what_it_is(evidence_config):
         Arm("x", "sft", settings=(("kind", "lora"),))
     with pytest.raises(ConfigError, match="stream arm 'slow'"):
         Arm("slow", "sft", settings=(("learning_rate", -1.0),)).stream_config(evidence_config.stream)
+    replaying = Arm("replay", "sft", settings=(("replay", 2), ("replay_buffer", 8))).stream_config(
+        evidence_config.stream
+    )
+    assert (replaying.replay, replaying.replay_buffer) == (2, 8)
+    with pytest.raises(ConfigError, match=r"stream arm 'pg'.*stream.replay=2"):  # replay needs sft, per arm too
+        Arm("pg", "grpo", settings=(("replay", 2),)).stream_config(evidence_config.stream)
 
 
 @pytest.mark.model

@@ -114,6 +114,21 @@ class StreamConfig(ConfigSection):
             "usable ones have come, then one optimizer step over all of them, one new version."
         ),
     )
+    replay: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description=(
+            "Earlier questions each update learns from again, drawn from the kept ones (their agreeing rows and "
+            "label, stored: no new decode). 0: none. Needs objective `sft`."
+        ),
+    )
+    replay_buffer: int = Field(
+        default=32,
+        ge=1,
+        le=1024,
+        description="Questions kept for replay, the newest (in each version's file: rollbacks and resumes see them).",
+    )
     keep_versions: int = Field(
         default=64,
         ge=0,
@@ -130,6 +145,12 @@ class StreamConfig(ConfigSection):
             raise ValueError(
                 f"stream.learn_from=zero_shot trains on samples the memory did not draw; stream.objective="
                 f"{self.objective} needs its own samples: set stream.objective=sft (or stream.learn_from=own)"
+            )
+        if self.replay and self.objective != "sft":
+            raise ValueError(
+                f"stream.replay={self.replay} learns again from rows earlier versions drew; stream.objective="
+                f"{self.objective} needs the trained version's own samples: set stream.objective=sft (or "
+                "stream.replay=0)"
             )
         return self
 

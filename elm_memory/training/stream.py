@@ -46,6 +46,7 @@ from elm_memory.models.loading import LoadedModel
 from elm_memory.store.stream_files import StreamFiles, updates_and_rollbacks
 from elm_memory.training.losses import advantages_from_rewards, policy_loss, sft_loss
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
+from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer
 from elm_memory.training.stream_samples import Generated, own_vote, under_soft_prompt
 
 #: What a stream memory's file says it is (its ``question`` field: a stream memory has no one question).
@@ -75,19 +76,6 @@ class StreamUpdate:
         return asdict(self)
 
 
-@dataclass
-class _Pooled:
-    """One question's usable generations, waiting for ``stream.update_every`` questions to fill a batch."""
-
-    question: str
-    prompt_ids: Sequence[int]
-    at: int
-    completions: list[list[int]]
-    weights: torch.Tensor
-    label: str
-    share: float
-
-
 class StreamMemory:
     """One namespace's stream memory: serves its current version, learns from each answered question."""
 
@@ -100,7 +88,7 @@ class StreamMemory:
         self.files = StreamFiles(root, self.namespace)
         self.guard = self._new_guard()
         self.temperature = config.verifier.consistency_temperature  # what the answer path's samples used
-        self.pooled: list[_Pooled] = []  # questions waiting for a batch (stream.update_every > 1), this process only
+        self.pooled: list[PooledQuestion] = []  # waiting for a batch (stream.update_every > 1), this process only
         self.init = self.initial_tensors()  # rebuilt, not stored: the same text (or seed) gives the same tensors
         with self.files.lock():
             if self.files.current_version() is None:
@@ -119,6 +107,7 @@ class StreamMemory:
     def _start(self) -> None:
         """Write version 0, the untrained memory with a fresh guard (a new namespace, or a deleted stream memory)."""
         self.guard = self._new_guard()
+        self.replay = ReplayBuffer(self.cfg.replay_buffer)
         self.params = _parameters(self.init)
         self._write(0, history=[], optim={})
 
@@ -188,6 +177,7 @@ class StreamMemory:
         self.version = int(meta["version"])
         self.history: list[dict[str, Any]] = list(meta.get("history", []))
         self.params = _parameters(memory.params)
+        self.replay = ReplayBuffer.from_json(self.cfg.replay_buffer, meta.get("replay"))
         self._new_optimizer(optim)
         guard_state = meta.get("guard")
         if guard_state is not None:
@@ -255,6 +245,7 @@ class StreamMemory:
             "recipe": self.cfg.model_dump(mode="json"),
             "history": history,
             "guard": self.guard.state(),
+            **({"replay": self.replay.to_json()} if self.cfg.replay else {}),
         }
         tensors = {"adapter": self.adapter()} if self.kind == LORA else {"soft_prompt": self.soft_prompt}
         memory = LatentMemory.create(
@@ -340,20 +331,24 @@ class StreamMemory:
             rows = [i for i, g in enumerate(generations) if rewards[i] > 0]
             weights = torch.ones(len(rows))
         completions = [list(generations[i].token_ids) for i in rows]
-        self.pooled.append(_Pooled(question, prompt_ids, at, completions, weights, label, share))
+        self.pooled.append(PooledQuestion(question, prompt_ids, at, completions, weights, label, share))
         if len(self.pooled) < self.cfg.update_every:
             update.skipped = f"pooled ({len(self.pooled)} of {self.cfg.update_every})"
             return
         batch, self.pooled = self.pooled, []
         self._step(update, batch)
 
-    def _step(self, update: StreamUpdate, batch: list[_Pooled]) -> None:
-        """One optimizer step over the batch's generations (each question's loss weighted 1/len(batch))."""
+    def _step(self, update: StreamUpdate, batch: list[PooledQuestion]) -> None:
+        """One optimizer step over the batch's generations and ``stream.replay`` kept questions (each question's
+        loss weighted 1 / their number)."""
         before = self._optimizer_state()
         old = {n: p.detach().clone() for n, p in self.params.items()}
+        seed = (self.config.training.seed or 0) + self.version  # the same version draws the same questions
+        replayed = self.replay.draw(self.cfg.replay, seed=seed, exclude=batch)
+        items = batch + replayed
         self.optim.zero_grad(set_to_none=True)
         try:
-            loss = sum(self._backward(b.prompt_ids, b.at, b.completions, b.weights, 1 / len(batch)) for b in batch)
+            loss = sum(self._backward(b.prompt_ids, b.at, b.completions, b.weights, 1 / len(items)) for b in items)
             norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.max_grad_norm))
             self.optim.step()
             finite = all(bool(torch.isfinite(p).all()) for p in self.params.values())
@@ -374,6 +369,10 @@ class StreamMemory:
         }
         if len(batch) > 1:  # the batch's other questions too; "label" stays the last one's, so counting is the same
             entry["batch"] = [_trained_on(b) for b in batch]
+        if replayed:
+            entry["replayed"] = [question_hash(b.question) for b in replayed]
+        if self.cfg.replay:
+            self.replay.add(batch)
         self.history.append(entry)
         self._write(version, history=self.history, optim=self._optimizer_state())
         self.version = version
@@ -437,6 +436,7 @@ class StreamMemory:
         )
         self._copy_in(target.params)
         self._new_optimizer()
+        self.replay = ReplayBuffer.from_json(self.cfg.replay_buffer, target.meta.config["stream"].get("replay"))
         self.pooled = []  # drawn with the versions rolled back
         self._write(version, history=self.history, optim={})
         self.version = version
@@ -451,6 +451,7 @@ class StreamMemory:
             self.history.append({"version": new, "rollback_to": version, "reasons": [reason]})
             self.pooled = []
             self._copy_in(memory.params)
+            self.replay = ReplayBuffer.from_json(self.cfg.replay_buffer, memory.meta.config["stream"].get("replay"))
             self._new_optimizer(optim)
             self._write(new, history=self.history, optim=optim)
             self.version = new
@@ -469,7 +470,7 @@ class StreamMemory:
         write_bytes_atomic(path, json.dumps(self.summary(), indent=2).encode())
 
 
-def _trained_on(item: _Pooled) -> dict[str, Any]:
+def _trained_on(item: PooledQuestion) -> dict[str, Any]:
     """What the history keeps of one question an update learned from."""
     return {
         "question": item.question[:HISTORY_QUESTION_CHARS],

@@ -74,7 +74,15 @@ LABEL_SOURCES = ("vote", "gold")
 
 
 #: What an arm may set for itself: how and from what it learns. Not ``kind``: the run's untrained-init row is one.
-ARM_SETTINGS = ("learn_from", "learning_rate", "min_label_share", "update_every", "max_grad_norm")
+ARM_SETTINGS = (
+    "learn_from",
+    "learning_rate",
+    "min_label_share",
+    "update_every",
+    "max_grad_norm",
+    "replay",
+    "replay_buffer",
+)
 
 
 @dataclasses.dataclass(frozen=True)

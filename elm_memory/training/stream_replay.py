@@ -1,0 +1,97 @@
+"""A stream memory's bounded replay: the usable generations of earlier questions, kept with the version that
+learned from them, so each later update can learn from some of them again (``stream.replay``).
+
+Without replay an update sees one question (or ``stream.update_every`` of them), so what the memory learned
+from early questions is overwritten only by later ones; replaying a few kept questions is the standard guard
+against that drift in online learning. What is replayed is stored text, not a new decode: the rows the update
+already learned from (those that agreed with their label), with their label. That is sound for ``sft``, whose
+loss is the rows' log-likelihood under the current memory whoever drew them; a policy gradient's advantages
+belong to the samples of the version being trained, so replay is refused with ``grpo`` at load.
+
+The buffer is part of each version's file (its metadata), so a resume, another learner or a rollback sees the
+buffer of the version it serves: a rollback returns to that version's buffer too, and rows drawn by the
+versions rolled back are gone with them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from elm_memory.memory.ids import question_hash
+
+
+@dataclass
+class PooledQuestion:
+    """One question's usable generations: waiting for ``stream.update_every`` questions, or kept for replay."""
+
+    question: str
+    prompt_ids: Sequence[int]
+    at: int
+    completions: list[list[int]]
+    weights: torch.Tensor
+    label: str
+    share: float
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "question": self.question,
+            "prompt_ids": list(self.prompt_ids),
+            "at": self.at,
+            "completions": [list(c) for c in self.completions],
+            "weights": [float(w) for w in self.weights],
+            "label": self.label,
+            "share": self.share,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> PooledQuestion:
+        return cls(
+            question=str(data["question"]),
+            prompt_ids=[int(t) for t in data["prompt_ids"]],
+            at=int(data["at"]),
+            completions=[[int(t) for t in c] for c in data["completions"]],
+            weights=torch.tensor([float(w) for w in data["weights"]], dtype=torch.float32),
+            label=str(data["label"]),
+            share=float(data["share"]),
+        )
+
+
+class ReplayBuffer:
+    """The newest ``capacity`` questions an update learned from; ``draw`` picks earlier ones to learn from again."""
+
+    def __init__(self, capacity: int, items: Sequence[PooledQuestion] = ()):
+        if capacity < 1:
+            raise ValueError(f"a replay buffer holds at least one question, got capacity {capacity}")
+        self.capacity = capacity
+        self.items: list[PooledQuestion] = list(items)[-capacity:]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def draw(self, n: int, *, seed: int, exclude: Sequence[PooledQuestion] = ()) -> list[PooledQuestion]:
+        """Up to ``n`` kept questions, chosen uniformly with ``seed`` (the same version draws the same ones), none
+        of the questions in ``exclude`` (the update's own)."""
+        hashes = {question_hash(q.question) for q in exclude}
+        candidates = [q for q in self.items if question_hash(q.question) not in hashes]
+        if n <= 0 or not candidates:
+            return []
+        return random.Random(seed).sample(candidates, min(n, len(candidates)))
+
+    def add(self, batch: Sequence[PooledQuestion]) -> None:
+        """Keep ``batch`` (the questions an update just learned from), dropping the oldest beyond capacity; a
+        question asked again replaces its older entry."""
+        hashes = {question_hash(q.question) for q in batch}
+        self.items = [q for q in self.items if question_hash(q.question) not in hashes] + list(batch)
+        self.items = self.items[-self.capacity :]
+
+    def to_json(self) -> list[dict[str, Any]]:
+        return [q.to_json() for q in self.items]
+
+    @classmethod
+    def from_json(cls, capacity: int, data: Sequence[Mapping[str, Any]] | None) -> ReplayBuffer:
+        return cls(capacity, [PooledQuestion.from_json(d) for d in data or []])
