@@ -103,10 +103,15 @@ def streams(
     """Stream memories (``stream.mode`` stream/both): per namespace, the serving version, updates and rollbacks.
     Each version is a memory file (``LatentMemory.load``) whose history names the questions and labels that
     trained it."""
+    from elm_memory.store.stream_clusters import belongs_to
     from elm_memory.store.stream_files import list_streams, stream_root
 
     cfg = load_config(config, preset, set_, store, None)
-    found = [s for s in list_streams(stream_root(cfg.store.path)) if namespace in (None, s["namespace"])]
+    found = [
+        s
+        for s in list_streams(stream_root(cfg.store.path))
+        if namespace is None or belongs_to(s["namespace"], namespace)
+    ]
     if json_out:
         typer.echo(json.dumps(found, ensure_ascii=False))
         return
@@ -159,16 +164,17 @@ def delete(
 ) -> None:
     """Delete memories: index rows, blob and utility counters (journalled; `check --repair` finishes an
     interrupted one). `--namespace NS --all` deletes a whole namespace, `--namespace NS --stream` its stream
-    memory (every version; its next learner starts again from the untrained memory)."""
+    memory and its clusters' (every version; its next learner starts again from the untrained memory)."""
     from elm_memory.store.base import MemoryNotFoundError
 
     if stream:
         if memory_ids or all_ or namespace is None:
             raise ConfigError("--stream deletes one namespace's stream memory: give --namespace NS, no ids, no --all")
-        from elm_memory.store.stream_files import delete_stream, stream_root
+        from elm_memory.store.stream_clusters import delete_streams
+        from elm_memory.store.stream_files import stream_root
 
         root = stream_root(load_config(config, preset, set_, store, url).store.path)
-        removed = delete_stream(root, namespace)
+        removed = delete_streams(root, namespace)  # its clusters' stream memories too (stream.clusters > 1)
         typer.echo(json.dumps({"deleted_versions": removed}) if json_out else f"deleted {len(removed)} versions")
         return
     if all_ and (memory_ids or namespace is None):

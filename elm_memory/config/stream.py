@@ -114,6 +114,24 @@ class StreamConfig(ConfigSection):
             "usable ones have come, then one optimizer step over all of them, one new version."
         ),
     )
+    clusters: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description=(
+            "Stream memories per namespace, one per cluster of the questions' retrieval keys, found online (1: "
+            "one for the namespace). Needs a store (the retriever builds the keys)."
+        ),
+    )
+    cluster_min_similarity: float = Field(
+        default=0.8,
+        ge=-1.0,
+        le=1.0,
+        description=(
+            "A question whose key is less similar (cosine) than this to every cluster opens a new one, while "
+            "fewer than `clusters` exist; otherwise it joins the most similar."
+        ),
+    )
     replay: int = Field(
         default=0,
         ge=0,

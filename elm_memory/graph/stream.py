@@ -13,6 +13,9 @@ Same wiring and node names as the per-question graph::
   its own; with ``zero_shot``, from zero-shot's rows and their own vote, below), and in ``both`` mode also
   submits the per-question job.
 
+With ``stream.clusters`` > 1 the question's retrieval key picks (or opens) a cluster of the namespace, and that
+cluster's stream memory answers and learns (:mod:`elm_memory.store.stream_clusters`).
+
 Zero-shot's greedy answer is kept beside them: the collapse guard compares the memory's unboxed share with it.
 
 With ``stream.learn_from: zero_shot`` the samples are drawn without the memory; the vote is still the memory's
@@ -36,6 +39,8 @@ from elm_memory.graph.context import ELMRunContext
 from elm_memory.graph.nodes import ELMNodes, _elapsed, _warning, answer_params, candidate_state
 from elm_memory.graph.routing import VOTE
 from elm_memory.graph.state import ELMState
+from elm_memory.store.stream_clusters import StreamClusters, cluster_namespace
+from elm_memory.store.stream_files import stream_root
 from elm_memory.training.stream import StreamMemory
 from elm_memory.training.stream_samples import Generated, answer_budget_samples
 from elm_memory.verifiers.base import SamplingVerifier
@@ -68,7 +73,8 @@ class StreamNodes(ELMNodes):
         svc = self.services
         cfg = svc.config
         question = state["question"]
-        stream = svc.stream_memory(state["namespace"])
+        stream_namespace, cluster = self._stream_namespace(question, state["namespace"], bool(state.get("learn", True)))
+        stream = svc.stream_memory(stream_namespace)
         prompt = svc.prompts.answer_prompt(question, memory_tokens=cfg.memory.num_tokens)
         rows, kinds, memory_id, warnings = self._candidate_rows(prompt, state.get("memory_id"))
         version, at = stream.version, prompt.memory_at
@@ -90,13 +96,35 @@ class StreamNodes(ELMNodes):
             "presampled_answers": answers,
             "presampled_responses": [g.text for g in drawn],
             "stream": {
-                "namespace": state["namespace"],
+                "namespace": stream_namespace,
+                "cluster": cluster,
                 "version": version,
                 "samples": [{"token_ids": list(g.token_ids), "answer": a} for g, a in zip(drawn, answers, strict=True)],
             },
             "warnings": warnings,
             "timings": _elapsed("dual_generate", t0),
         }
+
+    def _stream_namespace(self, question: str, namespace: str, learn: bool) -> tuple[str, dict[str, Any] | None]:
+        """The stream memory that answers ``question``: the namespace's, or with ``stream.clusters`` > 1 its
+        cluster's (the question's retrieval key joins, or opens, a cluster; only read when nothing learns)."""
+        cfg = self.services.config
+        if cfg.stream.clusters == 1:
+            return namespace, None
+        retriever = self.services.retriever
+        if retriever is None:
+            raise ConfigError(
+                f"stream.clusters={cfg.stream.clusters} groups questions by their retrieval keys, but these "
+                "services have no retriever: set a store.kind, or stream.clusters=1"
+            )
+        clusters = StreamClusters(
+            stream_root(cfg.store.path),
+            namespace,
+            max_clusters=cfg.stream.clusters,
+            min_similarity=cfg.stream.cluster_min_similarity,
+        )
+        index, similarity = clusters.assign(retriever.query_key(question), update=learn)
+        return cluster_namespace(namespace, index), {"index": index, "similarity": similarity}
 
     def route(self, state: ELMState) -> dict[str, Any]:
         return {"route": VOTE, "timings": _elapsed("route", time.perf_counter())}
@@ -156,7 +184,7 @@ class StreamNodes(ELMNodes):
                 zero_shot_answer=zero["answer"],
                 served_answers=served,
             )
-            out["stream_update"] = update.to_dict()
+            out["stream_update"] = {**update.to_dict(), "namespace": info["namespace"], "cluster": info.get("cluster")}
         except Exception as exc:  # the answer is out already: a failed update is a warning, the last version serves
             out["warnings"] = [*out.get("warnings", []), *_warning(f"stream memory update failed: {exc}")]
         return out

@@ -131,6 +131,11 @@ class StreamEval:
         cfg = runtime.config
         if cfg.store.kind == "none":
             raise ConfigError(f"{name} keeps its stream memory on disk, but store.kind is 'none'; set store.kind")
+        if cfg.stream.clusters > 1:  # the graph's option; every row here reads one memory per arm
+            raise ConfigError(
+                f"{name} evaluates one stream memory per arm; stream.clusters={cfg.stream.clusters} is served by "
+                "the graph only: set stream.clusters=1 for the evaluation"
+            )
         self.name = name
         self.runtime = runtime
         self.specs = arms or [Arm(obj, obj) for obj in objectives or [cfg.stream.objective]]
