@@ -107,11 +107,8 @@ def streams(
     from elm_memory.store.stream_files import list_streams, stream_root
 
     cfg = load_config(config, preset, set_, store, None)
-    found = [
-        s
-        for s in list_streams(stream_root(cfg.store.path))
-        if namespace is None or belongs_to(s["namespace"], namespace)
-    ]
+    root = stream_root(cfg.store.path)
+    found = [s for s in list_streams(root) if namespace is None or belongs_to(s["namespace"], namespace)]
     if json_out:
         typer.echo(json.dumps(found, ensure_ascii=False))
         return
