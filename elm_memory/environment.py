@@ -76,29 +76,28 @@ def collect_env(config: Any, hardware: Hardware | None = None) -> dict[str, Any]
 
 
 def code_version() -> dict[str, Any]:
-    """Which elm-memory code runs: the package's version and, when it runs from a git checkout, the commit and
-    whether tracked files differ from it (``dirty``). Evidence is one code version: a run records this, and a
-    resume under other code adds its own, so mixed code shows. Outside a checkout ``commit`` is None."""
+    """Which elm-memory code runs: the package's version and, when it runs from its own git checkout, the commit
+    and whether tracked files of the package (``elm_memory/``) differ from it (``dirty``). Evidence is one code
+    version: a run records this, and a resume under other code adds its own, so mixed code shows. Installed
+    (also inside some other repository) ``commit`` is None."""
     source = Path(__file__).resolve().parent
     commit: str | None = None
     dirty: bool | None = None
     try:
-        head = subprocess.run(
-            ["git", "-C", str(source), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10, check=False
-        )
-        if head.returncode == 0:
-            commit = head.stdout.strip()
-            status = subprocess.run(
-                ["git", "-C", str(source), "status", "--porcelain", "--untracked-files=no", "--", "."],
-                capture_output=True,
-                text=True,
-                timeout=30,
-                check=False,
-            )
+        head = _git(source, "rev-parse", "--show-toplevel", "HEAD")
+        lines = head.stdout.split()
+        # the package's own checkout only: a wheel installed in a venv inside a user's repository is not it
+        if head.returncode == 0 and len(lines) == 2 and Path(lines[0]).resolve() == source.parent:
+            commit = lines[1]
+            status = _git(source, "status", "--porcelain", "--untracked-files=no", "--", ".")
             dirty = bool(status.stdout.strip()) if status.returncode == 0 else None
     except (OSError, subprocess.TimeoutExpired):  # no git, or a slow file system: the version alone
         pass
     return {"version": package_versions(("elm-memory",))["elm-memory"], "commit": commit, "dirty": dirty}
+
+
+def _git(where: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["git", "-C", str(where), *args], capture_output=True, text=True, timeout=30, check=False)
 
 
 def format_code(code: dict[str, Any]) -> str:

@@ -119,23 +119,35 @@ def test_report_prints_a_partial_runs_table_and_refuses_a_directory_that_is_no_r
     assert bad.exit_code != 0 and "not an online run directory" in bad.output
     assert "code version" not in result.output  # one clean version (here: none recorded) is not worth a line
     one = {"version": "0.1.0", "commit": "aaaaaaa1", "dirty": False}
-    for codes, warned in (
-        ([one], False),
-        ([one, {**one, "commit": "bbbbbbb2"}], True),
-        ([{**one, "dirty": True}], True),
+    shown = {}
+    for name, codes in (
+        ("one", [one]),
+        ("two", [one, {**one, "commit": "bbbbbbb2"}]),
+        ("dirty", [{**one, "dirty": True}]),
     ):
         manifest = json.loads((a / "run.json").read_text())
         (a / "run.json").write_text(json.dumps({**manifest, "code_versions": codes}))
-        shown = CliRunner().invoke(app, ["report", str(a), "--no-plots"]).output
-        assert ("more than one code version or from uncommitted code" in shown) is warned, shown
-    assert "commit aaaaaaa; 0.1.0, commit bbbbbbb" not in shown and "(uncommitted changes)" in shown
+        shown[name] = CliRunner().invoke(app, ["report", str(a), "--no-plots"]).output
+    assert "more than one code version" not in shown["one"]
+    assert (
+        "more than one code version or from uncommitted code: 0.1.0, commit aaaaaaa; 0.1.0, commit bbbbbbb"
+        in (shown["two"])
+    )
+    assert "(uncommitted changes)" in shown["dirty"]
 
 
-def make_stream_run(root: Path, seed: int, golds: list[str], greedy: list[str], answered: int | None = None) -> Path:
+def make_stream_run(
+    root: Path,
+    seed: int,
+    golds: list[str],
+    greedy: list[str],
+    answered: int | None = None,
+    ids: list[str] | None = None,
+) -> Path:
     """An `elm_stream` run: zero-shot always wrong ("0"), the stream memory's greedy answer as given."""
     out = root / f"stream{seed}"
     out.mkdir()
-    ids = [f"s{seed}-q{i}" for i in range(len(golds))]
+    ids = ids or [f"s{seed}-q{i}" for i in range(len(golds))]
     (out / "run.json").write_text(
         json.dumps({"dataset": "synth-arith", "seed": seed, "question_ids": ids, "config": CONFIG})
     )
@@ -182,7 +194,24 @@ def test_stream_runs_are_pooled_over_each_runs_second_half(tmp_path):
     [zero] = [t for t in test["tests"] if t["row"] == "stream_greedy[sft]" and t["baseline"] == "zero_shot"]
     assert (zero["wins"], zero["losses"]) == (1, 0)
     assert "Stream memory rows (2 run(s)" in markdown_seeds(c) and c.to_json()["stream"] == c.stream
+    # the runs' code: one clean version says nothing, two are named
+    for run, commit in ((a, "aaaaaaa1"), (b, "bbbbbbb2")):
+        manifest = json.loads((run / "run.json").read_text())
+        code = {"version": "0.1.0", "commit": commit, "dirty": False}
+        (run / "run.json").write_text(json.dumps({**manifest, "code_versions": [code]}))
+    mixed = compare_seeds([a, b], partial=True)
+    assert mixed.to_json()["runs"][1]["code_versions"][0]["commit"] == "bbbbbbb2"
+    assert "more than one code version" in markdown_seeds(mixed) and "commit bbbbbbb" in markdown_seeds(mixed)
     plain = compare_seeds(
         [make_run(tmp_path, 17, [True], [(True, True)]), make_run(tmp_path, 42, [True], [(True, True)])]
     )
     assert plain.stream is None and "stream" not in plain.to_json()
+
+
+def test_a_question_two_seeds_share_counts_once_in_the_pooled_stream_tests(tmp_path):
+    # both seeds ask "shared" in their test half and win it over zero-shot: two answers, one win
+    a = make_stream_run(tmp_path, 1, ["1", "2"], ["9", "2"], ids=["a0", "shared"])
+    b = make_stream_run(tmp_path, 2, ["1", "2"], ["9", "2"], ids=["b0", "shared"])
+    test = compare_seeds([a, b]).stream["parts"]["test"]
+    [zero] = [t for t in test["tests"] if t["row"] == "stream_greedy[sft]" and t["baseline"] == "zero_shot"]
+    assert test["answers"] == 2 and (zero["wins"], zero["losses"]) == (1, 0)

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from elm_memory.config import ELMConfig
-from elm_memory.errors import ConfigError, MemoryFormatError, StoreError
-from elm_memory.store.stream_clusters import StreamClusters, belongs_to, cluster_namespace, delete_streams
+from elm_memory.errors import ConfigError, InvalidNamespaceError, MemoryFormatError, StoreError
+from elm_memory.retrieval.stream_clusters import StreamClusters, belongs_to, cluster_namespace, delete_streams
 
 X, Y = torch.tensor([1.0, 0.0, 0.0]), torch.tensor([0.0, 1.0, 0.0])
 
@@ -22,27 +22,28 @@ def _clusters(tmp_path, **kw) -> StreamClusters:
 def test_a_question_joins_the_nearest_cluster_or_opens_one_while_there_is_room(tmp_path):
     clusters = _clusters(tmp_path, max_clusters=2)
     assert clusters.assign(X) == (0, None)  # the first question opens cluster 0
-    index, similarity = clusters.assign(torch.tensor([0.9, 0.1, 0.0]))  # alike: joins it
+    near = torch.tensor([0.9, 0.1, 0.0])
+    index, similarity = clusters.assign(near)  # alike: joins it
     assert index == 0 and similarity == pytest.approx(0.9 / (0.82**0.5), abs=1e-6)
     assert clusters.assign(Y) == (1, None)  # unlike every cluster: opens one
-    index, _ = clusters.assign(torch.tensor([0.0, 0.0, 1.0]))  # unlike both, but no room: the nearest
-    assert index in (0, 1)
-    centroids, counts = clusters.read()
-    assert counts.tolist() in ([3, 1], [2, 2]) and centroids.shape == (2, 3)
-    assert torch.allclose(centroids.norm(dim=1), torch.ones(2))
-    # cluster 0's centroid moved to the mean direction of its two keys
-    x2 = torch.tensor([0.9, 0.1, 0.0]) / (0.82**0.5)
-    mean = (X + x2) / (X + x2).norm()
-    if counts.tolist() == [2, 2]:
-        assert torch.allclose(centroids[0], mean, atol=1e-6)
+    index, _ = clusters.assign(torch.tensor([0.0, 0.6, 0.8]))  # unlike both, but no room: the nearest (Y's)
+    assert index == 1
+    sums, counts = clusters.read()
+    assert counts.tolist() == [2, 2] and sums.shape == (2, 3)
+    # a centroid is the mean of its unit keys, not a re-normalised running blend
+    assert torch.allclose(clusters.centroids()[0], (X + near / near.norm()) / 2, atol=1e-6)
+    assert torch.allclose(clusters.centroids()[1], (Y + torch.tensor([0.0, 0.6, 0.8])) / 2, atol=1e-6)
 
 
 def test_reading_without_learning_leaves_the_clusters_as_they_were(tmp_path):
     clusters = _clusters(tmp_path)
+    assert clusters.assign(Y, update=False) == (0, None)  # none yet: cluster 0, nothing written
+    assert not clusters.path.exists()
     clusters.assign(X)
     before = clusters.path.read_bytes()
-    assert clusters.assign(Y, update=False) == (1, None)  # would open cluster 1, but nothing is kept
-    assert clusters.assign(X * 2, update=False)[0] == 0
+    index, similarity = clusters.assign(Y, update=False)  # would open cluster 1 if it learned: joins 0
+    assert (index, similarity) == (0, pytest.approx(0.0))
+    assert clusters.assign(X * 2, update=False) == (0, pytest.approx(1.0))
     assert clusters.path.read_bytes() == before and clusters.read()[1].tolist() == [1]
 
 
@@ -72,6 +73,9 @@ def test_cluster_names_and_deletion(tmp_path):
     assert cluster_namespace("team", 3) == "team#cluster-3"
     assert belongs_to("team#cluster-3", "team") and belongs_to("team", "team")
     assert not belongs_to("teammate", "team") and not belongs_to("team#cluster-3", "other")
+    assert not belongs_to("team#cluster-x", "team") and not belongs_to("team#cluster-3b", "team")
+    with pytest.raises(InvalidNamespaceError, match="too long"):
+        cluster_namespace("n" * 250, 1)
     with pytest.raises(StoreError, match="has no stream memory"):
         delete_streams(tmp_path, "team")
     clusters = _clusters(tmp_path)

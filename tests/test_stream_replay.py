@@ -3,6 +3,8 @@ the buffer is bounded, refused with GRPO, and kept in each version's file throug
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from test_stream_memory import _config, _gens, _prompt
@@ -83,3 +85,28 @@ def test_without_replay_the_version_files_hold_no_buffer(smol, tmp_path):
     assert stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5").applied
     assert "replay" not in LatentMemory.load(stream.files.path(1)).meta.config["stream"]
     assert "replayed" not in stream.history[-1]
+
+
+def test_the_buffer_stays_within_its_byte_budget_dropping_the_oldest():
+    one = len(json.dumps(_item("q0").to_json())) + 2
+    buffer = ReplayBuffer(10, max_bytes=2 + 3 * one)
+    buffer.add([_item(f"q{i}") for i in range(5)])
+    assert [q.question for q in buffer.items] == ["q2", "q3", "q4"]  # capacity 10, but three fit
+    assert len(json.dumps(buffer.to_json())) <= buffer.max_bytes
+
+
+def test_a_non_finite_update_leaves_the_buffer_as_it_was(smol, tmp_path, monkeypatch):
+    cfg = _config(objective="sft", replay=1, guard_window=1000)
+    stream = StreamMemory(cfg, smol, tmp_path, namespace="ns")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}"] * 3 + ["\\boxed{6}"] * 2)
+    assert stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5").applied
+
+    def poisoned(self, *args, **kwargs):
+        for p in self.params.values():
+            p.grad = torch.full_like(p, float("nan"))
+        return 0.0
+
+    monkeypatch.setattr(StreamMemory, "_backward", poisoned)
+    update = stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5")
+    assert update.skipped == "non_finite" and [q.question for q in stream.replay.items] == ["q1"]

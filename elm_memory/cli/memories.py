@@ -103,7 +103,7 @@ def streams(
     """Stream memories (``stream.mode`` stream/both): per namespace, the serving version, updates and rollbacks.
     Each version is a memory file (``LatentMemory.load``) whose history names the questions and labels that
     trained it."""
-    from elm_memory.store.stream_clusters import belongs_to
+    from elm_memory.retrieval.stream_clusters import belongs_to
     from elm_memory.store.stream_files import list_streams, stream_root
 
     cfg = load_config(config, preset, set_, store, None)
@@ -167,7 +167,7 @@ def delete(
     if stream:
         if memory_ids or all_ or namespace is None:
             raise ConfigError("--stream deletes one namespace's stream memory: give --namespace NS, no ids, no --all")
-        from elm_memory.store.stream_clusters import delete_streams
+        from elm_memory.retrieval.stream_clusters import delete_streams
         from elm_memory.store.stream_files import stream_root
 
         root = stream_root(load_config(config, preset, set_, store, url).store.path)

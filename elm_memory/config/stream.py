@@ -144,7 +144,7 @@ class StreamConfig(ConfigSection):
     replay_buffer: int = Field(
         default=32,
         ge=1,
-        le=1024,
+        le=256,
         description="Questions kept for replay, the newest (in each version's file: rollbacks and resumes see them).",
     )
     keep_versions: int = Field(

@@ -31,6 +31,7 @@ from typing import Any
 from elm_memory.answers import equivalent
 from elm_memory.config import ELMConfig
 from elm_memory.data.datasets import Problem
+from elm_memory.environment import code_version
 from elm_memory.errors import ConfigError
 from elm_memory.eval.offline import OfflineResult, greedy_answers
 from elm_memory.eval.progress import ProgressBar
@@ -86,6 +87,7 @@ def run_full_model(
             "full_model": settings.to_json(),
             "methods": [f"full_model_{settings.reward}"],
             "machines": [machine_facts(config)],
+            "code_versions": [code_version()],
         },
         RESUME_FIELDS,
         config_defaults(),

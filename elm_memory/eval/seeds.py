@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from elm_memory.environment import format_code
 from elm_memory.errors import ConfigError
 from elm_memory.eval.metrics import summarize_online
 from elm_memory.eval.paired import markdown_paired, paired_summaries
@@ -38,6 +39,7 @@ class SeedRun:
     config: dict[str, Any]
     summary: dict[str, dict[str, Any]]
     records: list[dict[str, Any]] = field(default_factory=list)
+    code_versions: list[dict[str, Any]] = field(default_factory=list)  # run.json's: what code answered
 
 
 @dataclass
@@ -51,7 +53,10 @@ class SeedComparison:
 
     def to_json(self) -> dict[str, Any]:
         return {
-            "runs": [{"path": str(r.path), "seed": r.seed, "questions": r.questions} for r in self.runs],
+            "runs": [
+                {"path": str(r.path), "seed": r.seed, "questions": r.questions, "code_versions": r.code_versions}
+                for r in self.runs
+            ],
             "dataset": self.runs[0].dataset,
             "methods": self.methods,
             "config_keys_not_recorded_by_every_run": self.unrecorded,
@@ -89,6 +94,7 @@ def load_run(path: str | Path, first: int | None = None) -> SeedRun:
         config=manifest.get("config", {}),
         summary=summarize_online(records),
         records=records,
+        code_versions=list(manifest.get("code_versions") or []),
     )
 
 
@@ -216,4 +222,8 @@ def markdown_seeds(comparison: SeedComparison) -> str:
             table += "\n" + markdown_paired(p)
     if comparison.stream is not None:
         table += "\n" + markdown_stream(comparison.stream)
+    codes = {format_code(c) for r in comparison.runs for c in r.code_versions}
+    if len(codes) > 1 or any(c.get("dirty") for r in comparison.runs for c in r.code_versions):
+        table += "\nWarning: these runs ran more than one code version or uncommitted code: " + "; ".join(sorted(codes))
+        table += "\n"
     return table

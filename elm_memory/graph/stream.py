@@ -14,7 +14,7 @@ Same wiring and node names as the per-question graph::
   submits the per-question job.
 
 With ``stream.clusters`` > 1 the question's retrieval key picks (or opens) a cluster of the namespace, and that
-cluster's stream memory answers and learns (:mod:`elm_memory.store.stream_clusters`).
+cluster's stream memory answers and learns (:mod:`elm_memory.retrieval.stream_clusters`).
 
 Zero-shot's greedy answer is kept beside them: the collapse guard compares the memory's unboxed share with it.
 
@@ -39,7 +39,7 @@ from elm_memory.graph.context import ELMRunContext
 from elm_memory.graph.nodes import ELMNodes, _elapsed, _warning, answer_params, candidate_state
 from elm_memory.graph.routing import VOTE
 from elm_memory.graph.state import ELMState
-from elm_memory.store.stream_clusters import StreamClusters, cluster_namespace
+from elm_memory.retrieval.stream_clusters import StreamClusters, cluster_namespace
 from elm_memory.store.stream_files import stream_root
 from elm_memory.training.stream import StreamMemory
 from elm_memory.training.stream_samples import Generated, answer_budget_samples

@@ -343,7 +343,8 @@ class StreamMemory:
         loss weighted 1 / their number)."""
         before = self._optimizer_state()
         old = {n: p.detach().clone() for n, p in self.params.items()}
-        seed = (self.config.training.seed or 0) + self.version  # the same version draws the same questions
+        # seeded by the version and the update's question: reproducible, and a failed draw is not redrawn forever
+        seed = (self.config.training.seed or 0) + self.version + int(question_hash(batch[-1].question)[:8], 16)
         replayed = self.replay.draw(self.cfg.replay, seed=seed, exclude=batch)
         items = batch + replayed
         self.optim.zero_grad(set_to_none=True)

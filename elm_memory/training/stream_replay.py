@@ -8,13 +8,15 @@ already learned from (those that agreed with their label), with their label. Tha
 loss is the rows' log-likelihood under the current memory whoever drew them; a policy gradient's advantages
 belong to the samples of the version being trained, so replay is refused with ``grpo`` at load.
 
-The buffer is part of each version's file (its metadata), so a resume, another learner or a rollback sees the
-buffer of the version it serves: a rollback returns to that version's buffer too, and rows drawn by the
-versions rolled back are gone with them.
+The buffer is part of each version's file (its metadata, bounded by :data:`MAX_REPLAY_BYTES`), so a resume,
+another learner or a rollback sees the buffer of the version it serves: a rollback returns to that version's
+buffer too, and rows drawn by the versions rolled back are gone with them. It holds the questions' whole text
+and the model's answers: a version file shared or exported shares them.
 """
 
 from __future__ import annotations
 
+import json
 import random
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -22,7 +24,12 @@ from typing import Any
 
 import torch
 
+from elm_memory.memory import MAX_HEADER_BYTES
 from elm_memory.memory.ids import question_hash
+
+#: The most a buffer may add to a version file's metadata: half of what a memory file's header may hold (long
+#: answers make a question tens of kilobytes), so a kept version is always readable. The oldest go first.
+MAX_REPLAY_BYTES = MAX_HEADER_BYTES // 2
 
 
 @dataclass
@@ -64,11 +71,24 @@ class PooledQuestion:
 class ReplayBuffer:
     """The newest ``capacity`` questions an update learned from; ``draw`` picks earlier ones to learn from again."""
 
-    def __init__(self, capacity: int, items: Sequence[PooledQuestion] = ()):
+    def __init__(self, capacity: int, items: Sequence[PooledQuestion] = (), *, max_bytes: int = MAX_REPLAY_BYTES):
         if capacity < 1:
             raise ValueError(f"a replay buffer holds at least one question, got capacity {capacity}")
         self.capacity = capacity
-        self.items: list[PooledQuestion] = list(items)[-capacity:]
+        self.max_bytes = max_bytes
+        self.items: list[PooledQuestion] = []
+        self._keep(list(items))
+
+    def _keep(self, items: list[PooledQuestion]) -> None:
+        """The newest ``capacity`` of ``items`` whose stored form fits ``max_bytes``."""
+        kept: list[PooledQuestion] = []
+        size = 2  # the JSON list's brackets
+        for item in reversed(items[-self.capacity :]):
+            size += len(json.dumps(item.to_json())) + 2
+            if size > self.max_bytes:
+                break
+            kept.append(item)
+        self.items = kept[::-1]
 
     def __len__(self) -> int:
         return len(self.items)
@@ -83,11 +103,10 @@ class ReplayBuffer:
         return random.Random(seed).sample(candidates, min(n, len(candidates)))
 
     def add(self, batch: Sequence[PooledQuestion]) -> None:
-        """Keep ``batch`` (the questions an update just learned from), dropping the oldest beyond capacity; a
-        question asked again replaces its older entry."""
+        """Keep ``batch`` (the questions an update just learned from), dropping the oldest beyond capacity or
+        beyond ``max_bytes``; a question asked again replaces its older entry."""
         hashes = {question_hash(q.question) for q in batch}
-        self.items = [q for q in self.items if question_hash(q.question) not in hashes] + list(batch)
-        self.items = self.items[-self.capacity :]
+        self._keep([q for q in self.items if question_hash(q.question) not in hashes] + list(batch))
 
     def to_json(self) -> list[dict[str, Any]]:
         return [q.to_json() for q in self.items]

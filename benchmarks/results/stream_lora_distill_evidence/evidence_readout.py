@@ -66,18 +66,20 @@ def cost(records: list[dict[str, Any]], arm: str) -> dict[str, Any]:
 def readings(runs: list[list[dict[str, Any]]], arm: str) -> dict[str, Any]:
     pooled = summarize_stream(runs, warmup=[warmup_of(r) for r in runs])
     test = pooled["parts"]["test"]
-    out: dict[str, Any] = {"test_answers": test["answers"], "warmups": pooled["warmup"], "readings": {}}
+    out: dict[str, Any] = {"test_answers": test["answers"], "warmups": pooled["warmup"], "readings": {}, "exact": {}}
     for number, (row_t, base) in READINGS.items():
         row = row_t.format(arm=arm)
         if row not in test["accuracy"]:
             continue
         [t] = [t for t in test["tests"] if t["row"] == row and t["baseline"] == base]
+        points = 100 * (test["accuracy"][row] - test["accuracy"][base])
+        out["exact"][number] = {"points": points, "p": t["p"]}  # the targets read these, not the rounded ones
         out["readings"][number] = {
             "row": row,
             "baseline": base,
             "row_accuracy": round(test["accuracy"][row], 4),
             "baseline_accuracy": round(test["accuracy"][base], 4),
-            "points": round(100 * (test["accuracy"][row] - test["accuracy"][base]), 1),
+            "points": round(points, 1),
             "wins": t["wins"],
             "losses": t["losses"],
             "net": t["wins"] - t["losses"],
@@ -88,12 +90,12 @@ def readings(runs: list[list[dict[str, Any]]], arm: str) -> dict[str, Any]:
 
 def targets(pooled: dict[str, Any], costs: list[dict[str, Any]]) -> dict[str, Any]:
     """PLAN.md's targets on this stream's pooled numbers (the other stream's condition is read across files)."""
-    r = pooled["readings"]
+    r, exact = pooled["readings"], pooled["exact"]
     ratios = [c["mean_update_over_decode"] for c in costs if c["mean_update_over_decode"] is not None]
     return {
-        "reading_1_plus_5_points_p_0.05": r[1]["points"] >= 5 and r[1]["p"] < 0.05,
+        "reading_1_plus_5_points_p_0.05": exact[1]["points"] >= 5 and exact[1]["p"] < 0.05,
         "reading_1_not_below_zero_shot": r[1]["net"] >= 0,
-        "reading_2_plus_3_points_p_0.05": r[2]["points"] >= 3 and r[2]["p"] < 0.05,
+        "reading_2_plus_3_points_p_0.05": exact[2]["points"] >= 3 and exact[2]["p"] < 0.05,
         "reading_4_not_below_format": r[4]["net"] >= 0,
         "reading_5_at_most_half": bool(ratios) and max(ratios) <= 0.5,
     }
