@@ -40,6 +40,13 @@ def _prompt(smol, question="What is 2 + 3?"):
     return p.token_ids, p.memory_at
 
 
+def _poisoned_backward(self, *args, **kwargs):
+    """In place of ``StreamMemory._backward``: NaN gradients on every tensor of the memory."""
+    for p in self.params.values():
+        p.grad = torch.full_like(p, float("nan"))
+    return 0.0
+
+
 # -- the guard (no model) ------------------------------------------------------------------
 def _obs(version, answers, zero="1", label=None):
     return Observation(version, answers, zero, label if label is not None else answers[0])
@@ -546,13 +553,7 @@ def test_a_non_finite_lora_update_leaves_the_last_good_version_serving(smol, tmp
     ids, at = _prompt(smol)
     gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
     before = {n: p.detach().clone() for n, p in stream.params.items()}
-
-    def poisoned(self, *args, **kwargs):
-        for p in self.params.values():
-            p.grad = torch.full_like(p, float("nan"))
-        return 0.0
-
-    monkeypatch.setattr(StreamMemory, "_backward", poisoned)
+    monkeypatch.setattr(StreamMemory, "_backward", _poisoned_backward)
     update = stream.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
     assert update.skipped == "non_finite" and stream.version == 0 and stream.files.versions() == [0]
     assert all(torch.equal(stream.params[n], before[n]) for n in before)

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from test_stream_memory import _config, _gens, _prompt
+from test_stream_memory import _config, _gens, _poisoned_backward, _prompt
 
 from elm_memory.config import ELMConfig
 from elm_memory.errors import ConfigError
@@ -101,12 +101,6 @@ def test_a_non_finite_update_leaves_the_buffer_as_it_was(smol, tmp_path, monkeyp
     ids, at = _prompt(smol)
     gens = _gens(smol.tokenizer, ["\\boxed{5}"] * 3 + ["\\boxed{6}"] * 2)
     assert stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5").applied
-
-    def poisoned(self, *args, **kwargs):
-        for p in self.params.values():
-            p.grad = torch.full_like(p, float("nan"))
-        return 0.0
-
-    monkeypatch.setattr(StreamMemory, "_backward", poisoned)
+    monkeypatch.setattr(StreamMemory, "_backward", _poisoned_backward)
     update = stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5")
     assert update.skipped == "non_finite" and [q.question for q in stream.replay.items] == ["q1"]
