@@ -108,6 +108,15 @@ def format_code(code: dict[str, Any]) -> str:
     return text
 
 
+def mixed_code_warning(codes: list[dict[str, Any]]) -> str | None:
+    """A warning when ``codes`` (the code versions a run, or several, recorded) are more than one version or
+    include uncommitted changes; None when they are one clean version."""
+    shown = sorted({format_code(c) for c in codes})
+    if len(shown) > 1 or any(c.get("dirty") for c in codes):
+        return "records come from more than one code version or from uncommitted code: " + "; ".join(shown)
+    return None
+
+
 def format_env(report: dict[str, Any]) -> str:
     """Plain text, one fact a line, for pasting into an issue."""
     cpu, res = report["cpu"], report["resolved"]

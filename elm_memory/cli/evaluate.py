@@ -231,14 +231,10 @@ def report(
     if short and not json_out:
         typer.echo(f"partial run: {', '.join(short)} questions answered")
     _print_run(result, json_out)
-    codes = manifest.get("code_versions") or []
-    if not json_out and (len(codes) > 1 or any(c.get("dirty") for c in codes)):
-        from elm_memory.environment import format_code
+    from elm_memory.environment import mixed_code_warning
 
-        typer.echo(
-            "warning: this run's records come from more than one code version or from uncommitted code: "
-            + "; ".join(format_code(c) for c in codes)
-        )
+    if not json_out and (warning := mixed_code_warning(manifest.get("code_versions") or [])):
+        typer.echo(f"warning: this run's {warning}")
 
 
 @app.command()

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from elm_memory.environment import format_code
+from elm_memory.environment import mixed_code_warning
 from elm_memory.errors import ConfigError
 from elm_memory.eval.metrics import summarize_online
 from elm_memory.eval.paired import markdown_paired, paired_summaries
@@ -141,8 +141,8 @@ def compare_seeds(paths: Sequence[str | Path], *, partial: bool = False, first: 
 
 
 def _pooled_stream(runs: Sequence[SeedRun]) -> dict[str, Any] | None:
-    """Stream-memory runs: every row on the runs' test halves together (each run's own second half, so a seed
-    stopped early keeps its planned split) and the planned sign tests over distinct questions."""
+    """Stream-memory runs: every row on the runs' test halves together (each run's second half of the questions it
+    answered) and the planned sign tests over distinct questions."""
     if not all(stream_records(r.records) for r in runs):
         return None
     return summarize_stream([r.records for r in runs], warmup=[warmup_of(r.records) for r in runs])
@@ -222,8 +222,6 @@ def markdown_seeds(comparison: SeedComparison) -> str:
             table += "\n" + markdown_paired(p)
     if comparison.stream is not None:
         table += "\n" + markdown_stream(comparison.stream)
-    codes = {format_code(c) for r in comparison.runs for c in r.code_versions}
-    if len(codes) > 1 or any(c.get("dirty") for r in comparison.runs for c in r.code_versions):
-        table += "\nWarning: these runs ran more than one code version or uncommitted code: " + "; ".join(sorted(codes))
-        table += "\n"
+    if warning := mixed_code_warning([c for r in comparison.runs for c in r.code_versions]):
+        table += f"\nWarning: these runs' {warning}\n"
     return table

@@ -177,11 +177,15 @@ class StreamMemory:
         self.version = int(meta["version"])
         self.history: list[dict[str, Any]] = list(meta.get("history", []))
         self.params = _parameters(memory.params)
-        self.replay = ReplayBuffer.from_json(self.cfg.replay_buffer, meta.get("replay"))
+        self.replay = self._replay_of(memory)
         self._new_optimizer(optim)
         guard_state = meta.get("guard")
         if guard_state is not None:
             self.guard.restore(guard_state)
+
+    def _replay_of(self, memory: LatentMemory) -> ReplayBuffer:
+        """The replay buffer a version's file holds (empty when replay was off)."""
+        return ReplayBuffer.from_json(self.cfg.replay_buffer, memory.meta.config["stream"].get("replay"))
 
     def _new_optimizer(self, state: dict[str, torch.Tensor] | None = None) -> None:
         """AdamW over the memory's tensors, with the moments ``state`` holds (none: fresh)."""
@@ -437,7 +441,7 @@ class StreamMemory:
         )
         self._copy_in(target.params)
         self._new_optimizer()
-        self.replay = ReplayBuffer.from_json(self.cfg.replay_buffer, target.meta.config["stream"].get("replay"))
+        self.replay = self._replay_of(target)
         self.pooled = []  # drawn with the versions rolled back
         self._write(version, history=self.history, optim={})
         self.version = version
@@ -452,7 +456,7 @@ class StreamMemory:
             self.history.append({"version": new, "rollback_to": version, "reasons": [reason]})
             self.pooled = []
             self._copy_in(memory.params)
-            self.replay = ReplayBuffer.from_json(self.cfg.replay_buffer, memory.meta.config["stream"].get("replay"))
+            self.replay = self._replay_of(memory)
             self._new_optimizer(optim)
             self._write(new, history=self.history, optim=optim)
             self.version = new
