@@ -204,7 +204,7 @@ class ELM:
             if self.config.stream.mode != "per_question":
                 from elm_memory.graph.stream import stream_memories
 
-                streams = stream_memories(self.config, self.loaded)
+                streams = stream_memories(self.config, self.loaded, self.backend)
             services = ELMServices(
                 config=self.config,
                 backend=self.backend,

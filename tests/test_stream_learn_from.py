@@ -148,6 +148,8 @@ def test_an_arm_sets_how_it_learns_but_not_what_it_is(evidence_config):
     assert (replaying.replay, replaying.replay_buffer) == (2, 8)
     with pytest.raises(ConfigError, match=r"stream arm 'pg'.*stream.replay=2"):  # replay needs sft, per arm too
         Arm("pg", "grpo", settings=(("replay", 2),)).stream_config(evidence_config.stream)
+    fresh = Arm("pg", "grpo", settings=(("replay", 2), ("replay_samples", 4))).stream_config(evidence_config.stream)
+    assert (fresh.objective, fresh.replay_samples) == ("grpo", 4)  # re-sampled replay is on-policy
 
 
 @pytest.mark.model

@@ -1,5 +1,6 @@
 """A stream memory's bounded replay (``stream.replay``): which kept questions an update learns from again, how
-the buffer is bounded, refused with GRPO, and kept in each version's file through resumes and rollbacks."""
+the buffer is bounded, refused with GRPO on stored rows, kept in each version's file through resumes and
+rollbacks, and re-sampled under the serving version (``stream.replay_samples``)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import pytest
 import torch
 from test_stream_memory import _config, _gens, _poisoned_backward, _prompt
 
+from elm_memory.backends.base import Generation, SamplingParams
 from elm_memory.config import ELMConfig
 from elm_memory.errors import ConfigError
 from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import question_hash
 from elm_memory.training.stream import StreamMemory
-from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer
+from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample
 
 
 def _item(question: str, label: str = "5") -> PooledQuestion:
@@ -104,3 +106,111 @@ def test_a_non_finite_update_leaves_the_buffer_as_it_was(smol, tmp_path, monkeyp
     monkeypatch.setattr(StreamMemory, "_backward", _poisoned_backward)
     update = stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5")
     assert update.skipped == "non_finite" and [q.question for q in stream.replay.items] == ["q1"]
+
+
+# -- re-sampling (stream.replay_samples) ------------------------------------------------------------------
+class _ScriptedBackend:
+    """Answers the i-th row of each call with ``texts[i % len(texts)]``, and keeps the rows and params it got."""
+
+    def __init__(self, texts, tokenizer=None):
+        self.texts, self.tokenizer, self.calls = texts, tokenizer, []
+
+    def generate(self, prompts, params):
+        self.calls.append((list(prompts), params))
+        out = []
+        for i, _ in enumerate(prompts):
+            text = self.texts[i % len(self.texts)]
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"] if self.tokenizer else [100 + i]
+            out.append([Generation(text, ids, "stop")])
+        return out
+
+
+def test_resampling_keeps_the_rows_that_agree_with_the_kept_label_and_drops_a_question_with_none():
+    backend = _ScriptedBackend(["\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}", "\\boxed{8}", "\\boxed{9}"])
+    items = [_item("q1", label="5"), _item("q2", label="4")]
+
+    def run(objective):
+        return resample(
+            items,
+            serve=lambda rows, at: list(rows),
+            backend=backend,
+            params=SamplingParams(temperature=0.7),
+            n=3,
+            seed=7,
+            objective=objective,
+        )
+
+    kept, notes = run("sft")
+    assert [q.question for q in kept] == ["q1"]  # no sample of q2 says 4
+    assert kept[0].completions == [[100], [102]] and torch.equal(kept[0].weights, torch.ones(2))
+    assert kept[0].label == "5" and kept[0].share == pytest.approx(2 / 3)
+    assert notes == [
+        {"question_hash": question_hash("q1"), "agreeing": 2, "of": 3},
+        {"question_hash": question_hash("q2"), "agreeing": 0, "of": 3},
+    ]
+    assert items[0].completions == [[4, 5], [6]]  # the kept question itself is not changed
+    rows, params = backend.calls[0]
+    seeds = [r.seed for r in rows]
+    assert len(rows) == 6 and len(set(seeds)) == 6 and params.n == 1  # one call, every row its own seed
+    kept, _ = run("grpo")
+    assert [q.question for q in kept] == ["q1"]  # q2's rewards are uniform: no gradient
+    assert kept[0].completions == [[100], [101], [102]]
+    assert torch.allclose(kept[0].weights, torch.tensor([1 / 3, -2 / 3, 1 / 3]))
+    assert [r.seed for r in backend.calls[-1][0]] == seeds  # the same seed draws the same rows
+
+
+def test_resampling_is_planned_at_load_and_needs_a_backend(smol, tmp_path):
+    with pytest.raises(ConfigError, match="stream.replay_samples=2 re-samples .* stream.replay=0"):
+        ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"replay_samples": 2}})
+    with pytest.raises(ConfigError, match="stream.replay_samples=2 or more"):
+        ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"replay": 1, "replay_samples": 1, "objective": "grpo"}})
+    grpo = _config(objective="grpo", replay=1, replay_samples=4)
+    assert grpo.stream.replay_samples == 4
+    with pytest.raises(ConfigError, match="give the stream memory a backend"):
+        StreamMemory(grpo, smol, tmp_path, namespace="ns")
+
+
+def test_a_replayed_question_is_drawn_again_under_the_version_being_trained(smol, tmp_path):
+    cfg = _config(objective="sft", replay=1, replay_samples=3, guard_window=1000)
+    backend = _ScriptedBackend(["\\boxed{5}", "\\boxed{6}"], smol.tokenizer)
+    stream = StreamMemory(cfg, smol, tmp_path, namespace="ns", backend=backend)
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+    assert stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5").applied
+    assert backend.calls == []  # nothing kept yet: no decode
+    serving = stream.soft_prompt
+    assert stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5").applied
+    rows, params = backend.calls[0]
+    assert len(rows) == 3 and all(torch.equal(r.soft_prompt, serving) and r.soft_prompt_at == at for r in rows)
+    assert params.temperature == cfg.verifier.consistency_temperature and params.stop_at_answer
+    assert params.max_new_tokens <= min(cfg.verifier.consistency_max_new_tokens, cfg.generation.max_new_tokens)
+    entry = stream.history[-1]
+    assert entry["replayed"] == [question_hash("q1")]
+    assert entry["resampled"] == [{"question_hash": question_hash("q1"), "agreeing": 2, "of": 3}]
+    # the buffer keeps the rows the question was learned from, not the re-drawn ones
+    assert [len(q.completions) for q in stream.replay.items] == [3, 3]
+
+
+def test_a_replayed_question_whose_samples_all_disagree_is_recorded_and_not_learned(smol, tmp_path):
+    cfg = _config(objective="sft", replay=1, replay_samples=2, guard_window=1000)
+    backend = _ScriptedBackend(["\\boxed{9}"], smol.tokenizer)
+    stream = StreamMemory(cfg, smol, tmp_path, namespace="ns", backend=backend)
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}"] * 5)
+    stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    assert stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5").applied
+    entry = stream.history[-1]
+    assert "replayed" not in entry  # nothing of q1 to learn from: the update learned from q2 alone
+    assert entry["resampled"] == [{"question_hash": question_hash("q1"), "agreeing": 0, "of": 2}]
+
+
+def test_resampling_with_the_real_backend_decodes_under_the_lora(smol, tiny_backend, tmp_path):
+    cfg = _config(kind="lora", objective="sft", replay=1, replay_samples=2, guard_window=1000)
+    cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"max_new_tokens": 8})})
+    stream = StreamMemory(cfg, smol, tmp_path, namespace="ns", backend=tiny_backend)
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}"] * 5)
+    stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    update = stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5")
+    # 8 tokens of a 135M model rarely box a 5: the point is that the decode ran and was counted
+    assert update.applied and stream.history[-1]["resampled"][0]["of"] == 2

@@ -138,7 +138,17 @@ class StreamConfig(ConfigSection):
         le=64,
         description=(
             "Earlier questions each update learns from again, drawn from the kept ones (their agreeing rows and "
-            "label, stored: no new decode). 0: none. Needs objective `sft`."
+            "label, stored: no new decode). 0: none. Needs objective `sft`, unless `replay_samples` re-samples."
+        ),
+    )
+    replay_samples: int = Field(
+        default=0,
+        ge=0,
+        le=32,
+        description=(
+            "Re-sample each replayed question: this many fresh samples under the version being trained (the "
+            "answer path's samples' temperature and budget), scored against its kept label, instead of its "
+            "stored rows. A decode per update, counted in the update's time. 0: the stored rows."
         ),
     )
     replay_buffer: int = Field(
@@ -164,11 +174,16 @@ class StreamConfig(ConfigSection):
                 f"stream.learn_from=zero_shot trains on samples the memory did not draw; stream.objective="
                 f"{self.objective} needs its own samples: set stream.objective=sft (or stream.learn_from=own)"
             )
-        if self.replay and self.objective != "sft":
+        if self.replay_samples and not self.replay:
+            raise ValueError(
+                f"stream.replay_samples={self.replay_samples} re-samples replayed questions, but stream.replay=0 "
+                "replays none: set stream.replay (or stream.replay_samples=0)"
+            )
+        if self.replay and self.objective != "sft" and self.replay_samples < 2:
             raise ValueError(
                 f"stream.replay={self.replay} learns again from rows earlier versions drew; stream.objective="
-                f"{self.objective} needs the trained version's own samples: set stream.objective=sft (or "
-                "stream.replay=0)"
+                f"{self.objective} needs the trained version's own samples: set stream.objective=sft, or "
+                "stream.replay_samples=2 or more (fresh samples), or stream.replay=0"
             )
         return self
 

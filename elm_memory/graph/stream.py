@@ -190,8 +190,9 @@ class StreamNodes(ELMNodes):
         return out
 
 
-def stream_memories(config: Any, loaded: Any) -> Any:
-    """A per-process provider of stream memories, one per namespace (built on first use)."""
+def stream_memories(config: Any, loaded: Any, backend: Any = None) -> Any:
+    """A per-process provider of stream memories, one per namespace (built on first use); ``backend`` draws
+    replay's fresh samples (``stream.replay_samples``)."""
     import threading
 
     from elm_memory.store.stream_files import stream_root
@@ -203,7 +204,7 @@ def stream_memories(config: Any, loaded: Any) -> Any:
     def get(namespace: str) -> StreamMemory:
         with lock:
             if namespace not in cache:
-                cache[namespace] = StreamMemory(config, loaded, root, namespace=namespace)
+                cache[namespace] = StreamMemory(config, loaded, root, namespace=namespace, backend=backend)
             return cache[namespace]
 
     return get

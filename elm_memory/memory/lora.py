@@ -109,6 +109,18 @@ class LoraAdapter:
             raise MemoryFormatError(f"lora module {missing[0][:80]!r} lacks its A or B tensor")
         return cls({name: (ab["A"], ab["B"]) for name, ab in pairs.items()}, alpha)
 
+    @classmethod
+    def over(cls, tensors: dict[str, torch.Tensor], alpha: float) -> LoraAdapter:
+        """A LoRA over these very tensors (named as :meth:`tensors` names them), not copies: gradients reach them
+        through its hooks (what a trainer that owns the tensors needs)."""
+        pairs: dict[str, dict[str, torch.Tensor]] = {}
+        for key, t in tensors.items():
+            match = _NAME.fullmatch(key)
+            if match is None:
+                raise MemoryFormatError(f"unexpected tensor {key[:80]!r} in a lora memory")
+            pairs.setdefault(match.group(1), {})[match.group(2)] = t
+        return cls({name: (ab["A"], ab["B"]) for name, ab in pairs.items()}, alpha)
+
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {}
         for name in sorted(self.weights):

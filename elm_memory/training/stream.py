@@ -24,7 +24,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -36,7 +36,7 @@ from elm_memory.atomic import write_bytes_atomic
 from elm_memory.backends.base import PromptInput
 from elm_memory.backends.teacher_forcing import completion_logprobs
 from elm_memory.config import ELMConfig
-from elm_memory.errors import MemoryKindError, NonFiniteError
+from elm_memory.errors import ConfigError, MemoryKindError, NonFiniteError
 from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import question_hash
 from elm_memory.memory.init import init_soft_prompt
@@ -44,15 +44,13 @@ from elm_memory.memory.kinds import LORA, SOFT_PROMPT
 from elm_memory.memory.lora import LoraAdapter
 from elm_memory.models.loading import LoadedModel
 from elm_memory.store.stream_files import StreamFiles, updates_and_rollbacks
-from elm_memory.training.losses import advantages_from_rewards, policy_loss, sft_loss
+from elm_memory.training.losses import policy_loss, sft_loss
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
-from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer
-from elm_memory.training.stream_samples import Generated, own_vote, under_soft_prompt
+from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, replay_params, resample
+from elm_memory.training.stream_samples import Generated, learnable_rows, own_vote, under_soft_prompt
 
 #: What a stream memory's file says it is (its ``question`` field: a stream memory has no one question).
 STREAM_QUESTION = "stream memory of namespace {namespace}"
-#: Longest question text kept per history entry in a version's file (the hash identifies it whole).
-HISTORY_QUESTION_CHARS = 400
 
 
 @dataclass
@@ -79,9 +77,23 @@ class StreamUpdate:
 class StreamMemory:
     """One namespace's stream memory: serves its current version, learns from each answered question."""
 
-    def __init__(self, config: ELMConfig, loaded: LoadedModel, root: str | Path, namespace: str | None = None):
+    def __init__(
+        self,
+        config: ELMConfig,
+        loaded: LoadedModel,
+        root: str | Path,
+        namespace: str | None = None,
+        *,
+        backend: Any = None,
+    ):
         self.config = config
         self.cfg = config.stream
+        self.backend = backend  # draws replay's fresh samples (``stream.replay_samples``)
+        if self.cfg.replay_samples and backend is None:
+            raise ConfigError(
+                f"stream.replay_samples={self.cfg.replay_samples} draws fresh samples for each replayed question: "
+                "give the stream memory a backend (StreamMemory(..., backend=...)), or set stream.replay_samples=0"
+            )
         self.kind = SOFT_PROMPT if self.cfg.kind == "soft_prompt" else LORA
         self.loaded = loaded
         self.namespace = namespace or config.namespace
@@ -150,7 +162,7 @@ class StreamMemory:
         """The serving LoRA (a copy, unless ``trainable``: then the tensors the optimizer updates)."""
         if self.kind != LORA:
             raise MemoryKindError(f"the stream memory of {self.namespace!r} is a soft prompt, not a lora memory")
-        lora = _lora_of(self.params, self.config.memory.lora_alpha)
+        lora = LoraAdapter.over(dict(self.params), self.config.memory.lora_alpha)
         return lora if trainable else lora.detached()
 
     def serve(self, rows: Sequence[Any], at: int) -> list[PromptInput]:
@@ -324,16 +336,10 @@ class StreamMemory:
         if share < self.cfg.min_label_share:
             update.skipped = "weak_label"
             return
-        if self.cfg.objective == "grpo":
-            rows = [i for i, g in enumerate(generations) if g.sampled]
-            r = torch.tensor([rewards[i] for i in rows], dtype=torch.float32)
-            if len(rows) < 2 or bool((r == r[0]).all()):
-                update.skipped = "uniform_rewards"
-                return
-            weights = advantages_from_rewards(r, scale=False)
-        else:
-            rows = [i for i, g in enumerate(generations) if rewards[i] > 0]
-            weights = torch.ones(len(rows))
+        rows, weights = learnable_rows(rewards, [g.sampled for g in generations], self.cfg.objective)
+        if not rows:
+            update.skipped = "uniform_rewards" if self.cfg.objective == "grpo" else "no_agreeing"
+            return
         completions = [list(generations[i].token_ids) for i in rows]
         self.pooled.append(PooledQuestion(question, prompt_ids, at, completions, weights, label, share))
         if len(self.pooled) < self.cfg.update_every:
@@ -350,6 +356,9 @@ class StreamMemory:
         # seeded by the version and the update's question: reproducible, and a failed draw is not redrawn forever
         seed = (self.config.training.seed or 0) + self.version + int(question_hash(batch[-1].question)[:8], 16)
         replayed = self.replay.draw(self.cfg.replay, seed=seed, exclude=batch)
+        drawn = None
+        if replayed and self.cfg.replay_samples:
+            replayed, drawn = self._resample(replayed, seed)
         items = batch + replayed
         self.optim.zero_grad(set_to_none=True)
         try:
@@ -368,14 +377,16 @@ class StreamMemory:
         version = self.version + 1
         entry = {
             "version": version,
-            **_trained_on(batch[-1]),
+            **batch[-1].history_entry(),
             "objective": self.cfg.objective,
             "trained_from": self.version,
         }
         if len(batch) > 1:  # the batch's other questions too; "label" stays the last one's, so counting is the same
-            entry["batch"] = [_trained_on(b) for b in batch]
+            entry["batch"] = [b.history_entry() for b in batch]
         if replayed:
             entry["replayed"] = [question_hash(b.question) for b in replayed]
+        if drawn is not None:  # every re-sampled question, those dropped (no row to learn from) too
+            entry["resampled"] = drawn
         if self.cfg.replay:
             self.replay.add(batch)
         self.history.append(entry)
@@ -384,6 +395,15 @@ class StreamMemory:
         update.applied, update.version = True, version
         update.loss, update.grad_norm = round(loss, 6), round(norm, 6)
         update.moved = round(self.moved(), 6)
+
+    def _resample(self, items: list[PooledQuestion], seed: int) -> tuple[list[PooledQuestion], list[dict[str, Any]]]:
+        """Kept questions with fresh rows from the serving version, at the answer path's sample budget."""
+        reserve = self.config.memory.num_tokens if self.kind == SOFT_PROMPT else 0
+        params = replay_params(self.config, self.backend, items, reserve=reserve, seed=seed)
+        n = self.cfg.replay_samples
+        return resample(
+            items, serve=self.serve, backend=self.backend, params=params, n=n, seed=seed, objective=self.cfg.objective
+        )
 
     def _backward(
         self,
@@ -475,25 +495,6 @@ class StreamMemory:
         write_bytes_atomic(path, json.dumps(self.summary(), indent=2).encode())
 
 
-def _trained_on(item: PooledQuestion) -> dict[str, Any]:
-    """What the history keeps of one question an update learned from."""
-    return {
-        "question": item.question[:HISTORY_QUESTION_CHARS],
-        "question_hash": question_hash(item.question),
-        "label": item.label,
-        "label_share": round(item.share, 4),
-    }
-
-
 def _parameters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
     """Trainable float32 copies of a memory's tensors, by name."""
     return {n: torch.nn.Parameter(t.detach().to(torch.float32).clone()) for n, t in tensors.items()}
-
-
-def _lora_of(tensors: Mapping[str, torch.Tensor], alpha: float) -> LoraAdapter:
-    """A LoRA over these very tensors (``lora.<module>.A`` / ``.B``): gradients reach them through its hooks."""
-    pairs: dict[str, dict[str, torch.Tensor]] = {}
-    for name, t in tensors.items():
-        module, part = name[len("lora.") :].rsplit(".", 1)
-        pairs.setdefault(module, {})[part] = t
-    return LoraAdapter({m: (ab["A"], ab["B"]) for m, ab in pairs.items()}, alpha)

@@ -8,6 +8,10 @@ already learned from (those that agreed with their label), with their label. Tha
 loss is the rows' log-likelihood under the current memory whoever drew them; a policy gradient's advantages
 belong to the samples of the version being trained, so replay is refused with ``grpo`` at load.
 
+With ``stream.replay_samples: n`` a replayed question is **re-sampled** instead: n fresh seeded samples drawn
+under the version being trained (the answer path's temperature and sample budget), scored against the kept label.
+That costs a decode per update (counted in the update's time) and makes replay on-policy, so GRPO may use it too.
+
 The buffer is part of each version's file (its metadata, bounded by :data:`MAX_REPLAY_BYTES`), so a resume,
 another learner or a rollback sees the buffer of the version it serves: a rollback returns to that version's
 buffer too, and rows drawn by the versions rolled back are gone with them. It holds the questions' whole text
@@ -18,15 +22,20 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 
+from elm_memory.answers import equivalent, extract_answer
+from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
 from elm_memory.memory import MAX_HEADER_BYTES
 from elm_memory.memory.ids import question_hash
+from elm_memory.training.stream_samples import learnable_rows
 
+#: Longest question text a version's history keeps per question (the hash identifies it whole).
+HISTORY_QUESTION_CHARS = 400
 #: The most a buffer may add to a version file's metadata: half of what a memory file's header may hold (long
 #: answers make a question tens of kilobytes), so a kept version is always readable. The oldest go first.
 MAX_REPLAY_BYTES = MAX_HEADER_BYTES // 2
@@ -53,6 +62,15 @@ class PooledQuestion:
             "weights": [float(w) for w in self.weights],
             "label": self.label,
             "share": self.share,
+        }
+
+    def history_entry(self) -> dict[str, Any]:
+        """What a version's history keeps of this question when an update learned from it."""
+        return {
+            "question": self.question[:HISTORY_QUESTION_CHARS],
+            "question_hash": question_hash(self.question),
+            "label": self.label,
+            "label_share": round(self.share, 4),
         }
 
     @classmethod
@@ -114,3 +132,53 @@ class ReplayBuffer:
     @classmethod
     def from_json(cls, capacity: int, data: Sequence[Mapping[str, Any]] | None) -> ReplayBuffer:
         return cls(capacity, [PooledQuestion.from_json(d) for d in data or []])
+
+
+def replay_params(
+    config: Any, backend: Any, items: Sequence[PooledQuestion], *, reserve: int, seed: int
+) -> SamplingParams:
+    """The re-sampling call's settings: the answer path's samples' temperature and budget (the sampling verifier's,
+    cut to the answer's), cut to the context the longest prompt leaves after ``reserve`` memory tokens."""
+    limit = min(config.verifier.consistency_max_new_tokens, config.generation.max_new_tokens)
+    max_context = getattr(getattr(backend, "info", None), "max_context", None)
+    longest = max(len(b.prompt_ids) for b in items)
+    return SamplingParams(
+        max_new_tokens=limit if max_context is None else answer_budget(limit, max_context, longest, reserve),
+        temperature=config.verifier.consistency_temperature,
+        top_p=config.generation.top_p,
+        seed=seed,
+        stop_at_answer=True,  # only the first box is read, as for the answer path's samples
+    )
+
+
+def resample(
+    items: Sequence[PooledQuestion],
+    *,
+    serve: Callable[[Sequence[PromptInput], int], list[PromptInput]],
+    backend: Any,
+    params: SamplingParams,
+    n: int,
+    seed: int,
+    objective: str,
+) -> tuple[list[PooledQuestion], list[dict[str, Any]]]:
+    """Kept questions with fresh rows: ``n`` seeded samples each under the serving version (``serve`` puts the
+    memory on a question's rows), drawn in one call and scored against the question's kept label; a question
+    keeps the rows ``objective`` learns from, and is dropped when there are none. Also, per question, how many
+    samples agreed with its label (what the version's history records)."""
+    rng = random.Random(seed)
+    rows: list[PromptInput] = []
+    for item in items:
+        seeds = [rng.randrange(2**31) for _ in range(n)]
+        rows.extend(serve([PromptInput(tuple(item.prompt_ids), seed=s) for s in seeds], item.at))
+    drawn = [gens[0] for gens in backend.generate(rows, replace(params, n=1))] if rows else []
+    kept: list[PooledQuestion] = []
+    notes: list[dict[str, Any]] = []
+    for j, item in enumerate(items):
+        gens = drawn[j * n : (j + 1) * n]
+        rewards = [1.0 if equivalent(extract_answer(g.text), item.label) else 0.0 for g in gens]
+        picked, weights = learnable_rows(rewards, [True] * len(gens), objective)
+        notes.append({"question_hash": question_hash(item.question), "agreeing": int(sum(rewards)), "of": n})
+        if picked:
+            completions = [list(gens[i].token_ids) for i in picked]
+            kept.append(replace(item, completions=completions, weights=weights, share=sum(rewards) / n))
+    return kept, notes

@@ -82,6 +82,7 @@ ARM_SETTINGS = (
     "max_grad_norm",
     "replay",
     "replay_buffer",
+    "replay_samples",
 )
 
 
@@ -161,7 +162,9 @@ class StreamEval:
             for spec in self.specs:
                 arm_cfg = cfg.model_copy(update={"stream": self.streams[spec.name]})
                 root = rt.out_dir / STREAM_DIR / spec.name
-                self._arms[spec.name] = StreamMemory(arm_cfg, rt.loaded, root, namespace=cfg.namespace)
+                self._arms[spec.name] = StreamMemory(
+                    arm_cfg, rt.loaded, root, namespace=cfg.namespace, backend=rt.backend
+                )
         return self._arms
 
     def teach_gold(self, question: str, gold: str) -> None:
