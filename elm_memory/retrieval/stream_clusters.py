@@ -53,14 +53,22 @@ def belongs_to(stream_namespace: str, namespace: str) -> bool:
 def delete_streams(root: str | Path, namespace: str) -> list[int]:
     """Delete ``namespace``'s stream memory and its clusters' (every version) and the clusters themselves
     (``elm memories delete --stream``); the versions that were on disk. Learners start again from scratch."""
-    clusters = StreamClusters(root, namespace, max_clusters=1, min_similarity=1.0)
-    with clusters.lock:  # no learner assigns (and writes the clusters back) while they go
+    path, lock = _cluster_files(root, validate_namespace(namespace))
+    with lock:  # no learner assigns (and writes the clusters back) while they go
         mine = [s["namespace"] for s in list_streams(root) if belongs_to(s["namespace"], namespace)]
-        if not mine and not clusters.path.exists():
+        if not mine and not path.exists():
             raise StoreError(f"namespace {namespace!r} has no stream memory under {Path(root)}")
         removed = [v for stream in mine for v in delete_stream(root, stream)]
-        clusters.path.unlink(missing_ok=True)
+        path.unlink(missing_ok=True)
     return removed
+
+
+def _cluster_files(root: str | Path, namespace: str, lock_timeout: float = 600.0) -> tuple[Path, FileLock]:
+    """A namespace's clusters file and the lock held while it is read and written."""
+    stem = Path(root) / folder_name(namespace)
+    return stem.with_name(f"{stem.name}.clusters.safetensors"), FileLock(
+        str(stem.with_name(f"{stem.name}.clusters.lock")), timeout=lock_timeout
+    )
 
 
 class StreamClusters:
@@ -80,9 +88,7 @@ class StreamClusters:
         self.namespace = validate_namespace(namespace)
         self.max_clusters = max_clusters
         self.min_similarity = min_similarity
-        root = Path(root)
-        self.path = root / f"{folder_name(namespace)}.clusters.safetensors"
-        self.lock = FileLock(str(root / f"{folder_name(namespace)}.clusters.lock"), timeout=lock_timeout)
+        self.path, self.lock = _cluster_files(root, self.namespace, lock_timeout)
 
     def read(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The key sums ``[C, d]`` (float32; a centroid is a row over its count) and counts ``[C]``; empty before
