@@ -54,7 +54,7 @@ def test_the_buffer_round_trips_through_json():
 
 
 def test_replay_with_a_policy_gradient_is_refused_at_load():
-    with pytest.raises(ConfigError, match="stream.replay=2 .* set stream.objective=sft"):
+    with pytest.raises(ConfigError, match="stream.replay=2 with stream.replay_samples=0: .* or stream.objective=sft"):
         ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"replay": 2, "objective": "grpo"}})
     assert ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"replay": 2, "objective": "sft"}}).stream.replay == 2
 
@@ -159,7 +159,7 @@ def test_resampling_keeps_the_rows_that_agree_with_the_kept_label_and_drops_a_qu
     assert [r.seed for r in backend.calls[-1][0]] == seeds  # the same seed draws the same rows
 
 
-def test_resampling_is_planned_at_load_and_needs_a_backend(smol, tmp_path):
+def test_resampling_is_planned_at_load_and_needs_a_backend(tmp_path):
     with pytest.raises(ConfigError, match="stream.replay_samples=2 re-samples .* stream.replay=0"):
         ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"replay_samples": 2}})
     with pytest.raises(ConfigError, match="stream.replay_samples=2 or more"):
@@ -167,7 +167,7 @@ def test_resampling_is_planned_at_load_and_needs_a_backend(smol, tmp_path):
     grpo = _config(objective="grpo", replay=1, replay_samples=4)
     assert grpo.stream.replay_samples == 4
     with pytest.raises(ConfigError, match="give the stream memory a backend"):
-        StreamMemory(grpo, smol, tmp_path, namespace="ns")
+        StreamMemory(grpo, None, tmp_path, namespace="ns")  # refused before the model is touched
 
 
 def test_a_replayed_question_is_drawn_again_under_the_version_being_trained(smol, tmp_path):
@@ -204,13 +204,56 @@ def test_a_replayed_question_whose_samples_all_disagree_is_recorded_and_not_lear
     assert entry["resampled"] == [{"question_hash": question_hash("q1"), "agreeing": 0, "of": 2}]
 
 
-def test_resampling_with_the_real_backend_decodes_under_the_lora(smol, tiny_backend, tmp_path):
-    cfg = _config(kind="lora", objective="sft", replay=1, replay_samples=2, guard_window=1000)
+def test_resampling_with_the_real_backend_decodes_under_the_lora(smol, tiny_backend, tmp_path, monkeypatch):
+    cfg = _config(kind="lora", objective="sft", replay=2, replay_samples=2, guard_window=1000)
     cfg = cfg.model_copy(update={"generation": cfg.generation.model_copy(update={"max_new_tokens": 8})})
     stream = StreamMemory(cfg, smol, tmp_path, namespace="ns", backend=tiny_backend)
     ids, at = _prompt(smol)
     gens = _gens(smol.tokenizer, ["\\boxed{5}"] * 5)
     stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
-    update = stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5")
+    stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5")
+    serving = {k: t.detach().clone() for k, t in stream.adapter().tensors().items()}
+    seen = []
+    decode = tiny_backend.generate
+    monkeypatch.setattr(tiny_backend, "generate", lambda rows, params: seen.append(list(rows)) or decode(rows, params))
+    update = stream.learn("q3", ids, at, gens, label="5", version_used=2, zero_shot_answer="5")
+    [rows] = seen  # both replayed questions in one call
+    assert len(rows) == 4 and len({id(r.memory) for r in rows}) == 1  # one adapter object: one decode batch
+    used = rows[0].memory.tensors()
+    assert set(used) == set(serving) and all(torch.equal(used[k], serving[k]) for k in serving)
+    assert any(bool(t.abs().sum()) for k, t in used.items() if k.endswith(".B"))  # trained: not the base model
     # 8 tokens of a 135M model rarely box a 5: the point is that the decode ran and was counted
     assert update.applied and stream.history[-1]["resampled"][0]["of"] == 2
+
+
+def test_an_update_learns_the_rows_that_agree_or_skips_when_none_does(smol, tmp_path):
+    from elm_memory.training.stream_samples import learnable_rows
+
+    assert learnable_rows([0.0, 1.0, 1.0], [False, True, True], "sft")[0] == [1, 2]
+    assert learnable_rows([0.0, 0.0], [False, True], "sft")[0] == []
+    assert learnable_rows([1.0, 0.0, 0.0], [False, True, True], "grpo")[0] == []  # the samples' rewards are uniform
+    # a label no generation agrees with (possible with min_label_share 0): skipped, nothing written
+    stream = StreamMemory(_config(objective="sft", min_label_share=0.0), smol, tmp_path, namespace="ns")
+    ids, at = _prompt(smol)
+    update = stream.learn(
+        "q1", ids, at, _gens(smol.tokenizer, ["\\boxed{6}"] * 3), label="5", version_used=0, zero_shot_answer=None
+    )
+    assert (update.applied, update.skipped, stream.version) == (False, "no_agreeing", 0)
+
+
+def test_a_failed_resample_costs_the_replay_not_the_update(smol, tmp_path):
+    cfg = _config(objective="sft", replay=1, replay_samples=2, guard_window=1000)
+
+    class _Failing(_ScriptedBackend):
+        def generate(self, prompts, params):
+            raise RuntimeError("out of memory")
+
+    stream = StreamMemory(cfg, smol, tmp_path, namespace="ns", backend=_Failing([]))
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}"] * 5)
+    stream.learn("q1", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
+    update = stream.learn("q2", ids, at, gens, label="5", version_used=1, zero_shot_answer="5")
+    assert update.applied and stream.version == 2  # q2's own rows were learned
+    entry = stream.history[-1]
+    assert entry["question_hash"] == question_hash("q2") and "replayed" not in entry
+    assert entry["resampled"] == [{"question_hash": question_hash("q1"), "failed": "RuntimeError: out of memory"}]

@@ -138,7 +138,7 @@ class StreamConfig(ConfigSection):
         le=64,
         description=(
             "Earlier questions each update learns from again, drawn from the kept ones (their agreeing rows and "
-            "label, stored: no new decode). 0: none. Needs objective `sft`, unless `replay_samples` re-samples."
+            "label, stored: no new decode). 0: none. Needs objective `sft`, unless `replay_samples` is 2 or more."
         ),
     )
     replay_samples: int = Field(
@@ -181,9 +181,10 @@ class StreamConfig(ConfigSection):
             )
         if self.replay and self.objective != "sft" and self.replay_samples < 2:
             raise ValueError(
-                f"stream.replay={self.replay} learns again from rows earlier versions drew; stream.objective="
-                f"{self.objective} needs the trained version's own samples: set stream.objective=sft, or "
-                "stream.replay_samples=2 or more (fresh samples), or stream.replay=0"
+                f"stream.replay={self.replay} with stream.replay_samples={self.replay_samples}: "
+                f"stream.objective={self.objective} needs at least 2 fresh samples of each replayed question under "
+                "the trained version (stored rows are another version's; one sample has no advantage): set "
+                "stream.replay_samples=2 or more, or stream.objective=sft, or stream.replay=0"
             )
         return self
 

@@ -98,28 +98,13 @@ class LoraAdapter:
     @classmethod
     def from_tensors(cls, tensors: dict[str, torch.Tensor], alpha: float) -> LoraAdapter:
         """From stored tensors ``lora.<module>.A`` / ``.B`` (every name must be one of a pair)."""
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, t in tensors.items():
-            match = _NAME.fullmatch(key)
-            if match is None:
-                raise MemoryFormatError(f"unexpected tensor {key[:80]!r} in a lora memory")
-            pairs.setdefault(match.group(1), {})[match.group(2)] = t.detach().to("cpu", torch.float32)
-        missing = [name for name, ab in pairs.items() if set(ab) != {"A", "B"}]
-        if missing:
-            raise MemoryFormatError(f"lora module {missing[0][:80]!r} lacks its A or B tensor")
-        return cls({name: (ab["A"], ab["B"]) for name, ab in pairs.items()}, alpha)
+        return cls(_pairs({k: t.detach().to("cpu", torch.float32) for k, t in tensors.items()}), alpha)
 
     @classmethod
     def over(cls, tensors: dict[str, torch.Tensor], alpha: float) -> LoraAdapter:
         """A LoRA over these very tensors (named as :meth:`tensors` names them), not copies: gradients reach them
         through its hooks (what a trainer that owns the tensors needs)."""
-        pairs: dict[str, dict[str, torch.Tensor]] = {}
-        for key, t in tensors.items():
-            match = _NAME.fullmatch(key)
-            if match is None:
-                raise MemoryFormatError(f"unexpected tensor {key[:80]!r} in a lora memory")
-            pairs.setdefault(match.group(1), {})[match.group(2)] = t
-        return cls({name: (ab["A"], ab["B"]) for name, ab in pairs.items()}, alpha)
+        return cls(_pairs(tensors), alpha)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {}
@@ -286,3 +271,17 @@ class RowLoras:
         finally:
             for h in handles:
                 h.remove()
+
+
+def _pairs(tensors: dict[str, torch.Tensor]) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+    """Tensors named ``lora.<module>.A`` / ``.B`` as (A, B) per module; any other name, or half a pair, is refused."""
+    pairs: dict[str, dict[str, torch.Tensor]] = {}
+    for key, t in tensors.items():
+        match = _NAME.fullmatch(key)
+        if match is None:
+            raise MemoryFormatError(f"unexpected tensor {key[:80]!r} in a lora memory")
+        pairs.setdefault(match.group(1), {})[match.group(2)] = t
+    missing = [name for name, ab in pairs.items() if set(ab) != {"A", "B"}]
+    if missing:
+        raise MemoryFormatError(f"lora module {missing[0][:80]!r} lacks its A or B tensor")
+    return {name: (ab["A"], ab["B"]) for name, ab in pairs.items()}

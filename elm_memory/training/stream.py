@@ -1,7 +1,8 @@
 """Where a stream memory is trained: one latent memory per namespace (a soft prompt, or a LoRA with
 ``stream.kind: lora``) that every answered question updates once, from the generations the answer path already
-drew with it (no extra decode); with ``stream.learn_from: zero_shot``, from zero-shot's greedy answer and the
-samples drawn without it, labelled by self-consistency's vote.
+drew with it (no decode of its own unless ``stream.replay_samples`` re-samples replay); with
+``stream.learn_from: zero_shot``, from zero-shot's greedy answer and the samples drawn without it, labelled by
+self-consistency's vote.
 
 One update, given a question's prompt, the rows it learns from (the memory's greedy answer and samples, drawn
 with the version that serves; or zero-shot's) and the label (those rows' vote):
@@ -24,7 +25,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,7 +47,7 @@ from elm_memory.models.loading import LoadedModel
 from elm_memory.store.stream_files import StreamFiles, updates_and_rollbacks
 from elm_memory.training.losses import policy_loss, sft_loss
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
-from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, replay_params, resample
+from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample_kept
 from elm_memory.training.stream_samples import Generated, learnable_rows, own_vote, under_soft_prompt
 
 #: What a stream memory's file says it is (its ``question`` field: a stream memory has no one question).
@@ -167,10 +168,16 @@ class StreamMemory:
 
     def serve(self, rows: Sequence[Any], at: int) -> list[PromptInput]:
         """The rows (seeds kept) conditioned on the serving version: on-policy greedy answers and samples."""
+        return self.server()(rows, at)
+
+    def server(self) -> Callable[[Sequence[Any], int], list[PromptInput]]:
+        """:meth:`serve` over one copy of the serving version, for rows of many questions: one LoRA object for
+        all of them, so the backend decodes them as one batch."""
         if self.kind == SOFT_PROMPT:
-            return under_soft_prompt(rows, self.soft_prompt, at)
-        adapter = self.adapter()  # one object for all the rows: the backend decodes them as one batch
-        return [dataclasses.replace(p, memory=adapter) for p in rows]
+            soft = self.soft_prompt
+            return lambda rows, at: under_soft_prompt(rows, soft, at)
+        adapter = self.adapter()
+        return lambda rows, at: [dataclasses.replace(p, memory=adapter) for p in rows]
 
     def serve_init(self, rows: Sequence[Any], at: int) -> list[PromptInput]:
         """The rows under the untrained memory (for a LoRA: the rows themselves, the base model)."""
@@ -358,7 +365,7 @@ class StreamMemory:
         replayed = self.replay.draw(self.cfg.replay, seed=seed, exclude=batch)
         drawn = None
         if replayed and self.cfg.replay_samples:
-            replayed, drawn = self._resample(replayed, seed)
+            replayed, drawn = resample_kept(self, replayed, seed)
         items = batch + replayed
         self.optim.zero_grad(set_to_none=True)
         try:
@@ -395,15 +402,6 @@ class StreamMemory:
         update.applied, update.version = True, version
         update.loss, update.grad_norm = round(loss, 6), round(norm, 6)
         update.moved = round(self.moved(), 6)
-
-    def _resample(self, items: list[PooledQuestion], seed: int) -> tuple[list[PooledQuestion], list[dict[str, Any]]]:
-        """Kept questions with fresh rows from the serving version, at the answer path's sample budget."""
-        reserve = self.config.memory.num_tokens if self.kind == SOFT_PROMPT else 0
-        params = replay_params(self.config, self.backend, items, reserve=reserve, seed=seed)
-        n = self.cfg.replay_samples
-        return resample(
-            items, serve=self.serve, backend=self.backend, params=params, n=n, seed=seed, objective=self.cfg.objective
-        )
 
     def _backward(
         self,

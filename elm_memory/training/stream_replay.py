@@ -6,11 +6,14 @@ from early questions is overwritten only by later ones; replaying a few kept que
 against that drift in online learning. What is replayed is stored text, not a new decode: the rows the update
 already learned from (those that agreed with their label), with their label. That is sound for ``sft``, whose
 loss is the rows' log-likelihood under the current memory whoever drew them; a policy gradient's advantages
-belong to the samples of the version being trained, so replay is refused with ``grpo`` at load.
+belong to the samples of the version being trained, so replay of stored rows is refused with ``grpo`` at load.
 
 With ``stream.replay_samples: n`` a replayed question is **re-sampled** instead: n fresh seeded samples drawn
 under the version being trained (the answer path's temperature and sample budget), scored against the kept label.
-That costs a decode per update (counted in the update's time) and makes replay on-policy, so GRPO may use it too.
+That costs a decode per update (counted in the update's time) and makes replay on-policy, so GRPO may use it too
+(with n >= 2: one sample has no advantage). The kept label already passed ``stream.min_label_share`` when the
+question was learned, so a re-sample is not held to it again. A re-sample that fails (an out-of-memory decode)
+costs the update its replay, never its own question: the version's history says why.
 
 The buffer is part of each version's file (its metadata, bounded by :data:`MAX_REPLAY_BYTES`), so a resume,
 another learner or a rollback sees the buffer of the version it serves: a rollback returns to that version's
@@ -21,6 +24,7 @@ and the model's answers: a version file shared or exported shares them.
 from __future__ import annotations
 
 import json
+import logging
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -33,6 +37,8 @@ from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
 from elm_memory.memory import MAX_HEADER_BYTES
 from elm_memory.memory.ids import question_hash
 from elm_memory.training.stream_samples import learnable_rows
+
+log = logging.getLogger(__name__)
 
 #: Longest question text a version's history keeps per question (the hash identifies it whole).
 HISTORY_QUESTION_CHARS = 400
@@ -182,3 +188,32 @@ def resample(
             completions = [list(gens[i].token_ids) for i in picked]
             kept.append(replace(item, completions=completions, weights=weights, share=sum(rewards) / n))
     return kept, notes
+
+
+def resample_kept(
+    stream: Any, items: Sequence[PooledQuestion], seed: int
+) -> tuple[list[PooledQuestion], list[dict[str, Any]]]:
+    """:func:`resample` for an update of ``stream`` (a :class:`~elm_memory.training.stream.StreamMemory`): one
+    copy of its serving version for every question (one LoRA object, so one decode batch), the answer path's
+    budget (the memory's k tokens reserved, as there). A failed decode drops the replay, not the update: every
+    question's note carries the error instead of its count."""
+    cfg = stream.config
+    params = replay_params(cfg, stream.backend, items, reserve=cfg.memory.num_tokens, seed=seed)
+    try:
+        return resample(
+            items,
+            serve=stream.server(),
+            backend=stream.backend,
+            params=params,
+            n=cfg.stream.replay_samples,
+            seed=seed,
+            objective=cfg.stream.objective,
+        )
+    except Exception as exc:  # the question's own rows are in hand: learn from them, say what replay lost
+        failed = f"{type(exc).__name__}: {exc}"[:200]
+        log.warning(
+            "stream memory: re-sampling %d replayed question(s) failed (%s); updating without replay",
+            len(items),
+            failed,
+        )
+        return [], [{"question_hash": question_hash(item.question), "failed": failed} for item in items]
