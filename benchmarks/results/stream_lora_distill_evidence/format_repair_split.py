@@ -1,7 +1,8 @@
 """Not a planned reading (added after synth-arith's three seeds were in, descriptive only): how much of a row's
 gain over a baseline is format repair. Per answer on each run's test half (a question in two seeds counts twice),
 the row's wins split by whether the baseline had no ``\\boxed{}`` answer or a wrong one, and its losses by whether
-the row had none or a wrong one.
+the row had none or a wrong one; and, over every question, the rows' accuracy and unboxed share per block of 25
+questions of the stream (pooled over the runs), to see when the gain appears.
 
     python benchmarks/results/stream_lora_distill_evidence/format_repair_split.py RUN [RUN ...] --out FILE.json
 
@@ -38,6 +39,29 @@ def split(runs: list[list[dict]], row: str, base: str) -> dict[str, int]:
     return out
 
 
+BLOCK = 25
+ROWS = ["zero_shot", "stream_greedy[sft]", "self_consistency", "stream_vote[sft]"]
+
+
+def by_block(runs: list[list[dict]]) -> list[dict]:
+    blocks: dict[int, list[dict]] = {}
+    for records in runs:
+        for g in graded(stream_records(records)):
+            blocks.setdefault(g["index"] // BLOCK, []).append(g)
+    out = []
+    for b, gs in sorted(blocks.items()):
+        n = len(gs)
+        out.append(
+            {
+                "questions": f"{b * BLOCK}-{b * BLOCK + BLOCK - 1}",
+                "answers": n,
+                "accuracy": {row: round(sum(g["right"][row] for g in gs) / n, 3) for row in ROWS},
+                "unboxed": {row: round(sum(g["unboxed"][row] for g in gs) / n, 3) for row in ROWS[:2]},
+            }
+        )
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("runs", type=Path, nargs="+")
@@ -48,6 +72,7 @@ def main() -> None:
         "runs": [p.name for p in args.runs],
         **{f"{row} vs {base}": split(runs, row, base) for row, base in PAIRS},
     }
+    result["by_block"] = by_block(runs)
     args.out.write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
     print(json.dumps(result, indent=2))
 
