@@ -17,6 +17,7 @@ from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import question_hash
 from elm_memory.training.stream import StreamMemory
 from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample
+from elm_memory.training.stream_samples import learnable_rows
 
 
 def _item(question: str, label: str = "5") -> PooledQuestion:
@@ -227,8 +228,6 @@ def test_resampling_with_the_real_backend_decodes_under_the_lora(smol, tiny_back
 
 
 def test_an_update_learns_the_rows_that_agree_or_skips_when_none_does(smol, tmp_path):
-    from elm_memory.training.stream_samples import learnable_rows
-
     assert learnable_rows([0.0, 1.0, 1.0], [False, True, True], "sft")[0] == [1, 2]
     assert learnable_rows([0.0, 0.0], [False, True], "sft")[0] == []
     assert learnable_rows([1.0, 0.0, 0.0], [False, True, True], "grpo")[0] == []  # the samples' rewards are uniform

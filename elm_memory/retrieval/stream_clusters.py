@@ -65,10 +65,8 @@ def delete_streams(root: str | Path, namespace: str) -> list[int]:
 
 def _cluster_files(root: str | Path, namespace: str, lock_timeout: float = 600.0) -> tuple[Path, FileLock]:
     """A namespace's clusters file and the lock held while it is read and written."""
-    stem = Path(root) / folder_name(namespace)
-    return stem.with_name(f"{stem.name}.clusters.safetensors"), FileLock(
-        str(stem.with_name(f"{stem.name}.clusters.lock")), timeout=lock_timeout
-    )
+    root, name = Path(root), folder_name(namespace)
+    return root / f"{name}.clusters.safetensors", FileLock(str(root / f"{name}.clusters.lock"), timeout=lock_timeout)
 
 
 class StreamClusters:
