@@ -16,7 +16,7 @@ from elm_memory.errors import ConfigError
 from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import question_hash
 from elm_memory.training.stream import StreamMemory
-from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample
+from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample, resample_kept
 from elm_memory.training.stream_samples import learnable_rows
 
 
@@ -158,6 +158,32 @@ def test_resampling_keeps_the_rows_that_agree_with_the_kept_label_and_drops_a_qu
     assert kept[0].completions == [[100], [101], [102]]
     assert torch.allclose(kept[0].weights, torch.tensor([1 / 3, -2 / 3, 1 / 3]))
     assert [r.seed for r in backend.calls[-1][0]] == seeds  # the same seed draws the same rows
+
+
+def test_an_update_resamples_with_its_config_and_one_serving_copy_and_a_copy_that_fails_costs_the_replay():
+    cfg = _config(objective="sft", replay=2, replay_samples=2)
+    backend = _ScriptedBackend(["\\boxed{5}", "\\boxed{6}"])
+    copies = []
+
+    def server():
+        copies.append(object())
+        return lambda rows, at: list(rows)
+
+    items = [_item("q1"), _item("q2")]
+    kept, notes = resample_kept(items, cfg, backend, server, seed=3)
+    assert len(copies) == 1 and len(backend.calls) == 1  # one serving copy, one decode for both questions
+    rows, params = backend.calls[0]
+    assert len(rows) == 4 and params.temperature == cfg.verifier.consistency_temperature
+    assert [n["of"] for n in notes] == [2, 2] and [q.question for q in kept] == ["q1", "q2"]
+
+    def broken():
+        raise RuntimeError("adapter: shape mismatch")
+
+    kept, notes = resample_kept(items, cfg, backend, broken, seed=3)
+    assert kept == [] and len(backend.calls) == 1  # nothing decoded
+    assert notes == [
+        {"question_hash": question_hash(q), "failed": "RuntimeError: adapter: shape mismatch"} for q in ("q1", "q2")
+    ]
 
 
 def test_resampling_is_planned_at_load_and_needs_a_backend(tmp_path):

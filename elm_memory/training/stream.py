@@ -365,7 +365,7 @@ class StreamMemory:
         replayed = self.replay.draw(self.cfg.replay, seed=seed, exclude=batch)
         drawn = None
         if replayed and self.cfg.replay_samples:
-            replayed, drawn = resample_kept(self, replayed, seed)
+            replayed, drawn = resample_kept(replayed, self.config, self.backend, self.server, seed)
         items = batch + replayed
         self.optim.zero_grad(set_to_none=True)
         try:

@@ -191,23 +191,26 @@ def resample(
 
 
 def resample_kept(
-    stream: Any, items: Sequence[PooledQuestion], seed: int
+    items: Sequence[PooledQuestion],
+    config: Any,
+    backend: Any,
+    server: Callable[[], Callable[[Sequence[PromptInput], int], list[PromptInput]]],
+    seed: int,
 ) -> tuple[list[PooledQuestion], list[dict[str, Any]]]:
-    """:func:`resample` for an update of ``stream`` (a :class:`~elm_memory.training.stream.StreamMemory`): one
-    copy of its serving version for every question (one LoRA object, so one decode batch), the answer path's
-    budget (the memory's k tokens reserved, as there). A failed decode drops the replay, not the update: every
-    question's note carries the error instead of its count."""
-    cfg = stream.config
-    params = replay_params(cfg, stream.backend, items, reserve=cfg.memory.num_tokens, seed=seed)
+    """:func:`resample` for one stream-memory update: ``server()`` gives one copy of the serving version for every
+    question (for a LoRA, one adapter object, so one decode batch); the answer path's budget (the memory's k tokens
+    reserved, as there). A failed decode, or a serving copy that cannot be built, drops the replay, not the update:
+    every question's note carries the error instead of its count."""
+    params = replay_params(config, backend, items, reserve=config.memory.num_tokens, seed=seed)
     try:
         return resample(
             items,
-            serve=stream.server(),
-            backend=stream.backend,
+            serve=server(),
+            backend=backend,
             params=params,
-            n=cfg.stream.replay_samples,
+            n=config.stream.replay_samples,
             seed=seed,
-            objective=cfg.stream.objective,
+            objective=config.stream.objective,
         )
     except Exception as exc:  # the question's own rows are in hand: learn from them, say what replay lost
         failed = f"{type(exc).__name__}: {exc}"[:200]
