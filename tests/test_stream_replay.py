@@ -46,12 +46,37 @@ def test_a_draw_is_seeded_and_never_the_updates_own_question():
     assert len(seen) > 4  # uniform over the kept questions, not always the newest
 
 
+def _stream(buffer: int, samples: int = 0):
+    return _config(objective="sft", replay=1, replay_buffer=buffer, replay_samples=samples).stream
+
+
 def test_the_buffer_round_trips_through_json():
     buffer = ReplayBuffer(4, [_item("q1"), _item("q2", label="9")])
-    again = ReplayBuffer.from_json(4, buffer.to_json())
+    again = ReplayBuffer.for_config(_stream(4), buffer.to_json())
     assert [q.to_json() for q in again.items] == buffer.to_json()
     assert torch.equal(again.items[1].weights, torch.ones(2)) and again.items[1].label == "9"
-    assert len(ReplayBuffer.from_json(1, buffer.to_json())) == 1 and len(ReplayBuffer.from_json(4, None)) == 0
+    assert len(ReplayBuffer.for_config(_stream(1), buffer.to_json())) == 1
+    assert len(ReplayBuffer.for_config(_stream(4))) == 0
+
+
+def test_a_resampling_buffer_keeps_questions_without_their_rows_so_more_of_them_fit():
+    def answered(question):  # four rows of 100 tokens: a question's rows outweigh its prompt, as in a real run
+        return PooledQuestion(question, [1, 2, 3], 1, [[7] * 100] * 4, torch.ones(4), "5", 0.6)
+
+    with_rows = ReplayBuffer(10, max_bytes=2 + 3 * (len(json.dumps(answered("q0").to_json())) + 2))
+    without = ReplayBuffer(10, keep_rows=False, max_bytes=with_rows.max_bytes)
+    for buffer in (with_rows, without):
+        buffer.add([answered(f"q{i}") for i in range(5)])
+    assert len(with_rows) == 3 and len(without) == 5  # the same bytes hold every question once rows are gone
+    assert all(q.completions == [] and q.weights.numel() == 0 for q in without.items)
+    assert [q.prompt_ids for q in without.items] == [[1, 2, 3]] * 5 and without.items[0].label == "5"
+    assert len(without.draw(5, seed=1)) == 5  # re-sampling draws fresh rows: rows-less questions are drawn
+    # a version written with re-sampling on, resumed with it off: its rows-less questions cannot be learned again
+    resumed = ReplayBuffer.for_config(_stream(10), without.to_json() + [answered("q9").to_json()])
+    assert resumed.keep_rows and len(resumed) == 6
+    assert [q.question for q in resumed.draw(5, seed=1)] == ["q9"]
+    # and the other way round: rows kept by a run without re-sampling are dropped when it turns on
+    assert ReplayBuffer.for_config(_stream(10, samples=2), with_rows.to_json()).items[0].completions == []
 
 
 def test_replay_with_a_policy_gradient_is_refused_at_load():
@@ -214,8 +239,9 @@ def test_a_replayed_question_is_drawn_again_under_the_version_being_trained(smol
     entry = stream.history[-1]
     assert entry["replayed"] == [question_hash("q1")]
     assert entry["resampled"] == [{"question_hash": question_hash("q1"), "agreeing": 2, "of": 3}]
-    # the buffer keeps the rows the question was learned from, not the re-drawn ones
-    assert [len(q.completions) for q in stream.replay.items] == [3, 3]
+    # re-sampling never reads stored rows: the buffer (and the version file) keeps the questions without them
+    assert [(q.question, q.completions) for q in stream.replay.items] == [("q1", []), ("q2", [])]
+    assert LatentMemory.load(stream.files.path(stream.version)).meta.config["stream"]["replay"][0]["completions"] == []
 
 
 def test_a_replayed_question_whose_samples_all_disagree_is_recorded_and_not_learned(smol, tmp_path):

@@ -155,7 +155,10 @@ class StreamConfig(ConfigSection):
         default=32,
         ge=1,
         le=256,
-        description="Questions kept for replay, the newest (in each version's file: rollbacks and resumes see them).",
+        description=(
+            "Questions kept for replay, the newest (in each version's file: rollbacks and resumes see them); "
+            "with `replay_samples` they are kept without their rows, so more fit the file's byte budget."
+        ),
     )
     keep_versions: int = Field(
         default=64,

@@ -120,7 +120,7 @@ class StreamMemory:
     def _start(self) -> None:
         """Write version 0, the untrained memory with a fresh guard (a new namespace, or a deleted stream memory)."""
         self.guard = self._new_guard()
-        self.replay = ReplayBuffer(self.cfg.replay_buffer)
+        self.replay = ReplayBuffer.for_config(self.cfg)
         self.params = _parameters(self.init)
         self._write(0, history=[], optim={})
 
@@ -204,7 +204,7 @@ class StreamMemory:
 
     def _replay_of(self, memory: LatentMemory) -> ReplayBuffer:
         """The replay buffer a version's file holds (empty when replay was off)."""
-        return ReplayBuffer.from_json(self.cfg.replay_buffer, memory.meta.config["stream"].get("replay"))
+        return ReplayBuffer.for_config(self.cfg, memory.meta.config["stream"].get("replay"))
 
     def _new_optimizer(self, state: dict[str, torch.Tensor] | None = None) -> None:
         """AdamW over the memory's tensors, with the moments ``state`` holds (none: fresh)."""

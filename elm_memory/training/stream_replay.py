@@ -93,18 +93,38 @@ class PooledQuestion:
 
 
 class ReplayBuffer:
-    """The newest ``capacity`` questions an update learned from; ``draw`` picks earlier ones to learn from again."""
+    """The newest ``capacity`` questions an update learned from; ``draw`` picks earlier ones to learn from again.
 
-    def __init__(self, capacity: int, items: Sequence[PooledQuestion] = (), *, max_bytes: int = MAX_REPLAY_BYTES):
+    With ``keep_rows=False`` (re-sampled replay: fresh rows are drawn for every replayed question) a kept question
+    is stored without its rows, so more questions fit ``max_bytes``; a buffer that keeps rows draws only questions
+    that have them (a version written with re-sampling on, resumed with it off)."""
+
+    def __init__(
+        self,
+        capacity: int,
+        items: Sequence[PooledQuestion] = (),
+        *,
+        keep_rows: bool = True,
+        max_bytes: int = MAX_REPLAY_BYTES,
+    ):
         if capacity < 1:
             raise ValueError(f"a replay buffer holds at least one question, got capacity {capacity}")
         self.capacity = capacity
+        self.keep_rows = keep_rows
         self.max_bytes = max_bytes
         self.items: list[PooledQuestion] = []
         self._keep(list(items))
 
+    @classmethod
+    def for_config(cls, stream: Any, data: Sequence[Mapping[str, Any]] | None = None) -> ReplayBuffer:
+        """The buffer ``stream`` (a ``StreamConfig``) asks for, holding ``data`` (a version file's stored buffer)."""
+        items = [PooledQuestion.from_json(d) for d in data or []]
+        return cls(stream.replay_buffer, items, keep_rows=not stream.replay_samples)
+
     def _keep(self, items: list[PooledQuestion]) -> None:
         """The newest ``capacity`` of ``items`` whose stored form fits ``max_bytes``."""
+        if not self.keep_rows:
+            items = [replace(q, completions=[], weights=torch.zeros(0)) for q in items]
         kept: list[PooledQuestion] = []
         size = 2  # the JSON list's brackets
         for item in reversed(items[-self.capacity :]):
@@ -119,9 +139,12 @@ class ReplayBuffer:
 
     def draw(self, n: int, *, seed: int, exclude: Sequence[PooledQuestion] = ()) -> list[PooledQuestion]:
         """Up to ``n`` kept questions, chosen uniformly with ``seed`` (the same version draws the same ones), none
-        of the questions in ``exclude`` (the update's own)."""
+        of the questions in ``exclude`` (the update's own), and, when the buffer learns from stored rows, none
+        stored without them."""
         hashes = {question_hash(q.question) for q in exclude}
-        candidates = [q for q in self.items if question_hash(q.question) not in hashes]
+        candidates = [
+            q for q in self.items if question_hash(q.question) not in hashes and (q.completions or not self.keep_rows)
+        ]
         if n <= 0 or not candidates:
             return []
         return random.Random(seed).sample(candidates, min(n, len(candidates)))
@@ -134,10 +157,6 @@ class ReplayBuffer:
 
     def to_json(self) -> list[dict[str, Any]]:
         return [q.to_json() for q in self.items]
-
-    @classmethod
-    def from_json(cls, capacity: int, data: Sequence[Mapping[str, Any]] | None) -> ReplayBuffer:
-        return cls(capacity, [PooledQuestion.from_json(d) for d in data or []])
 
 
 def replay_params(
