@@ -34,6 +34,7 @@ import torch
 
 from elm_memory.answers import equivalent, extract_answer
 from elm_memory.backends.base import PromptInput, SamplingParams, answer_budget
+from elm_memory.config import ELMConfig, StreamConfig
 from elm_memory.memory import MAX_HEADER_BYTES
 from elm_memory.memory.ids import question_hash
 from elm_memory.training.stream_samples import learnable_rows
@@ -116,8 +117,8 @@ class ReplayBuffer:
         self._keep(list(items))
 
     @classmethod
-    def for_config(cls, stream: Any, data: Sequence[Mapping[str, Any]] | None = None) -> ReplayBuffer:
-        """The buffer ``stream`` (a ``StreamConfig``) asks for, holding ``data`` (a version file's stored buffer)."""
+    def for_config(cls, stream: StreamConfig, data: Sequence[Mapping[str, Any]] | None = None) -> ReplayBuffer:
+        """The buffer ``stream`` asks for, holding ``data`` (a version file's stored buffer)."""
         items = [PooledQuestion.from_json(d) for d in data or []]
         return cls(stream.replay_buffer, items, keep_rows=not stream.replay_samples)
 
@@ -211,7 +212,7 @@ def resample(
 
 def resample_kept(
     items: Sequence[PooledQuestion],
-    config: Any,
+    config: ELMConfig,
     backend: Any,
     server: Callable[[], Callable[[Sequence[PromptInput], int], list[PromptInput]]],
     seed: int,
