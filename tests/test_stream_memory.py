@@ -305,6 +305,20 @@ def test_learn_false_answers_with_the_stream_memory_and_leaves_it_as_it_was(smol
         assert elm.services().stream_memory("default").version == 0
 
 
+def test_a_threads_run_without_learning_does_not_report_the_previous_runs_update(smol, tmp_path):
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from elm_memory.graph import build_elm_graph
+
+    with _stream_elm(smol, tmp_path, ["\\boxed{5}"], objective="sft") as elm:
+        graph = build_elm_graph(elm.services(), checkpointer=InMemorySaver())
+        cfg = {"configurable": {"thread_id": "t1"}}
+        graph.invoke({"question": "What is 2 + 3?"}, cfg)
+        assert graph.get_state(cfg).values["stream_update"]["version"] == 1
+        graph.invoke({"question": "What is 1 + 4?", "learn": False}, cfg)
+        assert graph.get_state(cfg).values["stream_update"] is None
+
+
 def test_stream_mode_without_a_sampling_verifier_is_refused_at_load():
     from elm_memory.errors import ConfigError
 

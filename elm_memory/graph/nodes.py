@@ -117,6 +117,7 @@ class ELMNodes:
             "similarity": None,
             "gate": None,
             "learn_job": None,
+            "stream_update": None,  # a thread's next run (learn=False, say) must not report this one's update
             "warnings": Fresh(),
         }
         if svc.retriever is not None:
