@@ -1,4 +1,4 @@
-"""A user's module served by tests/test_langgraph_server_stream.py: a parent graph with its own context schema that
+"""A user's module served by tests/test_langgraph_server.py: a parent graph with its own context schema that
 embeds ELM's graph (configured with a stream memory), and a generation-backend plugin for the test.
 
 SmolLM2 (the fast test model) never writes ``\\boxed{}``, so a stream memory would never get a label to learn
