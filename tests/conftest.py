@@ -33,6 +33,28 @@ def _isolated_elm_home() -> str:
 
 os.environ["ELM_HOME"] = _isolated_elm_home()
 
+
+def _config_variables() -> list[str]:
+    """The ELM_ variables a config reads (ELM_VERIFIER__NAME, ELM_PRESET, ELM_SET, ...): every
+    ``ELMConfig.load`` and ``elm`` command applies them, so a developer's shell would change the results."""
+    from elm_memory.config import ELMConfig
+    from elm_memory.config.env_settings import config_variables
+
+    return config_variables(ELMConfig, os.environ)
+
+
+for _name in _config_variables():  # here, not in a fixture: session fixtures and subprocesses load configs too
+    del os.environ[_name]
+
+
+@pytest.fixture(autouse=True)
+def no_config_variables():
+    """A test's own settings variables end with it (monkeypatch.setenv ones already do; this catches the rest)."""
+    yield
+    for name in _config_variables():
+        os.environ.pop(name, None)
+
+
 TINY = "packaged:smollm2-135m"
 DEFAULT = "packaged:qwen2.5-coder-0.5b"
 

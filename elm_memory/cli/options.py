@@ -15,6 +15,7 @@ from typer.core import TyperCommand
 
 if TYPE_CHECKING:
     from elm_memory.config import ELMConfig
+    from elm_memory.config.loading import Layer
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML config file.")]
 PresetOpt = Annotated[str | None, typer.Option("--preset", "-p", help="Named preset, e.g. cpu-demo, cpu-tiny.")]
@@ -68,6 +69,33 @@ class QuestionCommand(TyperCommand):
         return super().parse_args(ctx, args)
 
 
+def config_layers(
+    config: Path | None,
+    preset: str | None,
+    namespace: str | None,
+    sets: list[str] | None,
+    backend: str | None = None,
+    server_url: str | None = None,
+) -> list[Layer]:
+    """Where a command's config comes from, as ``ELMConfig.load`` layers it: ``--preset``, ``--config``, the
+    ``ELM_`` environment variables, then ``--set``, then the dedicated options (``--backend``,
+    ``--server-url``, ``--namespace``), which win."""
+    from elm_memory.config import ELMConfig, parse_overrides
+    from elm_memory.config.loading import Layer
+    from elm_memory.config.sources import config_layers
+
+    layers = config_layers(ELMConfig, config, preset=preset, overrides=parse_overrides(sets), overrides_source="--set")
+    if backend:
+        layers.append(Layer("--backend", {"backend": {"name": backend}}))
+    if server_url:
+        layers.append(Layer("--server-url", {"backend": {"server_url": server_url}}))
+    if namespace is not None:  # "" is an error, not the default namespace
+        from elm_memory.memory.ids import validate_namespace
+
+        layers.append(Layer("--namespace", {"namespace": validate_namespace(namespace)}))
+    return layers
+
+
 def load_config(
     config: Path | None,
     preset: str | None,
@@ -76,17 +104,7 @@ def load_config(
     backend: str | None = None,
     server_url: str | None = None,
 ) -> ELMConfig:
-    """The config a command runs with: ``--config``/``--preset``, then ``--set``, then the dedicated
-    options (``--backend``, ``--server-url``, ``--namespace``), which win."""
-    from elm_memory.config import ELMConfig, deep_merge, parse_overrides
+    """The config a command runs with (:func:`config_layers`)."""
+    from elm_memory.config import ELMConfig
 
-    overrides = parse_overrides(sets)
-    if backend:
-        overrides = deep_merge(overrides, {"backend": {"name": backend}})
-    if server_url:
-        overrides = deep_merge(overrides, {"backend": {"server_url": server_url}})
-    if namespace is not None:  # "" is an error, not the default namespace
-        from elm_memory.memory.ids import validate_namespace
-
-        overrides["namespace"] = validate_namespace(namespace)
-    return ELMConfig.load(config, preset=preset, overrides=overrides)
+    return ELMConfig.from_layers(config_layers(config, preset, namespace, sets, backend, server_url))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from typing import Annotated
+from typing import Annotated, Any
 
 import typer
 
@@ -14,6 +14,7 @@ from elm_memory.cli.options import (
     JsonOpt,
     PresetOpt,
     SetOpt,
+    config_layers,
     load_config,
 )
 
@@ -46,9 +47,42 @@ def model_prepare(
 
 @config_app.command("show")
 @handle_errors
-def config_show(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = None) -> None:
-    """Print the effective configuration as YAML."""
-    typer.echo(load_config(config, preset, None, set_).to_yaml(), nl=False)
+def config_show(
+    config: ConfigOpt = None,
+    preset: PresetOpt = None,
+    set_: SetOpt = None,
+    changed: Annotated[
+        bool, typer.Option("--changed", help="Only the values that differ from the defaults, each with its source.")
+    ] = False,
+) -> None:
+    """Print the effective configuration as YAML (defaults < preset < config file < ELM_ variables < --set)."""
+    if not changed:
+        typer.echo(load_config(config, preset, None, set_).to_yaml(), nl=False)
+        return
+    from elm_memory.config import ELMConfig
+    from elm_memory.config.sources import changed_values
+
+    layers = config_layers(config, preset, None, set_)
+    changes = changed_values(ELMConfig.from_layers(layers), layers)
+    if not changes:
+        typer.echo("every value is the default", err=True)
+    rows = [(f"{change.key}: {_shown(change.value)}", change.source) for change in changes]
+    width = max((len(row) for row, _ in rows), default=0)
+    for row, source in rows:
+        typer.echo(f"{row:{width}}  # {source}")
+
+
+def _shown(value: Any) -> str:
+    """A value as ``--set`` takes it back: a plain string bare where YAML reads it as itself, else JSON."""
+    import yaml
+
+    if isinstance(value, str) and value and "\n" not in value and "#" not in value:
+        try:
+            if yaml.safe_load(value) == value:
+                return value
+        except yaml.YAMLError:
+            pass
+    return json.dumps(value, ensure_ascii=False)
 
 
 @app.command("env")

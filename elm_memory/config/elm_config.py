@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import yaml
 from pydantic import Field, ValidationError, model_validator
 
 from elm_memory.config.deployment import BackendConfig, LearnerConfig, ModelConfig, StoreConfig
-from elm_memory.config.loading import deep_merge, load_preset_dict, read_yaml, summarise_validation_error
+from elm_memory.config.loading import Layer, read_yaml, summarise_validation_error
 from elm_memory.config.method import (
     GenerationConfig,
     MemoryConfig,
@@ -23,6 +24,7 @@ from elm_memory.config.method import (
     VerifierConfig,
 )
 from elm_memory.config.section import ConfigSection, registered_name
+from elm_memory.config.sources import config_layers, merge_layers
 from elm_memory.config.stream import StreamConfig
 from elm_memory.errors import ConfigError
 
@@ -119,16 +121,18 @@ class ELMConfig(ConfigSection):
         *,
         preset: str | None = None,
         overrides: dict[str, Any] | None = None,
+        environ: Mapping[str, str] | None = None,
     ) -> ELMConfig:
-        """Defaults, then the preset, then the YAML file, then ``overrides`` (deep-merged)."""
-        data: dict[str, Any] = {}
-        if preset is not None:
-            data = deep_merge(data, load_preset_dict(preset))
-        if path is not None:
-            data = deep_merge(data, read_yaml(Path(path)))
-        if overrides:
-            data = deep_merge(data, overrides)
-        return cls.from_dict(data)
+        """Defaults, then the preset, then the YAML file, then the ``ELM_`` environment variables, then
+        ``overrides`` (deep-merged; :mod:`~elm_memory.config.sources`). ``ELM_PRESET``/``ELM_CONFIG`` choose the
+        preset/file where none is given. ``environ``: the variables to read (default ``os.environ``; ``{}``
+        reads none)."""
+        return cls.from_layers(config_layers(cls, path, preset=preset, overrides=overrides, environ=environ))
+
+    @classmethod
+    def from_layers(cls, layers: Sequence[Layer]) -> ELMConfig:
+        """The config :func:`~elm_memory.config.sources.config_layers` describes."""
+        return cls.from_dict(merge_layers(layers))
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> ELMConfig:

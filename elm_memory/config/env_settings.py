@@ -1,67 +1,96 @@
-"""A config from the environment, read with pydantic-settings (how a served graph is configured).
+"""The ``ELM_`` environment variables a config reads wherever it loads: :meth:`ELMConfig.load
+<elm_memory.config.ELMConfig.load>`, every ``elm`` command and the served graphs.
 
-- ``ELM_CONFIG``: a YAML config file; ``ELM_PRESET``: a preset name;
 - any field as ``ELM_<SECTION>__<KEY>``, ``__`` between levels: ``ELM_VERIFIER__NAME=logprob``,
   ``ELM_LEARNER__RAY__ADDRESS=auto``, ``ELM_NAMESPACE_TEMPLATE=user-{user_id}``. A value reads as a
-  ``--set`` value does (YAML: ``2``, ``null``, ``off``, ``[1, 2]``);
-- ``ELM_SET`` (deprecated, goes in the next release): ``section.key=value`` overrides separated by ``;``.
+  ``--set`` value does (YAML: ``2``, ``null``, ``off``, ``[1, 2]``); names are not case-sensitive. A misspelt
+  section or key is an error that lists the choices; other ``ELM_`` variables (``ELM_HOME``) are not settings;
+- ``ELM_CONFIG``: a YAML config file, ``ELM_PRESET``: a preset name, each used where none is given
+  (``--config``/``--preset``, ``path=``/``preset=``);
+- ``ELM_SET`` (deprecated, goes in the next release): ``section.key=value`` overrides separated by ``;``,
+  beneath the ``ELM_<SECTION>__<KEY>`` variables.
 
-Layered as defaults < preset < ``ELM_CONFIG`` < ``ELM_SET`` < ``ELM_<SECTION>__<KEY>``.
+Layered as defaults < preset < config file < environment < overrides (``--set``): see
+:mod:`~elm_memory.config.sources` and docs/configuration.md.
 """
 
 from __future__ import annotations
 
 import os
 import warnings
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
-from pydantic import BaseModel, Field, ValidationError, create_model
-from pydantic_settings import BaseSettings, SettingsConfigDict, SettingsError
+from pydantic import BaseModel
 
-from elm_memory.config.elm_config import ELMConfig
-from elm_memory.config.loading import deep_merge, parse_overrides, parse_value
-from elm_memory.config.section import unknown_choice
+from elm_memory.config.loading import Layer, parse_overrides, parse_value, section_model
+from elm_memory.config.section import unknown_choice, unknown_key
 from elm_memory.errors import ConfigError
+
+if TYPE_CHECKING:
+    from elm_memory.config.elm_config import ELMConfig
 
 PREFIX = "ELM_"
 NESTING = "__"
+FILE_VARIABLE = "ELM_CONFIG"
+PRESET_VARIABLE = "ELM_PRESET"
+LEGACY_VARIABLE = "ELM_SET"
 
 
-class _Sources(BaseSettings):
-    """The variables that are not config fields; the fields are added from ``ELMConfig`` (below)."""
-
-    model_config = SettingsConfigDict(env_prefix=PREFIX, env_nested_delimiter=NESTING, extra="ignore")
-
-    config: str | None = None
-    preset: str | None = None
-    legacy_set: str | None = Field(default=None, validation_alias="ELM_SET")
+def variable(environ: Mapping[str, str], name: str) -> str | None:
+    """The value of ``name`` (``ELM_PRESET``) in ``environ``, whatever its case; empty: None."""
+    for key in sorted(environ):
+        if key.upper() == name and environ[key]:
+            return environ[key]
+    return None
 
 
-def _settings_model() -> type[_Sources]:
-    # one dict per section, so only what the environment sets is merged over the preset and the file
-    # (whole sections with their defaults would undo them); the merged config is validated as one
-    fields: dict[str, Any] = {}
-    for name, field in ELMConfig.model_fields.items():
-        section = isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel)
-        fields[name] = (dict[str, Any], Field(default_factory=dict)) if section else (str | None, None)
-    return create_model("ELMEnvironment", __base__=_Sources, **fields)
+def config_variables(model: type[BaseModel], environ: Mapping[str, str]) -> list[str]:
+    """The names in ``environ`` that set ``model``'s fields (``ELM_<SECTION>__<KEY>``, ``ELM_NAMESPACE``,
+    ``ELM_SET``, ``ELM_CONFIG``, ``ELM_PRESET``), misspelt ones included: what a test clears."""
+    special = (FILE_VARIABLE, PRESET_VARIABLE, LEGACY_VARIABLE)
+    return [name for name in environ if name.upper() in special or _field_path(model, name) is not None]
 
 
-def _values(data: Any, variable: str) -> Any:
-    """Every string leaf read as YAML, as a ``--set`` value is."""
-    if isinstance(data, dict):
-        return {key: _values(value, f"{variable}{NESTING}{key.upper()}") for key, value in data.items()}
-    return parse_value(data, variable) if isinstance(data, str) else data
+def _field_path(model: type[BaseModel], name: str) -> list[str] | None:
+    """``ELM_VERIFIER__NAME`` -> ``["verifier", "name"]``; None for a variable that is no setting (``ELM_HOME``)."""
+    upper = name.upper()
+    if not upper.startswith(PREFIX) or upper in (FILE_VARIABLE, PRESET_VARIABLE, LEGACY_VARIABLE):
+        return None
+    parts = upper[len(PREFIX) :].lower().split(NESTING)
+    if len(parts) == 1 and parts[0] not in model.model_fields:
+        return None
+    return parts
 
 
-def _check_sections() -> None:
-    # pydantic-settings skips a variable that names no field: a misspelt section would be dropped
-    sections = sorted(ELMConfig.model_fields)
-    for variable in os.environ:
-        if variable.upper().startswith(PREFIX) and NESTING in variable:
-            section = variable[len(PREFIX) :].split(NESTING)[0].lower()
-            if section not in sections:
-                raise ConfigError(f"{variable}: {unknown_choice('config section', section, sections)}")
+def _checked(model: type[BaseModel], parts: list[str], name: str) -> list[str]:
+    """``parts`` if they name a field of ``model``, else a ConfigError listing the choices where it went wrong.
+    Below a field that is not a section (a mapping, a value) validation checks the rest."""
+    example = "e.g. ELM_VERIFIER__NAME=logprob"
+    section: type[BaseModel] | None = model
+    for i, key in enumerate(parts):
+        if not key:
+            raise ConfigError(f"{name}: an empty key; spell a field as ELM_<SECTION>__<KEY>, {example}")
+        if section is None:
+            break
+        if key not in section.model_fields:
+            if i == 0:
+                raise ConfigError(f"{name}: {unknown_choice('config section', key, sorted(section.model_fields))}")
+            raise ConfigError(f"{name}: {unknown_key('.'.join(parts[: i + 1]), list(section.model_fields))}")
+        section = section_model(section.model_fields[key].annotation)
+    if section is not None:
+        first = next(iter(section.model_fields)).upper()
+        raise ConfigError(
+            f"{name} names the section {'.'.join(parts)}: set one key per variable, e.g. {name}{NESTING}{first}=..."
+        )
+    return parts
+
+
+def _nested(path: list[str], value: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {path[-1]: value}
+    for key in reversed(path[:-1]):
+        out = {key: out}
+    return out
 
 
 def _new_spelling(item: str) -> str:
@@ -70,26 +99,32 @@ def _new_spelling(item: str) -> str:
     return f"{PREFIX}{NESTING.join(k.strip().upper() for k in dotted.split('.'))}={value}"
 
 
-def config_from_env(*, default_preset: str | None = None) -> ELMConfig:
-    """The config the environment describes (module doc); ``default_preset`` when ``ELM_PRESET`` is unset."""
-    _check_sections()
-    try:
-        settings = _settings_model()()
-    except (SettingsError, ValidationError) as exc:
-        first = str(exc).splitlines()[0]
-        raise ConfigError(f"{first}: set one key per variable, e.g. ELM_VERIFIER__NAME=logprob") from None
-    overrides: dict[str, Any] = {}
-    if settings.legacy_set:
-        items = [p.strip() for p in settings.legacy_set.split(";") if p.strip()]
-        overrides = parse_overrides(items)
+def environment_layers(model: type[BaseModel], environ: Mapping[str, str]) -> list[Layer]:
+    """One layer per variable that sets a field of ``model`` (module doc): ``ELM_SET`` first, then the rest by
+    depth (``ELM_LEARNER__RAY__ADDRESS`` after a ``ELM_LEARNER__RAY`` mapping) and name. A bad variable is a
+    one-line ConfigError naming it."""
+    layers = []
+    legacy = variable(environ, LEGACY_VARIABLE)
+    if legacy:
+        items = [p.strip() for p in legacy.split(";") if p.strip()]
+        layers.append(Layer(f"environment {LEGACY_VARIABLE}", parse_overrides(items)))
         warnings.warn(
-            "ELM_SET is deprecated and goes in the next release; set each value as its own variable: "
+            f"{LEGACY_VARIABLE} is deprecated and goes in the next release; set each value as its own variable: "
             + " ".join(_new_spelling(item) for item in items),
             DeprecationWarning,
-            stacklevel=2,
+            stacklevel=4,
         )
-    given = settings.model_dump(exclude_unset=True, exclude={"config", "preset", "legacy_set"})
-    overrides = deep_merge(overrides, {key: _values(value, f"{PREFIX}{key.upper()}") for key, value in given.items()})
-    return ELMConfig.load(
-        settings.config or None, preset=settings.preset or default_preset, overrides=overrides or None
-    )
+    found = [(path, name) for name in environ if (path := _field_path(model, name)) is not None]
+    for path, name in sorted(found, key=lambda item: (len(item[0]), item[1])):
+        checked = _checked(model, path, name)
+        layers.append(Layer(f"environment {name}", _nested(checked, parse_value(environ[name], name))))
+    return layers
+
+
+def config_from_env(*, default_preset: str | None = None) -> ELMConfig:
+    """The config the environment describes (module doc), as :meth:`ELMConfig.load
+    <elm_memory.config.ELMConfig.load>` reads it; ``default_preset`` where ``ELM_PRESET`` is unset."""
+    from elm_memory.config.elm_config import ELMConfig
+
+    preset = None if variable(os.environ, PRESET_VARIABLE) else default_preset
+    return ELMConfig.load(preset=preset)

@@ -1,5 +1,7 @@
 """Where a config's values come from besides the defaults: named presets (YAML files in
-``elm_memory/presets``), a YAML file, and ``section.key=value`` overrides, deep-merged in that order.
+``elm_memory/presets``), a YAML file, the environment (:mod:`~elm_memory.config.env_settings`) and
+``section.key=value`` overrides, deep-merged in that order as :class:`Layer` s
+(:mod:`~elm_memory.config.sources`).
 
 Every reading error is a one-line :class:`~elm_memory.errors.ConfigError` naming the file or the
 override, since these are the user's typos, not bugs.
@@ -8,6 +10,7 @@ override, since these are the user's typos, not bugs.
 from __future__ import annotations
 
 from collections.abc import Iterable
+from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal, get_args, get_origin
@@ -15,8 +18,17 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from elm_memory.config.section import unknown_choice
+from elm_memory.config.section import unknown_choice, unknown_key
 from elm_memory.errors import ConfigError
+
+
+@dataclass(frozen=True)
+class Layer:
+    """Values one source sets, nested as the config is: ``source`` says where they came from, e.g.
+    ``preset cpu-tiny``, ``file my.yaml``, ``environment ELM_VERIFIER__NAME``, ``--set``."""
+
+    source: str
+    values: dict[str, Any]
 
 
 def available_presets() -> list[str]:
@@ -69,7 +81,8 @@ def summarise_validation_error(exc: ValidationError, model: type[BaseModel] | No
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"])
         if err["type"] == "extra_forbidden":
-            parts.append(f"unknown config key {where!r}")
+            section = _model_at(model, err["loc"][:-1])
+            parts.append(unknown_key(where, list(section.model_fields)) if section else f"unknown config key {where!r}")
             continue
         choices = _literal_choices(model, err["loc"]) if err["type"] == "literal_error" else None
         if choices is not None:
@@ -84,15 +97,23 @@ def summarise_validation_error(exc: ValidationError, model: type[BaseModel] | No
 
 def _literal_choices(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> tuple[Any, ...] | None:
     """The values a ``Literal`` field at ``loc`` (section, field) of ``model`` allows; None if it is not one."""
-    annotation: Any = model
-    for key in loc:
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return None
-        field = annotation.model_fields.get(str(key))
-        if field is None:
-            return None
-        annotation = field.annotation
+    section = _model_at(model, loc[:-1])
+    field = section.model_fields.get(str(loc[-1])) if section and loc else None
+    annotation = field.annotation if field else None
     return get_args(annotation) if get_origin(annotation) is Literal else None
+
+
+def section_model(annotation: Any) -> type[BaseModel] | None:
+    """The section a field's annotation is (``learner.ray``: ``RayLearnerConfig``); None for a value."""
+    return annotation if isinstance(annotation, type) and issubclass(annotation, BaseModel) else None
+
+
+def _model_at(model: type[BaseModel] | None, loc: tuple[int | str, ...]) -> type[BaseModel] | None:
+    """The section at ``loc`` (``("learner", "ray")``) of ``model``; None where it is not a section."""
+    for key in loc:
+        field = model.model_fields.get(str(key)) if model else None
+        model = section_model(field.annotation) if field else None
+    return model
 
 
 def parse_override(text: str) -> dict[str, Any]:

@@ -50,6 +50,16 @@ def unknown_choice(what: str, value: object, choices: Sequence[object]) -> str:
     return f"{message} (did you mean {close[0]!r}?)" if close else message
 
 
+def unknown_key(where: str, keys: Sequence[str]) -> str:
+    """``unknown config key 'verifier.nmae'; choose one of: aggregate, ..., name, ... (did you mean 'name'?)``:
+    the last part of ``where`` against the keys of the section it is in, as :func:`unknown_choice` does for
+    a value."""
+    key = where.rsplit(".", 1)[-1]
+    message = f"unknown config key {where!r}; choose one of: {', '.join(sorted(keys))}"
+    close = difflib.get_close_matches(key, list(keys), n=1)
+    return f"{message} (did you mean {close[0]!r}?)" if close else message
+
+
 def registered_name(registry: str, value: str, *, also: Sequence[str] = ()) -> str:
     """``value`` if the named registry knows it (built-ins and installed plugins) or it is one of ``also``,
     else a ValueError listing the choices: a typo fails when the config loads, not after the model has
