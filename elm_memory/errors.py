@@ -58,6 +58,14 @@ class MemoryNotFoundError(StoreError):
     """No memory with that id in the store (or in the given namespace)."""
 
 
+class AmbiguousMemoryIdError(StoreError, LookupError):
+    """A shortened memory id (an id prefix) that several memories start with; ``matches`` holds their full ids."""
+
+    def __init__(self, message: str, matches: list[str] | None = None):
+        super().__init__(message)
+        self.matches = list(matches or [])
+
+
 class InvalidNamespaceError(StoreError, ValueError):
     """Empty, over-long or non-printable namespace (checked before any model work)."""
 

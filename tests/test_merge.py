@@ -203,7 +203,8 @@ def test_cli_merge_dry_run_then_merge(tmp_path):
     assert out["clusters"][0]["merged_id"] is None and s.count() == 3
     res = run(memories_app, ["merge", "--store", str(root), "--threshold", "0.99", "--namespace", "pool"])
     assert res.exit_code == 0, res.output
-    assert ms[0].id in res.stdout and "->" in res.stdout and "merged 2 memories into 1" in res.output
+    assert f"  {ms[0].id[:12]}  question" in res.stdout and ms[0].id not in res.stdout  # short ids in tables
+    assert "->" in res.stdout and "merged 2 memories into 1" in res.output
     assert s.count() == 2 and s.check().ok
     assert run(memories_app, ["merge", "--store", str(root), "--strategy", "nope"]).exit_code == 2
     assert run(memories_app, ["merge", "--store", str(root), "--threshold", "2"]).exit_code == 2

@@ -2,22 +2,24 @@
 
 from __future__ import annotations
 
+import inspect
 import json
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+import typer
 from _fakes import fake_memory, fake_model_info
 from _servers import chroma_server as real_chroma_server
 from _servers import free_port
 from typer.testing import CliRunner
 
 from elm_memory.cli.memories import memories_app
-from elm_memory.errors import IncompatibleMemoryError, MemoryFormatError, StoreError
+from elm_memory.errors import AmbiguousMemoryIdError, IncompatibleMemoryError, MemoryFormatError, StoreError
 from elm_memory.memory import LatentMemory
 from elm_memory.models.loading import ModelInfo
-from elm_memory.store.base import MemoryNotFoundError, MemoryStore
+from elm_memory.store.base import MemoryNotFoundError, MemoryStore, match_prefixes
 from elm_memory.store.blobs import BlobStore, MissingBlobError
 from elm_memory.store.chroma import ChromaMemoryStore, collection_name
 
@@ -326,6 +328,79 @@ def test_cli_list_show_export_import_delete_check(tmp_path: Path, info: ModelInf
     assert run(memories_app, ["check", "--store", str(root)]).exit_code == 0
     res = run(memories_app, ["list", "--store", str(tmp_path / "nothing")])
     assert res.exit_code == 2 and "no memory store" in res.output
+
+
+def test_cli_tables_show_short_ids_under_a_header_and_take_unique_prefixes(tmp_path: Path, info: ModelInfo) -> None:
+    root = tmp_path / "store"
+    store = ChromaMemoryStore(root, model=info)
+    a = fake_memory(info, "ns1", seed=1, memory_id="abcd" + "1" * 28)
+    b = fake_memory(info, "ns2", seed=2, memory_id="abcd" + "2" * 28)
+    c = fake_memory(info, "ns2", seed=3, memory_id="abcd" + "2" * 12 + "3" * 16)  # b's first 16 characters
+    store.put_many([a, b, c])
+    run = CliRunner().invoke
+    for command in ("list", "stats"):
+        res = run(memories_app, [command, "--store", str(root)])
+        assert res.exit_code == 0, res.output
+        header, *rows = res.stdout.splitlines()
+        assert header.split()[:2] == ["id", "namespace"] and len(rows) == 3
+        assert sorted(row[:14] for row in rows) == sorted(f"{m.id[:12]}  " for m in (a, b, c))
+        assert not any(m.id in res.stdout for m in (a, b, c))  # only --json prints whole ids
+    res = run(memories_app, ["list", "--store", str(root), "--json"])
+    assert {r["id"] for r in json.loads(res.stdout)} == {a.id, b.id, c.id}
+    res = run(memories_app, ["streams", "--store", str(root)])  # no stream memory: the header alone
+    assert res.exit_code == 0 and res.stdout.split()[:3] == ["namespace", "version", "kind"]
+    res = run(memories_app, ["show", "ABCD1", "--store", str(root), "--json"])  # a unique prefix, any case
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["record"]["id"] == a.id
+    res = run(memories_app, ["show", "abcd", "--store", str(root)])
+    assert res.exit_code == 2 and "is ambiguous: 3 memories start with it" in res.output
+    # b and c agree on 16 characters: the error shows them long enough to tell apart
+    assert f"{b.id[:17]} in 'ns2'" in res.output and f"{c.id[:17]} in 'ns2'" in res.output
+    assert f"{a.id[:12]} in 'ns1'" in res.output and len(res.output.strip().splitlines()) == 1
+    res = run(memories_app, ["show", "abcd2222", "--store", str(root), "--namespace", "ns1"])
+    assert res.exit_code == 2 and "no memory 'abcd2222' in namespace 'ns1'" in res.output
+    res = run(memories_app, ["show", "abc", "--store", str(root)])
+    assert res.exit_code == 2 and "first 4 or more hex characters" in res.output
+    res = run(memories_app, ["delete", "abcd2", "abcd1", "--store", str(root)])  # abcd2: b or c
+    assert res.exit_code == 2 and "ambiguous" in res.output and store.count() == 3  # nothing deleted
+    out = tmp_path / "c.safetensors"
+    res = run(memories_app, ["export", c.id[:17], str(out), "--store", str(root), "--json"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["written"] == [str(out)] and LatentMemory.load(out).id == c.id
+    res = run(memories_app, ["delete", c.id[:17], "abcd1", "feed", "--store", str(root), "--json"])
+    assert res.exit_code == 2 and "no memory 'feed'" in res.output
+    assert json.loads(res.stdout) == {"deleted": [c.id, a.id], "missing": ["feed"]}
+    assert [r.id for r in store.list()] == [b.id]
+    assert store.resolve_ids(["abcd", b.id], missing_ok=True) == [b.id, b.id]
+    assert store.resolve_ids(["0000"], missing_ok=True) == [None]
+    with pytest.raises(MemoryNotFoundError, match="no memory id starts with it"):
+        store.resolve_id("0000")
+
+
+def test_an_ambiguous_prefix_is_a_typed_error_naming_every_match() -> None:
+    ids = [f"{i:x}" * 32 for i in range(1, 4)] + ["1" * 4 + "a" * 28, "1" * 32 + "f" * 32]
+    candidates = [(mid, "ns") for mid in ids] + [(ids[0], "ns")]  # one id per key kind: counted once
+    with pytest.raises(AmbiguousMemoryIdError) as err:
+        match_prefixes(["1111"], candidates)
+    assert err.value.matches == sorted([ids[0], ids[3], ids[4]]) and isinstance(err.value, StoreError)
+    assert "3 memories start with it" in str(err.value)
+    assert match_prefixes(["1" * 32], candidates) == {"1" * 32: ids[0]}  # an exact id wins over a longer one
+    assert match_prefixes(["2222", "9999"], candidates) == {"2222": ids[1]}
+
+
+def test_memories_help_has_no_markup() -> None:
+    group = typer.main.get_command(memories_app)
+    run = CliRunner().invoke
+    pages = {"": run(memories_app, ["--help"], terminal_width=100)}
+    for name, command in group.commands.items():  # type: ignore[attr-defined]
+        pages[name] = run(memories_app, [name, "--help"], terminal_width=100)
+        # the command list shows a docstring's first paragraph as it is written: one line, or it breaks there
+        assert "\n" not in inspect.cleandoc(command.help or "").split("\n\n")[0], name
+    assert len(pages) == 12
+    for name, res in pages.items():
+        assert res.exit_code == 0, (name, res.output)
+        for markup in ("`", ":class:", ":meth:", ":func:", ":mod:", "**"):
+            assert markup not in res.output, (name, markup, res.output)
 
 
 # ---- Chroma server (HttpClient) -------------------------------------------------------------

@@ -3,6 +3,8 @@
 Every command finds its store as the model-running commands do: from ``--config``, ``--preset``
 and ``--set`` (``store.path``, resolved by :mod:`elm_memory.config.location`), or ``--store PATH``.
 Only importing a PEFT adapter loads the configured model (to rebuild the memory's keys).
+Tables show ids by their first 12 characters; a command that takes ids resolves each unique prefix in the
+store (:meth:`~elm_memory.store.base.MemoryStoreBase.resolve_ids`); ``--json`` prints full ids.
 
 Register in the main CLI with ``app.add_typer(memories_app, name="memories")``. Commands
 raise typed :class:`~elm_memory.errors.ELMError` subclasses; each command is also
@@ -28,41 +30,23 @@ from elm_memory.cli.memory_options import (
     StoreOpt,
     UrlOpt,
     load_config,
+    open_store,
 )
-from elm_memory.errors import ConfigError, StoreError
+from elm_memory.errors import ConfigError
 from elm_memory.faults import point
 
 if TYPE_CHECKING:  # torch and chromadb load only when a command runs
     from elm_memory.config import ELMConfig
-    from elm_memory.store.chroma import ChromaMemoryStore
 
 memories_app = typer.Typer(
     help=(
         "Stored memories: list, streams, show, stats, delete, evict, merge, compact, export, import, check "
-        "(and repair)."
+        "(and repair).\n\nTables show each memory id by its first 12 characters; show, delete and export take "
+        "any unique start of an id (4 or more characters). --json prints full ids, for scripts."
     ),
     no_args_is_help=True,
 )
-
-
-def _open(cfg: ELMConfig, *, create: bool = False) -> ChromaMemoryStore:
-    from elm_memory.config.location import LEGACY_STORE
-    from elm_memory.store.chroma import ChromaMemoryStore
-
-    if cfg.store.kind != "chroma":
-        raise StoreError(f"`elm memories` works on a chroma store; the config's store.kind is {cfg.store.kind!r}")
-    path = Path(cfg.store.path)
-    if cfg.store.url is None and not create and not (path / "chroma").is_dir():
-        legacy = LEGACY_STORE.expanduser()
-        hint = (
-            f"; memories of an older version are in {legacy} (use --store {legacy}, or move it there)"
-            if (legacy / "chroma").is_dir() and legacy != path
-            else ""
-        )
-        raise StoreError(
-            f"no memory store at {path} (pick one with --preset, --config, --set store.path=... or --store PATH){hint}"
-        )
-    return ChromaMemoryStore.from_config(cfg.store)
+_ID_HELP = "Memory id, or its first 4 or more characters (unique in the store)."
 
 
 @memories_app.command("list")
@@ -80,13 +64,13 @@ def list_(
     set_: SetOpt = None,
 ) -> None:
     """Memories in the store, oldest first (index rows only; no blob is opened)."""
-    s = _open(load_config(config, preset, set_, store, url))
+    s = open_store(load_config(config, preset, set_, store, url))
     records = s.list(namespace, kind=kind, limit=limit, offset=offset)
     if json_out:
         typer.echo(json.dumps([r.to_dict() for r in records], ensure_ascii=False))
         return
-    for r in records:
-        typer.echo(views.list_line(r))
+    for line in views.list_table(records):
+        typer.echo(line)
     typer.echo(f"{len(records)} memories", err=True)
 
 
@@ -100,9 +84,10 @@ def streams(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Stream memories (``stream.mode`` stream/both): per namespace, the serving version, updates and rollbacks.
-    Each version is a memory file (``LatentMemory.load``) whose history names the questions and labels that
-    trained it."""
+    """Stream memories (stream.mode stream or both): per namespace, the serving version, updates and rollbacks.
+
+    Each version is a memory file (LatentMemory.load reads it) whose history names the questions and labels
+    that trained it."""
     from elm_memory.retrieval.stream_clusters import belongs_to
     from elm_memory.store.stream_files import list_streams, stream_root
 
@@ -112,11 +97,16 @@ def streams(
     if json_out:
         typer.echo(json.dumps(found, ensure_ascii=False))
         return
+    typer.echo(
+        f"{'namespace':<16} {'version':>7}  {'kind':<11} {'objective':<9} {'updates':>7}  {'kept':>9}  "
+        f"{'rollbacks':<16}  path"
+    )
     for s in found:
         rollbacks = ", ".join(f"v{r['version']}->v{r['to']}" for r in s["rollbacks"]) or "none"
+        kept = f"{s['versions_kept']}/{s['versions_written']}"
         typer.echo(
-            f"{s['namespace']}  version {s['version']}  {s['kind']} {s['objective']}  {s['updates']} updates  "
-            f"rollbacks: {rollbacks}  {s['versions_kept']} of {s['versions_written']} versions kept  {s['path']}"
+            f"{s['namespace']:<16} {s['version']:>7}  {s['kind']:<11} {s['objective']:<9} {s['updates']:>7}  "
+            f"{kept:>9}  {rollbacks:<16}  {s['path']}"
         )
     typer.echo(f"{len(found)} stream memories", err=True)
 
@@ -124,7 +114,7 @@ def streams(
 @memories_app.command("show")
 @handle_errors
 def show(
-    memory_id: Annotated[str, typer.Argument(help="Memory id.")],
+    memory_id: Annotated[str, typer.Argument(help=_ID_HELP)],
     store: StoreOpt = None,
     url: UrlOpt = None,
     namespace: NamespaceOpt = None,
@@ -134,8 +124,8 @@ def show(
     set_: SetOpt = None,
 ) -> None:
     """One memory: metadata, training statistics, usage, soft-prompt and key shapes (blob validated)."""
-    s = _open(load_config(config, preset, set_, store, url))
-    record = s.record(memory_id, namespace)
+    s = open_store(load_config(config, preset, set_, store, url))
+    record = s.record(s.resolve_id(memory_id, namespace), namespace)
     view = views.memory_view(record, s.load(record))
     typer.echo(json.dumps(view, ensure_ascii=False) if json_out else views.memory_text(view))
 
@@ -143,7 +133,7 @@ def show(
 @memories_app.command("delete")
 @handle_errors
 def delete(
-    memory_ids: Annotated[list[str] | None, typer.Argument(help="Memory ids.", show_default=False)] = None,
+    memory_ids: Annotated[list[str] | None, typer.Argument(help=_ID_HELP, show_default=False)] = None,
     all_: Annotated[bool, typer.Option("--all", help="Every memory of --namespace (and its indexes).")] = False,
     stream: Annotated[
         bool, typer.Option("--stream", help="The stream memory of --namespace, every version (it starts again).")
@@ -159,9 +149,10 @@ def delete(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Delete memories: index rows, blob and utility counters (journalled; `check --repair` finishes an
-    interrupted one). `--namespace NS --all` deletes a whole namespace, `--namespace NS --stream` its stream
-    memory and its clusters' (every version; its next learner starts again from the untrained memory)."""
+    """Delete memories: index rows, blob and utility counters (journalled: check --repair finishes one).
+
+    --namespace NS --all deletes a whole namespace; --namespace NS --stream deletes its stream memory and
+    its clusters' (every version; its next learner starts again from the untrained memory)."""
     from elm_memory.store.base import MemoryNotFoundError
 
     if stream:
@@ -178,7 +169,7 @@ def delete(
         raise ConfigError("--all deletes a whole namespace: give --namespace NS and no ids")
     if not all_ and not memory_ids:
         raise ConfigError("give memory ids to delete, or --namespace NS --all")
-    s = _open(load_config(config, preset, set_, store, url))
+    s = open_store(load_config(config, preset, set_, store, url))
     if all_:
         assert namespace is not None
         deleted = s.delete_namespace(namespace)
@@ -195,11 +186,13 @@ def delete(
                 )
         return
     assert memory_ids is not None
-    missing = [m for m in memory_ids if not s.delete(m, namespace)]
+    pairs = list(zip(memory_ids, s.resolve_ids(memory_ids, namespace, missing_ok=True), strict=True))
+    deleted = [full for _, full in pairs if full is not None and s.delete(full, namespace)]  # none if ambiguous
+    missing = [m for m, full in pairs if full not in deleted]
     if json_out:
-        typer.echo(json.dumps({"deleted": [m for m in memory_ids if m not in missing], "missing": missing}))
+        typer.echo(json.dumps({"deleted": deleted, "missing": missing}))
     else:
-        typer.echo(f"deleted {len(memory_ids) - len(missing)} memories")
+        typer.echo(f"deleted {len(deleted)} memories")
     if missing:
         more = f" (+{len(missing) - 1} more)" if len(missing) > 1 else ""
         raise MemoryNotFoundError(f"no memory {missing[0]!r} in the store{more}")
@@ -218,11 +211,13 @@ def stats(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Per-memory utility from the answer path: times used, agreed, won, lost, utility
-    ((won + agreed) / (won + agreed + lost)), mean similarity when used, right/wrong against gold."""
+    """Per-memory utility from the answer path: times used, agreed, won, lost, utility, similarity, gold.
+
+    utility is (won + agreed) / (won + agreed + lost); sim the mean similarity when used; gold the answers
+    right against a gold answer, of those judged (evaluation runs)."""
     if sort not in views.SORT_KEYS:
         raise ConfigError(f"--sort must be one of {', '.join(views.SORT_KEYS)}, got {sort!r}")
-    s = _open(load_config(config, preset, set_, store, url))
+    s = open_store(load_config(config, preset, set_, store, url))
     rows = views.sort_stats(
         [views.stats_row(r, s.utility_of(r.namespace, [r.id]).get(r.id)) for r in s.list(namespace)], sort, limit
     )
@@ -259,7 +254,7 @@ def evict(
         raise ConfigError("nothing to evict to: give --keep N (or set store.max_memories), or --expired")
     if expired and cfg.store.ttl_days is None:
         raise ConfigError("--expired needs store.ttl_days (e.g. --set store.ttl_days=30)")
-    s = _open(cfg)
+    s = open_store(cfg)
     out: dict[str, list[str]] = {"expired": [], "evicted": []}
     if expired:
         out["expired"] = s.expire(namespace)
@@ -282,9 +277,11 @@ def compact(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Rewrite the index collections with their live rows (HNSW keeps every deleted entry and searches
-    through it, so after a large eviction queries are no faster), then VACUUM the embedded index."""
-    s = _open(load_config(config, preset, set_, store, url))
+    """Rewrite the index collections with their live rows, then VACUUM the embedded index.
+
+    HNSW keeps every deleted entry and searches through it, so after a large eviction queries are no
+    faster until the index is rebuilt."""
+    s = open_store(load_config(config, preset, set_, store, url))
     rows = s.rebuild_index(namespace)
     compacted = s.compact_index()
     if json_out:
@@ -321,14 +318,16 @@ def merge(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Join near-duplicate memories (keys of one model and namespace at or above --threshold) into one
-    each, with provenance (merged_from); members' counters are summed into it, then they are deleted."""
+    """Join near-duplicate memories (keys at or above --threshold) into one memory each.
+
+    Only memories of one model and namespace are compared. The merged memory names its members
+    (merged_from); their counters are summed into it, then they are deleted."""
     from elm_memory.store.merge import DEFAULT_THRESHOLD, STRATEGIES, average_memory, find_clusters, merge_clusters
 
     if strategy not in STRATEGIES:
         raise ConfigError(f"--strategy must be one of {', '.join(STRATEGIES)}, got {strategy!r}")
     cfg = load_config(config, preset, set_, store, url)
-    s = _open(cfg)
+    s = open_store(cfg)
     clusters = find_clusters(
         s,
         namespace=namespace,
@@ -373,20 +372,21 @@ def export(
     targets: Annotated[
         list[str],
         typer.Argument(
-            help="[ID ...] OUT. OUT: a folder (one <id>.safetensors per memory) or, for one id, a file; "
+            help="[ID ...] OUT. ID: a memory id or its first 4 or more characters. OUT: a folder (one "
+            "<id>.safetensors per memory, full ids) or, for one id, a file; "
             "with --format peft, the adapter folder (several memories: one subfolder per id).",
             metavar="[ID]... OUT",
             show_default=False,
         ),
     ],
-    memory_ids: Annotated[list[str] | None, typer.Option("--id", help="Memory id (repeatable).")] = None,
+    memory_ids: Annotated[list[str] | None, typer.Option("--id", help=f"{_ID_HELP} Repeatable.")] = None,
     format_: Annotated[
-        str, typer.Option("--format", help="`safetensors` (ELM memory files) or `peft` (prompt-tuning adapter).")
+        str, typer.Option("--format", help="safetensors (ELM memory files) or peft (a prompt-tuning adapter).")
     ] = "safetensors",
     stream: Annotated[
         bool,
         typer.Option(
-            "--stream", help="Export the stream memory of --namespace (default `default`) instead of stored memories."
+            "--stream", help="Export the stream memory of --namespace (default: default) instead of stored memories."
         ),
     ] = False,
     version: Annotated[
@@ -400,10 +400,11 @@ def export(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Write memories as standalone safetensors files (what `elm memories import` reads), or as PEFT
-    prompt-tuning adapters (`PeftModel.from_pretrained(base, OUT)`; prefix memories only)."""
+    """Write memories as standalone safetensors files, or as PEFT prompt-tuning adapters.
+
+    The files are what elm memories import reads. An adapter folder loads with
+    PeftModel.from_pretrained(base, OUT) (prefix memories only)."""
     from elm_memory.store import transfer
-    from elm_memory.store.base import MemoryNotFoundError
 
     if format_ not in ("safetensors", "peft"):
         raise ConfigError(f"--format must be safetensors or peft, got {format_!r}")
@@ -418,14 +419,11 @@ def export(
         path = transfer.export_stream(cfg, namespace or cfg.namespace, version, out, format_)
         typer.echo(json.dumps({"written": [path]}) if json_out else f"exported the stream memory to {path}")
         return
-    s = _open(cfg)
+    s = open_store(cfg)
     records = s.list(namespace)
     if memory_ids:
-        wanted = set(memory_ids)
+        wanted = set(s.resolve_ids(memory_ids, namespace))
         records = [r for r in records if r.id in wanted]
-        missing = wanted - {r.id for r in records}
-        if missing:
-            raise MemoryNotFoundError(f"no memory {sorted(missing)[0]!r} in the store")
     if format_ == "peft":
         written = transfer.export_peft(s, records, out, cfg)
     else:
@@ -450,11 +448,11 @@ def import_(
 ) -> None:
     """Add exported memory files or PEFT adapters to the store (validated; filed under their own model and namespace).
 
-    Refused, with nothing written: a malformed or oversized file, an id that is not hex or that
-    another namespace or model already uses, shapes that disagree with the model (a model
-    prepared on this machine, else what the store already indexed for it). An adapter folder is
-    checked against the config (memory.num_tokens, prefix position, the model's hidden size and
-    embedding fingerprint); its keys are rebuilt with retrieval.key, which loads the model."""
+    Refused, with nothing written: a malformed or oversized file, an id that is not hex or that another
+    namespace or model already uses, shapes that disagree with the model (a model prepared on this machine,
+    else what the store already indexed for it). An adapter folder is checked against the config
+    (memory.num_tokens, prefix position, the model's hidden size and embedding fingerprint); its keys are
+    rebuilt with retrieval.key, which loads the model."""
     from elm_memory.store import transfer
 
     cfg = load_config(config, preset, set_, store, url)
@@ -465,7 +463,7 @@ def import_(
         known[info.fingerprint] = info
         memories += [m for _, m in adapters]
     point("import.read")
-    s = _open(cfg, create=True)
+    s = open_store(cfg, create=True)
     s.known_models = known
     s.put_many(memories)
     ids = [m.id for m in memories]
@@ -487,9 +485,10 @@ def check(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Find blobs without index rows, rows without blobs, stale and corrupt files, interrupted deletes and
-    counters of deleted memories; exit 1 if any remain unfixed."""
-    s = _open(load_config(config, preset, set_, store, url))
+    """Find blobs without index rows, rows without blobs, stale and corrupt files; exit 1 if any remain unfixed.
+
+    Also interrupted deletes and merges, and counters of deleted memories. --repair fixes what it can."""
+    s = open_store(load_config(config, preset, set_, store, url))
     report = s.check(repair=repair, deep=deep, temp_grace_seconds=grace)
     if json_out:
         typer.echo(json.dumps(report.to_dict()))

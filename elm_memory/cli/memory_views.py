@@ -1,16 +1,20 @@
-"""What ``elm memories`` prints: one-line listings, a memory's details, the stats table, the check summary.
+"""What ``elm memories`` prints: the list and stats tables, a memory's details, merge clusters, the check summary.
 
 Plain functions from store records to text or JSON-ready dicts, kept apart from the
 command wiring in :mod:`elm_memory.cli.memories` so the wording of a listing is in one place.
+Every table starts with a header line, and shows memory ids by their first
+:data:`~elm_memory.memory.ids.SHORT_ID_CHARS` characters (``--json`` prints them in full).
 Imports neither torch nor chromadb.
 """
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import asdict
 from typing import TYPE_CHECKING, Any
 
+from elm_memory.memory.ids import SHORT_ID_CHARS, short_id
 from elm_memory.store.utility import shown_counters
 
 if TYPE_CHECKING:
@@ -40,14 +44,21 @@ def when(ts: float) -> str:
     return time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(ts)) if ts else "never"
 
 
-def list_line(r: MemoryRecord) -> str:
-    """One memory in ``elm memories list``."""
-    flag = " no-consensus" if r.no_consensus else ""
-    question = r.question.replace("\n", " ")
-    return (
-        f"{r.id}  {r.namespace:<12} {','.join(r.kinds):<22} used {r.usage:>4}  {when(r.created_at)}"
-        f"{flag}  {question[:60]}"
-    )
+_ID = f"{'id':<{SHORT_ID_CHARS}}"
+_LONG_HEX = re.compile(r"\b[0-9a-f]{32,64}\b")  # a memory id or a blob's sha256 in a check finding
+
+
+def list_table(records: list[MemoryRecord]) -> list[str]:
+    """``elm memories list``: a header and one line per memory."""
+    lines = [f"{_ID}  {'namespace':<12} {'keys':<22} {'used':>4}  {'created':<19}  question"]
+    for r in records:
+        flag = "[no consensus] " if r.no_consensus else ""
+        question = r.question.replace("\n", " ")
+        lines.append(
+            f"{short_id(r.id)}  {r.namespace[:12]:<12} {','.join(r.kinds)[:22]:<22} {r.usage:>4}  "
+            f"{when(r.created_at):<19}  {flag}{question[:60]}"
+        )
+    return lines
 
 
 def memory_view(record: MemoryRecord, memory: LatentMemory) -> dict[str, Any]:
@@ -105,7 +116,7 @@ def sort_stats(rows: list[dict[str, Any]], sort: str, limit: int | None) -> list
 def stats_table(rows: list[dict[str, Any]]) -> list[str]:
     """``elm memories stats``: a header and one line per :func:`stats_row`."""
     lines = [
-        f"{'id':<32}  {'namespace':<12} {'used':>5} {'agree':>5} {'won':>5} {'lost':>5} {'util':>5} "
+        f"{_ID}  {'namespace':<12} {'used':>5} {'agree':>5} {'won':>5} {'lost':>5} {'util':>5} "
         f"{'sim':>5} {'gold':>7}  question"
     ]
     for x in rows:
@@ -114,7 +125,7 @@ def stats_table(rows: list[dict[str, Any]]) -> list[str]:
         gold = f"{x['gold_right']}/{x['gold_right'] + x['gold_wrong']}"
         question = x["question"].replace("\n", " ")
         lines.append(
-            f"{x['id'][:32]:<32}  {x['namespace'][:12]:<12} {x['retrieved']:>5} {x['agreed']:>5} "
+            f"{short_id(x['id'])}  {x['namespace'][:12]:<12} {x['retrieved']:>5} {x['agreed']:>5} "
             f"{x['won']:>5} {x['lost']:>5} {util:>5} {sim:>5} {gold:>7}  {question[:50]}"
         )
     return lines
@@ -122,13 +133,14 @@ def stats_table(rows: list[dict[str, Any]]) -> list[str]:
 
 def merge_lines(cluster: dict[str, Any], questions: dict[str, str], merged_id: str | None) -> list[str]:
     """``elm memories merge``: one cluster (a :meth:`Cluster.to_dict`), its members and what it became."""
-    into = f" -> {merged_id}" if merged_id else ""
+    into = f" -> {short_id(merged_id)}" if merged_id else ""
     lines = [
         f"{cluster['namespace']}: {len(cluster['ids'])} memories, {cluster['kind']} keys, "
-        f"least similar pair {cluster['min_similarity']:.4f}{into}"
+        f"least similar pair {cluster['min_similarity']:.4f}{into}",
+        f"  {_ID}  question",
     ]
     for mid in cluster["ids"]:
-        lines.append(f"  {mid}  {questions.get(mid, '').replace(chr(10), ' ')[:70]}")
+        lines.append(f"  {short_id(mid)}  {questions.get(mid, '').replace(chr(10), ' ')[:70]}")
     return lines
 
 
@@ -140,7 +152,7 @@ def check_summary(report: CheckReport, repair: bool) -> list[str]:
         if items:
             verb = "fixed" if repair else "found"
             lines.append(
-                f"  {name.replace('_', ' ')}: {len(items)} {verb}  ({', '.join(map(str, items[:3]))}"
+                f"  {name.replace('_', ' ')}: {len(items)} {verb}  ({', '.join(_shorten(name, i) for i in items[:3])}"
                 f"{', ...' if len(items) > 3 else ''})"
             )
     if report.ok:
@@ -150,3 +162,9 @@ def check_summary(report: CheckReport, repair: bool) -> list[str]:
     else:
         lines.append("problems found; run with --repair")
     return lines
+
+
+def _shorten(field: str, item: object) -> str:
+    """A check finding with its ids (and blob hashes) shortened; temp file paths stay whole."""
+    text = str(item)
+    return text if field == "temp_files" else _LONG_HEX.sub(lambda m: short_id(m.group()), text)

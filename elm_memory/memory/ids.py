@@ -17,6 +17,10 @@ MAX_NAMESPACE_CHARS = 256
 #: an id becomes a file name on export, so it must never hold a path separator, "..",
 #: or differ from another id only by case (case-insensitive file systems).
 MEMORY_ID_RE = re.compile(r"[0-9a-f]{8,64}")
+#: How many leading hex characters of a memory id listings show (like git's short ids); commands that take an
+#: id accept any unique prefix of at least :data:`MIN_ID_PREFIX` characters.
+SHORT_ID_CHARS = 12
+MIN_ID_PREFIX = 4
 
 
 def validate_namespace(namespace: Any) -> str:
@@ -45,6 +49,11 @@ def validate_memory_id(memory_id: Any) -> str:
         shown = memory_id[:40] if isinstance(memory_id, str) else memory_id
         raise MemoryFormatError(f"invalid memory id {shown!r}: expected 8-64 lowercase hex characters")
     return memory_id
+
+
+def short_id(memory_id: str) -> str:
+    """The first :data:`SHORT_ID_CHARS` characters of an id: what every listing shows."""
+    return memory_id[:SHORT_ID_CHARS]
 
 
 def question_hash(question: str) -> str:

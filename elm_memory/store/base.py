@@ -12,15 +12,17 @@ a memory filed under another.
 from __future__ import annotations
 
 import builtins  # annotations below a method named `list` must say builtins.list
+import re
 from abc import ABC, abstractmethod
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 import torch
 
-from elm_memory.errors import ELMError, MemoryNotFoundError
+from elm_memory.errors import AmbiguousMemoryIdError, ELMError, MemoryNotFoundError
 from elm_memory.memory import LatentMemory
+from elm_memory.memory.ids import MIN_ID_PREFIX, SHORT_ID_CHARS
 
 if TYPE_CHECKING:
     from elm_memory.store.utility import Utility
@@ -109,6 +111,58 @@ class CheckReport:
         return {**asdict(self), "ok": self.ok}
 
 
+_PREFIX_RE = re.compile(rf"[0-9a-f]{{{MIN_ID_PREFIX},64}}")
+_SHOWN_MATCHES = 10  # an ambiguous prefix's error names at most this many memories
+
+
+def id_prefix(prefix: str) -> str:
+    """A memory id or its prefix as typed (any case), lowercased; :class:`MemoryNotFoundError` if it cannot be one."""
+    typed = prefix.strip().lower() if isinstance(prefix, str) else ""
+    if not _PREFIX_RE.fullmatch(typed):
+        raise MemoryNotFoundError(
+            f"no memory {str(prefix)[:70]!r}: give a memory id or its first {MIN_ID_PREFIX} or more hex characters"
+        )
+    return typed
+
+
+def match_prefixes(prefixes: Sequence[str], candidates: Iterable[tuple[str, str]]) -> dict[str, str]:
+    """Each prefix's memory id among ``candidates`` ((id, namespace) pairs; an id may repeat): an exact id
+    wins, else the one id starting with it. A prefix nothing starts with is absent from the result; one that
+    several ids start with raises :class:`AmbiguousMemoryIdError` naming them."""
+    wanted = {id_prefix(p) for p in prefixes}
+    found: dict[str, dict[str, str]] = {p: {} for p in wanted}
+    for memory_id, namespace in candidates:
+        for p in wanted:
+            if memory_id.startswith(p):
+                found[p][memory_id] = namespace
+    out: dict[str, str] = {}
+    for p in sorted(wanted):
+        ids = found[p]
+        if p in ids or len(ids) == 1:
+            out[p] = p if p in ids else next(iter(ids))
+        elif ids:
+            shown = _distinct_prefixes(sorted(ids))
+            named = ", ".join(f"{shown[i]} in {ids[i]!r}" for i in sorted(ids)[:_SHOWN_MATCHES])
+            more = f" and {len(ids) - _SHOWN_MATCHES} more" if len(ids) > _SHOWN_MATCHES else ""
+            raise AmbiguousMemoryIdError(
+                f"memory id {p!r} is ambiguous: {len(ids)} memories start with it: {named}{more}; give more characters",
+                sorted(ids),
+            )
+    return out
+
+
+def _distinct_prefixes(ids: Sequence[str]) -> dict[str, str]:
+    """Each of sorted ``ids`` at the short length, or longer where that is what tells it from its neighbours."""
+    out = {}
+    for i, mid in enumerate(ids):
+        n = SHORT_ID_CHARS
+        for other in (ids[i - 1] if i else "", ids[i + 1] if i + 1 < len(ids) else ""):
+            common = next((k for k, (a, b) in enumerate(zip(mid, other, strict=False)) if a != b), len(other))
+            n = max(n, common + 1)
+        out[mid] = mid[:n]
+    return out
+
+
 @runtime_checkable
 class MemoryStore(Protocol):
     """The primitive operations every memory store implements (the rest: :class:`MemoryStoreBase`).
@@ -190,6 +244,31 @@ class MemoryStoreBase(ABC):
                 return r
         where = f" in namespace {namespace!r}" if namespace is not None else ""
         raise MemoryNotFoundError(f"no memory {memory_id!r}{where}")
+
+    def resolve_ids(
+        self, prefixes: Sequence[str], namespace: str | None = None, *, missing_ok: bool = False
+    ) -> builtins.list[str | None]:
+        """The full id of each shortened id (a unique prefix, at least 4 hex characters, as git takes short
+        hashes), in order. A prefix several memories start with raises :class:`AmbiguousMemoryIdError`; one
+        nothing starts with raises :class:`MemoryNotFoundError` (``None`` in its place with ``missing_ok``)."""
+        found = match_prefixes(prefixes, self._ids_matching([id_prefix(p) for p in prefixes], namespace))
+        out = [found.get(id_prefix(p)) for p in prefixes]
+        if not missing_ok and None in out:
+            unknown = prefixes[out.index(None)]
+            where = f" in namespace {namespace!r}" if namespace is not None else ""
+            raise MemoryNotFoundError(f"no memory {unknown!r}{where} (no memory id starts with it)")
+        return out
+
+    def resolve_id(self, prefix: str, namespace: str | None = None) -> str:
+        """The full id of one shortened id (see :meth:`resolve_ids`)."""
+        [memory_id] = self.resolve_ids([prefix], namespace)
+        assert memory_id is not None
+        return memory_id
+
+    def _ids_matching(self, prefixes: Sequence[str], namespace: str | None) -> Iterable[tuple[str, str]]:
+        """(id, namespace) of memories whose id may start with one of ``prefixes`` (lowercase hex); a
+        superset is fine. Reads every record here; a store with an index reads ids only (Chroma)."""
+        return ((r.id, r.namespace) for r in self.list(namespace))
 
     def get(self, memory_id: str, namespace: str | None = None) -> LatentMemory:
         """The validated memory, or :class:`MemoryNotFoundError`."""

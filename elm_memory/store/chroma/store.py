@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import builtins  # annotations below the method named `list` must say builtins.list
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -294,6 +294,20 @@ class ChromaMemoryStore(ConsistencyCheck, CapacityLimits, MergeSupport, IndexReb
             raise MemoryNotFoundError(f"no memory {memory_id!r}{where} in {self.url or self.root}")
         [record] = self._with_usage([record_from_rows(rows)])
         return record
+
+    def _ids_matching(self, prefixes: Sequence[str], namespace: str | None) -> Iterator[tuple[str, str]]:
+        """Ids only, never metadata or blobs: ids typed in full are looked up directly (what scripts pass);
+        otherwise every collection's ids are paged through once for all ``prefixes``."""
+        cols = self._collections(namespace=namespace)
+        exact = [(r.id, r.coll.namespace) for col in cols for r in self._rows(col, prefixes)]
+        if {memory_id for memory_id, _ in exact} == set(prefixes):
+            yield from exact
+            return
+        starts = tuple(prefixes)
+        for info, c in cols:
+            with chroma_errors(f"reading {info.name}"):
+                for res in self._pages(c, []):
+                    yield from ((i, info.namespace) for i in res["ids"] if i.startswith(starts))
 
     def _with_usage(self, records: Sequence[MemoryRecord]) -> builtins.list[MemoryRecord]:
         """Add the side table's usage count and last-used time to what the rows carry (older versions
