@@ -266,7 +266,9 @@ class ELM:
     ) -> LatentMemory:
         """Learn a memory from ``question`` (GRPO on a soft prompt, majority-vote rewards) and store it.
 
-        Nothing is stored unless training completes: an interrupt or a NaN leaves the pool as it was.
+        Nothing is stored unless training completes: an interrupt or a NaN leaves the pool as it was. Each
+        call learns a new memory, also for a question learned before; :meth:`answer`'s learner learns a
+        question once per namespace, and says when it reused the memory it has (``learn_job["reused"]``).
         """
         from elm_memory.training.learn import learn_memory
 

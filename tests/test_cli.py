@@ -46,6 +46,50 @@ def test_bad_input_is_one_line_no_traceback(args, message):
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1
 
 
+def test_solve_says_when_it_reused_the_memory_a_repeated_question_has(monkeypatch):
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    import elm_memory.elm
+    from elm_memory.cli import app
+
+    memory_id = "ab12" * 16
+    job = {"job_id": memory_id, "status": "done", "memory_id": memory_id, "duplicate": True, "reused": True}
+
+    class AnsweredBefore:  # the facade, with what a second ask of a learned question returns
+        def __init__(self, config):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def answer(self, question, *, namespace, learn=True):
+            return SimpleNamespace(
+                response="\\boxed{5}",
+                answer="5",
+                route="agree",
+                memory_id=memory_id,
+                similarity=1.0,
+                timings={"total": 0.1},
+                warnings=[],
+                learn_job=job,
+            )
+
+    monkeypatch.setattr(elm_memory.elm, "ELM", AnsweredBefore)
+    res = CliRunner().invoke(app, ["solve", "What is 2 + 3?", "--preset", "cpu-tiny"])
+    assert res.exit_code == 0, res.output
+    assert "(route: agree, memory ab12ab12ab12 (sim 1.000)" in res.stdout
+    assert res.stderr.strip() == (
+        "note: this question was learned before: reused its memory ab12ab12ab12, no new memory learned"
+    )
+    job["reused"] = False
+    assert "note:" not in CliRunner().invoke(app, ["solve", "What is 2 + 3?", "--preset", "cpu-tiny"]).stderr
+
+
 def test_swapping_the_demos_verifier_names_the_route_to_set():
     r = elm("config", "show", "--preset", "cpu-demo", "--set", "verifier.name=self_certainty")
     assert r.returncode == 2 and "set verifier.route=verify as well" in r.stderr, r.stderr

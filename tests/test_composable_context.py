@@ -244,3 +244,31 @@ def test_a_served_graph_refuses_a_misspelt_key_before_its_services_are_built(elm
     assert built == []
     assert graph.invoke({"question": Q}, context={"user_id": "ada", "team": "red"})["namespace"] == "red-ada"
     assert built
+
+
+# -- a repeated question ------------------------------------------------------------------------------------
+def test_a_repeated_question_reports_the_memory_it_reused(tmp_path, caplog):
+    from elm_memory.jobs import SyncLearner
+
+    learned: list[str] = []
+
+    def learn(job: Any) -> str:
+        learned.append(job.question)
+        return job.job_id
+
+    cfg = ELMConfig.load(preset="cpu-tiny", overrides={"store": {"kind": "none"}})
+    learner = SyncLearner(learn, tmp_path / "learner.sqlite3")
+    with ELM(cfg, backend=BoxedFiveBackend(), verifier=SimpleNamespace(name="unused"), learner=learner) as elm:
+        first = elm.answer(Q, namespace="ada")
+        with caplog.at_level("INFO", logger="elm_memory.jobs"):
+            again = elm.answer(Q, namespace="ada")
+            other = elm.answer(Q, namespace="bob")
+    assert first.learn_job is not None and again.learn_job is not None and other.learn_job is not None
+    assert first.learn_job["status"] == "done" and first.learn_job["reused"] is False
+    assert again.learn_job["reused"] is True and again.learn_job["memory_id"] == first.learn_job["memory_id"]
+    assert other.learn_job["reused"] is False  # another namespace learns its own
+    assert learned == [Q, Q]
+    assert [r.getMessage() for r in caplog.records if "already learned" in r.getMessage()] == [
+        f"question already learned in namespace 'ada' (job {first.learn_job['job_id'][:12]}): reusing memory "
+        f"{first.learn_job['memory_id'][:12]}, no new memory learned"
+    ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import collections
 import json
+import logging
 import os
 import subprocess
 import sys
@@ -29,6 +30,7 @@ from elm_memory.jobs import (
     build_learner,
     make_job_id,
     owner_is_alive,
+    ticket_summary,
 )
 from elm_memory.jobs.owners import new_owner
 
@@ -194,6 +196,30 @@ def test_duplicate_submit_runs_once(qpath: Path):
     with build_learner("background", store, qpath) as learner:  # a restart does not rerun done jobs
         assert learner.submit("same question", "ns").status == "done"
     assert store.calls[first.job_id] == 1
+
+
+@pytest.mark.parametrize("mode", ["sync", "background"])
+def test_a_repeated_question_says_it_reused_its_memory(qpath: Path, mode: str, caplog: pytest.LogCaptureFixture):
+    store = FakeStore()
+    with build_learner(mode, store, qpath) as learner:
+        first = learner.submit("What is 2+2?", "ns")
+        assert learner.wait(first.job_id, timeout=5)
+        assert not first.reused and ticket_summary(first)["reused"] is False
+        with caplog.at_level(logging.INFO, logger="elm_memory.jobs"):
+            again = learner.submit(" What is 2+2? ", "ns")
+    assert again.reused and again.memory_id == first.job_id and store.calls[first.job_id] == 1
+    assert ticket_summary(again) == {
+        "job_id": first.job_id,
+        "status": "done",
+        "memory_id": first.job_id,
+        "duplicate": True,
+        "reused": True,
+    }
+    [line] = [r.getMessage() for r in caplog.records if "already learned" in r.getMessage()]
+    assert line == (
+        f"question already learned in namespace 'ns' (job {first.job_id[:12]}): reusing memory "
+        f"{first.job_id[:12]}, no new memory learned"
+    )
 
 
 def test_failing_job_ends_failed_and_worker_survives(qpath: Path):

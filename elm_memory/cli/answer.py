@@ -21,6 +21,7 @@ from elm_memory.cli.options import (
     SetOpt,
     load_config,
 )
+from elm_memory.memory.ids import short_id
 
 
 @app.command(cls=QuestionCommand)
@@ -50,10 +51,17 @@ def solve(
         typer.echo(json.dumps(result.to_dict(), ensure_ascii=False))
         return
     typer.echo(result.response.strip())
-    memory = f", memory {result.memory_id[:8]} (sim {result.similarity:.3f})" if result.memory_id else ""
+    memory = f", memory {short_id(result.memory_id)} (sim {result.similarity:.3f})" if result.memory_id else ""
     typer.echo(f"\nanswer: {result.answer}   (route: {result.route}{memory}, {result.timings['total']:.1f} s)")
     for w in result.warnings:
         typer.echo(f"warning: {w}", err=True)
+    job = result.learn_job or {}
+    if job.get("reused"):
+        typer.echo(
+            f"note: this question was learned before: reused its memory {short_id(job['memory_id'] or '')}, "
+            "no new memory learned",
+            err=True,
+        )
 
 
 @app.command(cls=QuestionCommand)

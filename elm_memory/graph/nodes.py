@@ -26,6 +26,7 @@ from elm_memory.graph.context import ELMRunContext, as_run_context, resolve_name
 from elm_memory.graph.routing import AGREE, ANSWERED, VERIFIER, VOTE, ZERO_SHOT, memory_wins, route_of, voted_answer
 from elm_memory.graph.services import ELMServices
 from elm_memory.graph.state import CandidateState, ELMState, Fresh, FreshTimings
+from elm_memory.jobs.records import ticket_summary
 from elm_memory.verifiers.base import SamplingVerifier
 
 log = logging.getLogger(__name__)
@@ -368,7 +369,7 @@ class ELMNodes:
             ticket = svc.learner.submit(state["question"], state["namespace"])
         except Exception as exc:
             return {"learn_job": None, "warnings": _warning(f"could not submit the learning job: {exc}")}
-        return {"learn_job": {"job_id": ticket.job_id, "status": ticket.status, "memory_id": ticket.memory_id}}
+        return {"learn_job": ticket_summary(ticket)}  # reused: the question was learned before (no new memory)
 
 
 ANSWER_PATH = ("retrieve", "dual_generate", "route", "verify")

@@ -33,7 +33,8 @@ Idempotency contract ("every memory stored once")
   :func:`elm_memory.memory.ids.question_hash`). Submitting the same question in the same
   namespace (and scope) again returns the existing job instead of queueing a new one:
   ``pending``/``running`` -> the same job, not queued twice; ``done`` -> never rerun,
-  the ticket carries the ``memory_id`` it produced; ``failed`` -> re-queued with fresh
+  the ticket carries the ``memory_id`` it produced and says ``reused`` (one log line says so too: the
+  question's memory is reused, nothing is learned again); ``failed`` -> re-queued with fresh
   attempts (an explicit resubmission is the retry button). ``config_overrides`` are
   *not* part of the identity: a duplicate's overrides are ignored. ``scope`` should name
   what a memory is specific to (e.g. the model fingerprint), so switching models does
@@ -76,6 +77,7 @@ from elm_memory.jobs.records import (
     TicketStatus,
     default_queue_path,
     make_job_id,
+    ticket_summary,
 )
 from elm_memory.jobs.sync import SyncLearner
 
@@ -102,4 +104,5 @@ __all__ = [
     "default_queue_path",
     "make_job_id",
     "owner_is_alive",
+    "ticket_summary",
 ]

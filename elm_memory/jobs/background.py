@@ -62,7 +62,7 @@ class BackgroundLearner(QueueLearner):
                 self._wake = True
                 self._cv.notify_all()
         log.debug("submitted job %s (%s)", rec.job_id[:12], "new" if created else f"already {rec.state}")
-        return LearnTicket.from_record(rec, duplicate=not created)
+        return self._ticket(rec, created)
 
     def wait(self, job_id: str | None = None, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -76,6 +76,19 @@ class QueueLearner:
         kwargs = {k: v for k, v in vars(options).items() if k not in ("config", "worker_factory")}
         return cls(learn_fn, queue, **kwargs)
 
+    def _ticket(self, rec: JobRecord, created: bool) -> LearnTicket:
+        """``submit``'s answer for the job ``queue.add`` returned; one log line when the question was
+        learned before (its memory is reused: nothing is learned again)."""
+        ticket = LearnTicket.from_record(rec, duplicate=not created)
+        if ticket.reused:
+            log.info(
+                "question already learned in namespace %r (job %s): reusing memory %s, no new memory learned",
+                rec.job.namespace,
+                rec.job_id[:12],
+                (rec.memory_id or "")[:12],
+            )
+        return ticket
+
     # -- common API --------------------------------------------------------------------
     def job(self, job_id: str) -> JobRecord | None:
         return self.queue.get(job_id)

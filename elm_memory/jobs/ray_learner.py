@@ -77,7 +77,7 @@ class RayLearner(QueueLearner):
         self._check_open()
         rec, created = self.queue.add(self._make_job(question, namespace, config_overrides))
         log.debug("submitted job %s (%s)", rec.job_id[:12], "new" if created else f"already {rec.state}")
-        return LearnTicket.from_record(rec, duplicate=not created)
+        return self._ticket(rec, created)
 
     def wait(self, job_id: str | None = None, timeout: float | None = None) -> bool:
         deadline = None if timeout is None else time.monotonic() + timeout

@@ -137,12 +137,31 @@ class LearnTicket:
     def done(self) -> bool:
         return self.status == "done"
 
+    @property
+    def reused(self) -> bool:
+        """The question was learned before (same namespace and scope): no new memory was learned, and
+        ``memory_id`` is the one it already has."""
+        return self.duplicate and self.status == "done"
+
     @classmethod
     def from_record(cls, rec: JobRecord, *, duplicate: bool = False) -> LearnTicket:
         return cls(rec.job_id, rec.state, rec.memory_id, rec.error, rec.job.attempts, duplicate)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def ticket_summary(ticket: Any) -> dict[str, Any]:
+    """What an answer reports of its learn job (the graph's ``learn_job``): id, status, memory id, and
+    whether the question was already learned (``reused``: ``memory_id`` is the memory it already has) or
+    already queued (``duplicate``). Takes any ticket-like object (a plugin learner's)."""
+    return {
+        "job_id": ticket.job_id,
+        "status": ticket.status,
+        "memory_id": ticket.memory_id,
+        "duplicate": bool(getattr(ticket, "duplicate", False)),
+        "reused": bool(getattr(ticket, "reused", False)),
+    }
 
 
 def _json_copy(value: Any) -> Any:

@@ -46,7 +46,7 @@ class SyncLearner(QueueLearner):
         rec, created = self.queue.add(self._make_job(question, namespace, config_overrides))
         if rec.state != "done":
             self._drain(rec.job_id, None)
-        return LearnTicket.from_record(self.queue.get(rec.job_id) or rec, duplicate=not created)
+        return self._ticket(self.queue.get(rec.job_id) or rec, created)
 
     def wait(self, job_id: str | None = None, timeout: float | None = None) -> bool:
         """Run pending jobs here (the resume path), until ``job_id`` or all are settled."""

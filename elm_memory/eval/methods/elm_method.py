@@ -23,6 +23,7 @@ from elm_memory.errors import ELMError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput, memory_store_config
 from elm_memory.eval.records import training_votes
 from elm_memory.graph.nodes import answer_params
+from elm_memory.jobs.records import ticket_summary
 from elm_memory.store.base import MemoryStoreBase
 from elm_memory.training.merging import initial_prompt
 
@@ -231,7 +232,7 @@ class ELMMethod:
         return output, answered[0], time.perf_counter() - t0 - answered[0]
 
     def _note_ticket(self, output: MethodOutput, ticket: Any) -> None:
-        output.extra["learn_job"] = {"job_id": ticket.job_id, "status": ticket.status, "memory_id": ticket.memory_id}
+        output.extra["learn_job"] = ticket_summary(ticket)
         if ticket.memory_id:
             output.extra["learned_votes"] = self._votes_of(ticket.memory_id)
         if ticket.status not in ("done", "skipped"):
