@@ -49,6 +49,8 @@ class AnswerResult:
     presampled_answers: list[str | None] | None = None
     # stream.mode stream/both: what this question did to the stream memory (versions, label, skip or rollback)
     stream_update: dict[str, Any] | None = None
+    # stream.mode stream/both: how the answer was made (mode, gate state, probe, version, tokens generated)
+    stream_turn: dict[str, Any] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
@@ -252,6 +254,7 @@ class ELM:
             verifier_sample_answers=out.get("verifier_sample_answers"),
             presampled_answers=out.get("presampled_answers"),
             stream_update=out.get("stream_update"),
+            stream_turn=out.get("stream_turn"),
         )
 
     def learn(

@@ -77,7 +77,8 @@ def test_the_graph_learning_from_zero_shot_samples_without_the_memory_and_learns
         assert result.answer == "5"  # the memory's greedy 7 among three unconditioned samples (5, 5, 5)
         assert result.stream_update["applied"] and result.stream_update["label"] == "5"
         stream = elm.services().stream_memory("default")
-        [entry] = LatentMemory.load(stream.files.path(1)).meta.config["stream"]["history"]
+        entry = LatentMemory.load(stream.files.path(1)).meta.config["stream"]["entry"]
+        assert stream.files.read_history() == [entry]  # the log holds it too
         assert entry["label"] == "5"
         assert stream.guard.pending[-1].memory_answers == ["7"]  # the guard saw the memory's own answer
         assert sum(p.soft_prompt is not None for p in elm.backend.calls) == 1  # its greedy row only

@@ -169,7 +169,8 @@ def test_grpo_update_writes_a_new_version_that_records_its_question_and_label(st
     assert not torch.equal(stream.soft_prompt, before)
     saved = LatentMemory.load(stream.files.path(1))
     assert torch.allclose(saved.soft_prompt, stream.soft_prompt)
-    [entry] = saved.meta.config["stream"]["history"]
+    entry = saved.meta.config["stream"]["entry"]  # a version's header holds its own entry; the log holds them all
+    assert stream.files.read_history() == [entry]
     assert entry["question"] == "What is 2 + 3?" and entry["label"] == "5" and entry["trained_from"] == 0
     # version 0 is untouched: it is what served before
     assert torch.equal(LatentMemory.load(stream.files.path(0)).soft_prompt, before)
@@ -225,8 +226,9 @@ def test_the_guard_rolls_back_to_the_version_that_opened_the_window(smol, tmp_pa
     update = stream.learn("q2", ids, at, unboxed, label="5", version_used=1, zero_shot_answer="5")
     assert update.skipped == "rolled_back" and update.guard is not None and update.guard["rollback_to"] == 0
     assert stream.version == 2 and torch.equal(stream.soft_prompt, stream.init["soft_prompt"])
-    history = LatentMemory.load(stream.files.path(2)).meta.config["stream"]["history"]
+    history = stream.files.read_history()
     assert history[-1]["rollback_to"] == 0 and history[-1]["reasons"]
+    assert LatentMemory.load(stream.files.path(2)).meta.config["stream"]["entry"] == history[-1]
     assert stream.summary()["rollbacks"][0]["to"] == 0
 
 
@@ -251,8 +253,7 @@ def test_two_learners_on_one_namespace_serialise_no_update_lost_or_doubled(smol,
     for t in threads:
         t.join()
     assert not errors
-    final = LatentMemory.load(a.files.path(a.files.current_version()))
-    history = final.meta.config["stream"]["history"]
+    history = a.files.read_history()
     assert a.files.current_version() == 6
     assert sorted(h["question"] for h in history) == ["a0", "a1", "a2", "b0", "b1", "b2"]
     assert [h["trained_from"] for h in history] == list(range(6))  # each built on the one before
@@ -291,7 +292,7 @@ def test_the_graph_answers_with_the_stream_memory_and_learns_from_its_own_genera
         second = elm.answer("What is 1 + 4?")
         assert second.stream_update["version_used"] == 1 and second.stream_update["version"] == 2
         stream = elm.services().stream_memory("default")
-        history = LatentMemory.load(stream.files.path(2)).meta.config["stream"]["history"]
+        history = stream.files.read_history()
         assert [h["question"] for h in history] == ["What is 2 + 3?", "What is 1 + 4?"]
         # the samples were drawn under the stream memory (on-policy): every sample row carried its soft prompt
         backend = elm.backend
@@ -452,9 +453,9 @@ def test_old_versions_are_pruned_to_keep_versions_and_a_pruned_one_is_named_when
     assert torch.equal(stream.soft_prompt, LatentMemory.load(stream.files.path(4)).soft_prompt)
 
 
-def test_keep_versions_never_drops_below_what_a_rollback_may_need():
-    assert _config(guard_window=2, keep_versions=3).stream.versions_to_keep == 4
-    assert _config(guard_window=1000).stream.versions_to_keep == 2000  # a guard made lax keeps its window
+def test_keep_versions_keeps_at_least_the_newest_two():
+    assert _config(guard_window=2, keep_versions=1).stream.versions_to_keep == 2
+    assert _config(guard_window=1000, keep_versions=3).stream.versions_to_keep == 3  # the guard's target is pinned
     assert _config(guard_window=2, keep_versions=0).stream.versions_to_keep == 0  # 0: keep all
 
 
@@ -548,7 +549,7 @@ def test_a_lora_stream_memory_starts_as_the_base_model_learns_and_continues_in_a
     update = stream.learn("What is 2 + 3?", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
     assert update.applied and update.version == 1 and update.moved > 0
     saved = LatentMemory.load(stream.files.path(1))
-    assert saved.kind == "lora" and saved.meta.config["stream"]["history"][0]["label"] == "5"
+    assert saved.kind == "lora" and saved.meta.config["stream"]["entry"]["label"] == "5"
     assert any(t.any() for n, t in saved.params.items() if n.endswith(".B"))  # the update moved B off zero
     with torch.no_grad():
         [now] = stream.serve([PromptInput(tuple(ids))], at)

@@ -96,3 +96,10 @@ def plurality_vote(
     if with_greedy and greedy is not None and any(equivalent(greedy, a) for a, _ in tied):
         return greedy
     return min(tied, key=lambda t: t[1])[0]
+
+
+def vote_margin(answers: Sequence[str | None]) -> float:
+    """How clear a vote is: (votes of the winner - votes of the runner-up) / all answers, None included (0: a
+    tie or no answer; 1: every answer agrees)."""
+    counts = sorted((n for _, n, _ in vote_counts(answers)), reverse=True) + [0, 0]
+    return (counts[0] - counts[1]) / len(answers) if answers else 0.0

@@ -40,7 +40,9 @@ def load_preset_dict(name: str) -> dict[str, Any]:
     if name not in available_presets():
         raise ConfigError(f"unknown preset {name!r}; available: {', '.join(available_presets())}")
     text = resources.files("elm_memory.presets").joinpath(f"{name}.yaml").read_text(encoding="utf-8")
-    return yaml.safe_load(text) or {}
+    data = yaml.safe_load(text) or {}
+    base = data.pop("extends", None)  # a preset that changes a few values of another
+    return deep_merge(load_preset_dict(base), data) if base else data
 
 
 def read_yaml(path: Path) -> dict[str, Any]:

@@ -161,16 +161,59 @@ class StreamConfig(ConfigSection):
         ),
     )
     keep_versions: int = Field(
-        default=64,
+        default=4,
         ge=0,
         description=(
-            "Versions kept on disk, the newest first (0: every one). Older files are deleted after each write; "
-            "never fewer than twice `guard_window`, so the version a rollback returns to is still there."
+            "Versions kept on disk, the newest first (0: every one; at least 2), besides the ones a rollback may "
+            "return to (the gate's approved version, the guard window's first). Disk per namespace: "
+            "docs/stream-memory.md."
         ),
+    )
+    serving: Literal["vote", "amortized"] = Field(
+        default="vote",
+        description=(
+            "`vote`: every question draws the samples and answers by their vote with the memory's greedy answer. "
+            "`amortized`: the answer path votes (greedy + samples, without the memory) until the gate finds the "
+            "memory's greedy answer agreeing with the vote more often than zero-shot's; then the memory's greedy "
+            "answer alone answers, and a share `probe_share` of questions still draws the vote to teach and check "
+            "it. Needs `learn_from: zero_shot`."
+        ),
+    )
+    probe_share: float = Field(
+        default=0.1,
+        gt=0.0,
+        le=1.0,
+        description="`amortized`, gate open: the share of questions that also draw zero-shot's answer and the samples.",
+    )
+    gate_margin: float = Field(
+        default=0.75,
+        gt=0.5,
+        lt=1.0,
+        description=(
+            "`amortized`: the share of the questions where exactly one of the memory and zero-shot agrees with the "
+            "samples' vote that the memory must win for the gate to open (and zero-shot to close it)."
+        ),
+    )
+    gate_alpha: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=0.5,
+        description="`amortized`: the gate opens (or closes) when its sequential test's likelihood ratio hits 1/alpha.",
+    )
+    gate_min_questions: int = Field(
+        default=16,
+        ge=1,
+        description="`amortized`: probed questions read before the gate may open (after it closes, again).",
     )
 
     @model_validator(mode="after")
     def _off_policy_needs_sft(self) -> StreamConfig:
+        if self.serving == "amortized" and self.learn_from != "zero_shot":
+            raise ValueError(
+                "stream.serving=amortized learns from the vote of zero-shot's samples (the memory's greedy answer "
+                "answers alone once the gate opens, so it draws no samples of its own): set "
+                "stream.learn_from=zero_shot and stream.objective=sft"
+            )
         # the policy gradient assumes the samples were drawn by the memory being trained
         if self.learn_from == "zero_shot" and self.objective != "sft":
             raise ValueError(
@@ -200,5 +243,7 @@ class StreamConfig(ConfigSection):
 
     @property
     def versions_to_keep(self) -> int:
-        """``keep_versions``, raised to twice ``guard_window`` (0: keep every version)."""
-        return max(self.keep_versions, 2 * self.guard_window) if self.keep_versions else 0
+        """``keep_versions``, at least 2 (0: keep every version): the newest two keep their optimizer moments, and a
+        resumed evaluation may return to the one before the newest. The versions a rollback returns to are pinned
+        apart (:meth:`~elm_memory.training.stream.StreamMemory.pinned_versions`)."""
+        return max(self.keep_versions, 2) if self.keep_versions else 0

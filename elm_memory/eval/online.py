@@ -249,6 +249,7 @@ def finish(
 ) -> StreamResult:
     """Summary, Markdown table and plots from the records on disk (also for a partial run). ``config``: the
     run's (``run.json``), which says how its ELM records are replayed (:mod:`elm_memory.eval.paired`)."""
+    from elm_memory.eval import amortized_report
     from elm_memory.eval.counterfactual import markdown_counterfactuals, self_consistency_counterfactual
     from elm_memory.eval.metrics import summarize_online
     from elm_memory.eval.paired import markdown_paired, paired_curves, paired_summaries
@@ -280,6 +281,11 @@ def finish(
     if stream_records(records):  # a stream memory's rows: test part = the stream's second half
         stream = summarize_stream([records], warmup=warmup_of(records))
         table += "\n" + markdown_stream(stream)
+    amortized = None
+    if amortized_report.amortized_records(records):  # the amortized turn's rows: test part = the second half
+        amortized_warmup = amortized_report.warmup_of(records)
+        amortized = amortized_report.summarize_amortized([records], [amortized_warmup])
+        table += amortized_report.markdown_amortized(amortized)
     write_json_atomic(out / "summary.json", summary)
     write_json_atomic(
         out / "comparisons.json",
@@ -288,6 +294,7 @@ def finish(
             "self_consistency_counterfactual": counterfactuals,
             "paired": paired,
             **({"stream": stream} if stream is not None else {}),
+            **({"amortized": amortized} if amortized is not None else {}),
         },
     )
     (out / "results.md").write_text(table + "\n", encoding="utf-8")
@@ -296,4 +303,7 @@ def finish(
         written = plot_online(records, out, paired_curves(records, list(summary), config or {}))
         if stream is not None and (path := plot_stream(records, out, warmup=stream["warmup"])) is not None:
             written.append(path)
+        if amortized is not None:
+            path = amortized_report.plot_amortized(records, out, warmup=amortized_warmup)
+            written += [path] if path is not None else []
     return StreamResult(out_dir=out, summary=summary, records=records, plots=list(written), table=table)

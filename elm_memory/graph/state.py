@@ -61,7 +61,7 @@ class ELMOutput(TypedDict, total=False):
     namespace: str  # the namespace the run used
     answer: str | None
     response: str
-    route: str  # "zero_shot" | "agree" | "answered" | "verifier" | "vote"
+    route: str  # "zero_shot" | "agree" | "answered" | "verifier" | "vote" | "stream" (the stream memory alone)
     memory_id: str | None
     similarity: float | None
     gate: GateState | None
@@ -74,6 +74,8 @@ class ELMOutput(TypedDict, total=False):
     verifier_sample_answers: list[str | None]
     # stream.mode stream/both: what the stream memory's update did (version used and written, label, skip)
     stream_update: dict[str, Any] | None
+    # stream.mode stream/both: how the answer was made (mode, gate state, probe, version, tokens generated)
+    stream_turn: dict[str, Any] | None
 
 
 class ELMState(ELMInput, ELMOutput, total=False):

@@ -4,23 +4,19 @@ Same wiring and node names as the per-question graph::
 
     retrieve -> dual_generate -> route -> verify -> respond -> learn_memory
 
-- ``dual_generate`` draws, in one batched call, zero-shot's greedy answer, the stream memory's greedy answer
-  and the ``consistency`` verifier's k seeded samples *under the stream memory* (on-policy; with
-  ``learn_from: zero_shot``, without it), plus the retrieved memory's answer in ``both`` mode;
-- ``verify`` (route ``vote``) returns the vote of the stream memory's greedy answer and the samples (``both``:
-  with the retrieved memory's answer as one more vote): self-consistency's compute, with the memory in it;
-- ``learn_memory`` updates the stream memory once from those generations, labelled by that vote (no decode of
-  its own; with ``zero_shot``, from zero-shot's rows and their own vote, below), and in ``both`` mode also
-  submits the per-question job.
+Each node runs one phase of the question's :class:`~elm_memory.graph.stream_turn.StreamTurn` (which rows to draw,
+what to answer, what to learn), the object the evaluation runs too; the turn travels between the nodes as JSON in
+the state's ``stream`` key:
+
+- ``dual_generate`` plans the turn (``stream.serving`` and the gate's state decide the rows) and draws its rows in
+  one batched call (and, when a serving memory gave no boxed answer, the vote's rows in a second);
+- ``route`` returns the memory's answer when it answers alone (route ``stream``), else routes to the vote;
+- ``verify`` (route ``vote``) returns the turn's vote;
+- ``learn_memory`` updates the stream memory from the turn's spent rows (and, in ``both`` mode, submits the
+  per-question job).
 
 With ``stream.clusters`` > 1 the question's retrieval key picks (or opens) a cluster of the namespace, and that
 cluster's stream memory answers and learns (:mod:`elm_memory.retrieval.stream_clusters`).
-
-Zero-shot's greedy answer is kept beside them: the collapse guard compares the memory's unboxed share with it.
-
-With ``stream.learn_from: zero_shot`` the samples are drawn without the memory; the vote is still the memory's
-greedy answer among them, but the memory learns from zero-shot's greedy answer and the samples, labelled by
-their own vote (self-consistency's), so its label cannot drift with it; the guard watches its greedy answer.
 """
 
 from __future__ import annotations
@@ -31,32 +27,32 @@ from typing import Any
 from langchain_core.runnables import RunnableConfig
 from langgraph.runtime import Runtime
 
-from elm_memory.answers import equivalent, extract_answer
-from elm_memory.answers.vote import plurality_vote
-from elm_memory.backends.base import GenerateRequest, generate_requests
+from elm_memory.backends.base import generate_requests
 from elm_memory.errors import ConfigError
 from elm_memory.graph.context import ELMRunContext
-from elm_memory.graph.nodes import ELMNodes, _elapsed, _warning, answer_params, candidate_state
+from elm_memory.graph.nodes import ELMNodes, _elapsed, _warning, answer_params
 from elm_memory.graph.routing import VOTE
-from elm_memory.graph.state import ELMState
+from elm_memory.graph.state import CandidateState, ELMState
+from elm_memory.graph.stream_turn import MEMORY, MEMORY_PROBE, RETRIEVED, STREAM, ZERO_SHOT, StreamTurn
 from elm_memory.retrieval.stream_clusters import StreamClusters, cluster_namespace
 from elm_memory.store.stream_files import stream_root
 from elm_memory.training.stream import StreamMemory
-from elm_memory.training.stream_samples import Generated, answer_budget_samples
 from elm_memory.verifiers.base import SamplingVerifier
 from elm_memory.verifiers.consistency import agreement_scores
 
-#: The route a stream-memory answer reports (the vote of its own generations).
+#: The route of an answer the stream memory's greedy answer gave alone (``stream.serving: amortized``, gate open),
+#: and the kind of its candidate.
 STREAM_KIND = "stream"
 
 
 class StreamNodes(ELMNodes):
-    """:class:`ELMNodes` with the stream memory answering and learning."""
+    """:class:`ELMNodes` with the stream memory answering and learning, through :class:`StreamTurn`."""
 
     def retrieve(self, state: ELMState, runtime: Runtime[ELMRunContext], config: RunnableConfig) -> dict[str, Any]:
         update = super().retrieve(state, runtime, config)
         if self.services.config.stream.mode == "stream":  # per-question memories are not used in this mode
             update.update(memory_id=None, similarity=None, gate=None)
+        update["stream_turn"] = None
         return update
 
     def _sampler(self) -> SamplingVerifier:
@@ -77,30 +73,35 @@ class StreamNodes(ELMNodes):
         stream = svc.stream_memory(stream_namespace)
         prompt = svc.prompts.answer_prompt(question, memory_tokens=cfg.memory.num_tokens)
         rows, kinds, memory_id, warnings = self._candidate_rows(prompt, state.get("memory_id"))
-        version, at = stream.version, prompt.memory_at
-        rows += stream.serve([prompt.zero_shot()], at)  # the serving version's greedy answer
-        kinds.append(STREAM_KIND)
         params = answer_params(cfg, prompt, svc.backend.info.max_context)
-        samples, sample_params = answer_budget_samples(self._sampler(), question, prompt, params)
-        if cfg.stream.learn_from == "own":  # on-policy: the samples the memory learns from are its own
-            samples = stream.serve(samples, at)
-        requests: list[GenerateRequest] = [(rows, params), (samples, sample_params)]
-        greedy_groups, sample_groups = generate_requests(svc.backend, requests)
-        greedy = [gens[0] for gens in greedy_groups]
-        drawn = [g for gens in sample_groups for g in gens]
-        candidates = [candidate_state(kind, gen) for kind, gen in zip(kinds, greedy, strict=True)]
-        answers = [extract_answer(g.text) for g in drawn]
+        sampler = self._sampler()
+        turn = StreamTurn.plan(cfg, stream, question, stream_namespace)
+        requests, greedy = turn.requests(cfg, stream, prompt, params, sampler, extra=rows[1:])
+        turn.read(generate_requests(svc.backend, requests), greedy)
+        if turn.needs_fallback:
+            warnings += _warning("the stream memory's answer has no \\boxed{}: answering by the vote")
+            turn.read_fallback(generate_requests(svc.backend, turn.fallback_requests(prompt, params, sampler)))
+        order = [ZERO_SHOT, RETRIEVED, STREAM]
+        candidates = [
+            CandidateState(
+                kind=name,
+                answer=row.answer,
+                response=row.text,
+                token_ids=list(row.token_ids),
+                finish_reason=row.finish_reason,
+                score=None,
+            )
+            for name in order
+            if (row := turn.rows.get(name)) is not None and row.spent
+        ]
+        spent = [s for s in turn.samples if s.spent]
         return {
             "candidates": candidates,
-            "memory_id": memory_id,
-            "presampled_answers": answers,
-            "presampled_responses": [g.text for g in drawn],
-            "stream": {
-                "namespace": stream_namespace,
-                "cluster": cluster,
-                "version": version,
-                "samples": [{"token_ids": list(g.token_ids), "answer": a} for g, a in zip(drawn, answers, strict=True)],
-            },
+            "memory_id": memory_id if RETRIEVED in turn.rows else None,
+            "presampled_answers": [s.answer for s in spent] if spent else None,
+            "presampled_responses": [s.text for s in spent] if spent else None,
+            "stream": {"namespace": stream_namespace, "cluster": cluster, "turn": turn.to_state()},
+            "stream_turn": turn.summary(),
             "warnings": warnings,
             "timings": _elapsed("dual_generate", t0),
         }
@@ -127,67 +128,61 @@ class StreamNodes(ELMNodes):
         return cluster_namespace(namespace, index), {"index": index, "similarity": similarity}
 
     def route(self, state: ELMState) -> dict[str, Any]:
-        return {"route": VOTE, "timings": _elapsed("route", time.perf_counter())}
+        t0 = time.perf_counter()
+        turn = StreamTurn.from_state((state.get("stream") or {})["turn"])
+        if turn.mode in (MEMORY, MEMORY_PROBE):  # the memory's greedy answer alone
+            return {"route": STREAM_KIND, "answer": turn.answer, "response": turn.response, **_timed("route", t0)}
+        return {"route": VOTE, **_timed("route", t0)}
 
     def vote(self, state: ELMState) -> dict[str, Any]:
-        """The stream memory's greedy answer and the samples (``both``: and the retrieved memory's answer)."""
+        """The turn's vote (serving ``vote``: the memory's greedy answer and the samples, and in ``both`` mode the
+        retrieved memory's; ``amortized``: zero-shot's and the samples). Each candidate's score: its share of them."""
         t0 = time.perf_counter()
+        turn = StreamTurn.from_state((state.get("stream") or {})["turn"])
         candidates: list[dict[str, Any]] = [dict(c) for c in state["candidates"]]
-        mine = next(c for c in candidates if c["kind"] == STREAM_KIND)
-        memory = next((c for c in candidates if c["kind"] == "memory"), None)
-        samples = list(state.get("presampled_answers") or [])
-        texts = list(state.get("presampled_responses") or [])
-        votes: list[str | None] = samples + ([memory["answer"]] if memory is not None else [])
-        winner = plurality_vote(votes, mine["answer"], with_greedy=True)
-        scores = agreement_scores([c["answer"] for c in candidates], [mine["answer"], *votes])
+        samples = [s.answer for s in turn.samples if s.spent]
+        greedy = turn.rows[STREAM if turn.serving == "vote" else ZERO_SHOT].answer
+        extra = [turn.rows[RETRIEVED].answer] if RETRIEVED in turn.rows else []
+        scores = agreement_scores([c["answer"] for c in candidates], [greedy, *samples, *extra])
         for c, score in zip(candidates, scores, strict=True):
             c["score"] = score
-        voters = [(mine["answer"], mine["response"]), *zip(samples, texts, strict=True)]
-        if memory is not None:
-            voters.append((memory["answer"], memory["response"]))
-        response = next(
-            (text for answer, text in voters if winner is not None and equivalent(answer, winner)), mine["response"]
-        )
         return {
-            "answer": winner,
-            "response": response,
+            "answer": turn.answer,
+            "response": turn.response,
             "candidates": candidates,
             "verifier_sample_answers": samples,
             "timings": _elapsed("verify", t0),
         }
 
     def learn_memory(self, state: ELMState) -> dict[str, Any]:
-        """Update the stream memory from this question's generations (``both``: and submit the per-question job)."""
+        """Update the stream memory from this question's turn (``both``: and submit the per-question job)."""
         out: dict[str, Any] = super().learn_memory(state) if self.services.config.stream.mode == "both" else {}
         svc = self.services
         info = state.get("stream") or {}
         try:
             stream = svc.stream_memory(info["namespace"])
-            mine = next(c for c in state["candidates"] if c["kind"] == STREAM_KIND)
-            zero = state["candidates"][0]
-            drawn = [Generated(s["token_ids"], s["answer"], sampled=True) for s in info["samples"]]
-            if svc.config.stream.learn_from == "own":
-                generations = [Generated(mine["token_ids"], mine["answer"], sampled=False), *drawn]
-                label, served = state.get("answer"), None
-            else:  # zero-shot's rows and their vote (self-consistency's); the guard watches the memory's answer
-                generations = [Generated(zero["token_ids"], zero["answer"], sampled=False), *drawn]
-                label = plurality_vote([g.answer for g in drawn], zero["answer"], with_greedy=True)
-                served = [mine["answer"]]
+            turn = StreamTurn.from_state(info["turn"])
             prompt = svc.prompts.answer_prompt(state["question"], memory_tokens=svc.config.memory.num_tokens)
-            update = stream.learn(
-                state["question"],
-                prompt.token_ids,
-                prompt.memory_at,
-                generations,
-                label=label,
-                version_used=info["version"],
-                zero_shot_answer=zero["answer"],
-                served_answers=served,
-            )
-            out["stream_update"] = {**update.to_dict(), "namespace": info["namespace"], "cluster": info.get("cluster")}
+            update = turn.learn(svc.config, stream, prompt)
+            if update is None:
+                out["stream_update"] = {
+                    "skipped": "not_probed",
+                    "version": stream.version,
+                    "namespace": info["namespace"],
+                }
+            else:
+                out["stream_update"] = {
+                    **update.to_dict(),
+                    "namespace": info["namespace"],
+                    "cluster": info.get("cluster"),
+                }
         except Exception as exc:  # the answer is out already: a failed update is a warning, the last version serves
             out["warnings"] = [*out.get("warnings", []), *_warning(f"stream memory update failed: {exc}")]
         return out
+
+
+def _timed(name: str, t0: float) -> dict[str, Any]:
+    return {"timings": _elapsed(name, t0)}
 
 
 def stream_memories(config: Any, loaded: Any, backend: Any = None) -> Any:

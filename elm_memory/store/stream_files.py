@@ -3,23 +3,29 @@
 ::
 
     <root>/<namespace folder>/   (the namespace made safe as a folder name, plus its hash: see folder_name)
-        v000007.safetensors        the memory (a LatentMemory file: soft prompt + metadata, history included)
+        v000007.safetensors        the memory (a LatentMemory file: tensors + metadata, its own history entry)
         v000007.optim.safetensors  its optimizer's moments, so another process continues the same run
                                    (the newest MOMENTS_KEPT versions only: see prune_moments)
         CURRENT                    the version that serves ("7"), replaced atomically
+        history.jsonl              every update, rollback and gate decision, one JSON line each, appended
+        gate.json                  the amortization gate's state (stream.serving: amortized)
         .lock                      held by whoever writes a version
 
 Every update writes a new version and only then moves ``CURRENT``: until the new file is durable the previous
 version serves, and a crash mid-write leaves at most an orphan file that is never served. Versions are never
 rewritten; a rollback is a new version holding an earlier one's tensor. :func:`delete_stream` removes them all (the
-next learner starts again at version 0). :meth:`StreamFiles.prune` deletes all but
-the newest versions (``stream.keep_versions``): each file carries the whole history, so the newest keeps the
-record of every update.
+next learner starts again at version 0). :meth:`StreamFiles.prune` deletes all but the newest versions
+(``stream.keep_versions``) and the ones pinned (the version the gate approved): the history lives in its own
+append-only log, so pruning loses no record, and a version's header stays the same size however long the stream.
+The log is appended after ``CURRENT`` moves; a crash in between loses no entry, since the serving version's
+header holds its own and :meth:`StreamFiles.read_history` adds it back.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -37,6 +43,8 @@ from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import validate_namespace
 
 _VERSION = re.compile(r"^v(\d{6})\.safetensors$")
+HISTORY_FILE = "history.jsonl"
+GATE_FILE = "gate.json"
 #: Versions whose optimizer moments are kept: a resumed evaluation restores at most the version before the newest
 #: (its last record's), and a rollback starts a fresh optimizer; a LoRA's moments are twice its own size.
 MOMENTS_KEPT = 2
@@ -111,10 +119,83 @@ class StreamFiles:
         write_bytes_atomic(self.dir / "CURRENT", f"{version}\n".encode("ascii"))
         return path
 
+    # -- the history log and the gate's state ----------------------------------------------------
+    def append_history(self, entries: list[dict[str, Any]]) -> None:
+        """Append entries to the history log, durably (a tail cut short by a crash is dropped first). Call under
+        :meth:`lock`."""
+        if not entries:
+            return
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self._drop_cut_tail()
+        data = "".join(json.dumps(e, separators=(",", ":")) + "\n" for e in entries).encode()
+        with open(self.dir / HISTORY_FILE, "ab") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+
+    def _drop_cut_tail(self) -> None:
+        path = self.dir / HISTORY_FILE
+        if not path.exists():
+            return
+        data = path.read_bytes()
+        if data and not data.endswith(b"\n"):
+            with open(path, "r+b") as f:
+                f.truncate(data.rfind(b"\n") + 1)
+
+    def read_history(self, serving: LatentMemory | None = None) -> list[dict[str, Any]]:
+        """Every entry of the log, oldest first (a pure read). A last line cut short by a crash is left out;
+        ``serving`` (the current version's memory) adds its own entry when the log lost it (:meth:`repair_history`
+        writes it back). Files written before the log existed carry the whole history in their header: that is
+        read instead."""
+        path = self.dir / HISTORY_FILE
+        entries: list[dict[str, Any]] = []
+        if path.exists():
+            data = path.read_bytes()
+            complete = data[: data.rfind(b"\n") + 1]  # a crash mid-append leaves at most one cut line, last
+            for i, line in enumerate(complete.split(b"\n")):
+                if line.strip():
+                    try:
+                        entries.append(json.loads(line))
+                    except json.JSONDecodeError:
+                        raise MemoryFormatError(f"stream memory {path}: line {i + 1} is not JSON") from None
+        meta = (serving.meta.config.get("stream", {}) if serving is not None else {}) or {}
+        if not entries and meta.get("history"):
+            return list(meta["history"])  # an older file: the header held the whole history
+        own = meta.get("entry")
+        if own is not None and not any(e.get("version") == own.get("version") for e in entries):
+            entries.append(own)
+        return entries
+
+    def repair_history(self, serving: LatentMemory) -> list[dict[str, Any]]:
+        """:meth:`read_history`, writing back what it recovered (the serving version's own entry; an older file's
+        whole history, so the log holds it from now on). Call under :meth:`lock`."""
+        logged = self.read_history()
+        entries = self.read_history(serving)
+        if len(entries) > len(logged):
+            self.append_history(entries[len(logged) :])
+        return entries
+
+    def read_gate(self) -> dict[str, Any] | None:
+        """The gate's stored state (None: never written)."""
+        try:
+            return dict(json.loads((self.dir / GATE_FILE).read_text(encoding="utf-8")))
+        except FileNotFoundError:
+            return None
+        except json.JSONDecodeError as exc:
+            raise MemoryFormatError(f"stream memory {self.dir}: {GATE_FILE} is not JSON ({exc})") from None
+
+    def write_gate(self, state: dict[str, Any]) -> None:
+        """Replace the gate's state atomically. Call under :meth:`lock`."""
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(self.dir / GATE_FILE, json.dumps(state, indent=1).encode())
+
     def delete(self) -> list[int]:
-        """Delete the pointer, then every version (the lock file stays). Call under :meth:`lock`."""
+        """Delete the pointer, then every version, the log and the gate (the lock file stays). Call under
+        :meth:`lock`."""
         removed = self.versions()
         (self.dir / "CURRENT").unlink(missing_ok=True)  # first: from here on no version serves
+        (self.dir / HISTORY_FILE).unlink(missing_ok=True)
+        (self.dir / GATE_FILE).unlink(missing_ok=True)
         for version in removed:
             path = self.path(version)
             path.with_suffix(".optim.safetensors").unlink(missing_ok=True)
@@ -136,12 +217,14 @@ class StreamFiles:
                 dropped.append(version)
         return dropped
 
-    def prune(self, keep: int) -> list[int]:
-        """Delete every version but the newest ``keep`` (and the one that serves). Call under :meth:`lock`."""
+    def prune(self, keep: int, pinned: set[int] | None = None) -> list[int]:
+        """Delete every version but the newest ``keep``, the one that serves and the ``pinned`` ones (the version
+        the gate approved). Call under :meth:`lock`."""
         if keep <= 0:
             return []
         current = self.current_version()
-        doomed = [v for v in self.versions()[:-keep] if v != current]
+        spared = {current, *(pinned or ())}
+        doomed = [v for v in self.versions()[:-keep] if v not in spared]
         for version in doomed:
             path = self.path(version)
             path.with_suffix(".optim.safetensors").unlink(missing_ok=True)
@@ -174,9 +257,12 @@ def list_streams(root: str | Path) -> list[dict[str, Any]]:
     for current in sorted(base.glob("*/CURRENT")):
         version = int(current.read_text(encoding="ascii").strip())
         path = current.parent / f"v{version:06d}.safetensors"
-        meta = LatentMemory.load(path).meta
+        memory = LatentMemory.load(path)
+        meta = memory.meta
         stream = meta.config.get("stream", {})
-        history = stream.get("history", [])
+        files = StreamFiles(base, meta.namespace)
+        history = files.read_history(memory)
+        gate = files.read_gate()
         out.append(
             {
                 "namespace": meta.namespace,
@@ -186,6 +272,8 @@ def list_streams(root: str | Path) -> list[dict[str, Any]]:
                 "kind": meta.kind,
                 "objective": stream.get("objective"),
                 **updates_and_rollbacks(history),
+                "serving": stream.get("recipe", {}).get("serving", "vote"),
+                "gate": gate_summary(gate, history),
                 "created_at": meta.created_at,
                 "path": str(path),
             }
@@ -203,6 +291,19 @@ def updates_and_rollbacks(history: list[dict[str, Any]]) -> dict[str, Any]:
             for h in history
             if h.get("rollback_to") is not None
         ],
+    }
+
+
+def gate_summary(gate: dict[str, Any] | None, history: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The gate's state and every decision it made, with why (None: no gate ran)."""
+    if gate is None:
+        return None
+    return {
+        "state": gate.get("state"),
+        "approved_version": gate.get("approved_version"),
+        "readings": gate.get("total_readings", 0),
+        "outcomes": gate.get("counts", {}),
+        "decisions": [h["gate"] for h in history if "gate" in h],
     }
 
 

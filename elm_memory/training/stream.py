@@ -1,22 +1,15 @@
 """Where a stream memory is trained: one latent memory per namespace (a soft prompt, or a LoRA with
-``stream.kind: lora``) that every answered question updates once, from the generations the answer path already
-drew with it (no decode of its own unless ``stream.replay_samples`` re-samples replay); with
-``stream.learn_from: zero_shot``, from zero-shot's greedy answer and the samples drawn without it, labelled by
-self-consistency's vote.
+``stream.kind: lora``) that answered questions update, from the generations the answer path already drew (no
+decode of its own unless ``stream.replay_samples`` re-samples replay): the memory's greedy answer and samples, or
+with ``stream.learn_from: zero_shot`` zero-shot's, labelled by their vote. One update is ``grpo`` (Dr.GRPO on the
+samples, reward 1 where a sample equals the label; skipped when all rewards are equal) or ``sft`` (the mean
+log-likelihood of the rows that agree with the label), each question weighted by its vote's margin, then clipping
+and one AdamW step, the base model frozen. A non-finite loss or result leaves the serving version as it was.
 
-One update, given a question's prompt, the rows it learns from (the memory's greedy answer and samples, drawn
-with the version that serves; or zero-shot's) and the label (those rows' vote):
-
-- ``grpo``: Dr.GRPO on the samples, reward 1 where a sample's answer equals the label, advantage r - mean(r);
-  skipped when every sample gets the same reward (no gradient);
-- ``sft``: self-distillation, the mean log-likelihood of the generations (greedy and samples) that agree with
-  the label; skipped when none does;
-
-then gradient clipping and one AdamW step on the memory's tensors, the base model frozen. A non-finite loss or
-result leaves the serving version as it was. Every applied update is written as a new version
-(:class:`~elm_memory.store.stream_files.StreamFiles`) under a file lock, after re-reading the newest version,
-so two learners of one namespace serialise. The collapse guard (:mod:`.stream_guard`) reads each question's
-answers and rolls the memory back to an earlier version when a planned threshold breaks.
+Every applied update is a new version (:class:`~elm_memory.store.stream_files.StreamFiles`) written under a file
+lock after re-reading the newest, so two learners of one namespace serialise. The collapse guard
+(:mod:`.stream_guard`) rolls the memory back when a planned threshold breaks; the amortization gate
+(:mod:`.stream_gate`) decides when the memory answers alone, and on closing restores the version it approved.
 """
 
 from __future__ import annotations
@@ -26,7 +19,6 @@ import json
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,44 +27,31 @@ import torch
 from elm_memory.answers import equivalent
 from elm_memory.atomic import write_bytes_atomic
 from elm_memory.backends.base import PromptInput
-from elm_memory.backends.teacher_forcing import completion_logprobs
 from elm_memory.config import ELMConfig
 from elm_memory.errors import ConfigError, MemoryKindError, NonFiniteError
 from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import question_hash
-from elm_memory.memory.init import init_soft_prompt
 from elm_memory.memory.kinds import LORA, SOFT_PROMPT
 from elm_memory.memory.lora import LoraAdapter
 from elm_memory.models.loading import LoadedModel
-from elm_memory.store.stream_files import StreamFiles, updates_and_rollbacks
-from elm_memory.training.losses import policy_loss, sft_loss
+from elm_memory.store.stream_files import StreamFiles, gate_summary, updates_and_rollbacks
+from elm_memory.training.stream_gate import PROBATION, AmortizationGate, GateReading
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
 from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample_kept
 from elm_memory.training.stream_samples import Generated, learnable_rows, own_vote, under_soft_prompt
+from elm_memory.training.stream_step import (
+    StreamUpdate,
+    _parameters,
+    backward_rows,
+    initial_stream_tensors,
+    optimizer_moments,
+    set_optimizer_moments,
+)
+
+__all__ = ["STREAM_QUESTION", "StreamMemory", "StreamUpdate"]
 
 #: What a stream memory's file says it is (its ``question`` field: a stream memory has no one question).
 STREAM_QUESTION = "stream memory of namespace {namespace}"
-
-
-@dataclass
-class StreamUpdate:
-    """What one question did to the stream memory (recorded with the answer)."""
-
-    version_used: int  # the version that drew the generations
-    version: int  # the version that serves after this question
-    label: str | None
-    rewards: list[float] = field(default_factory=list)
-    applied: bool = False
-    # why no update: "uniform_rewards" | "no_agreeing" | "weak_label" | "rolled_back" | "stream_deleted" | ...
-    skipped: str | None = None
-    loss: float | None = None
-    grad_norm: float | None = None
-    moved: float | None = None  # ||memory - init|| / ||init|| after the update (all its tensors)
-    seconds: float = 0.0
-    guard: dict[str, Any] | None = None  # the window's verdict, when this question closed one
-
-    def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
 
 
 class StreamMemory:
@@ -118,29 +97,29 @@ class StreamMemory:
         )
 
     def _start(self) -> None:
-        """Write version 0, the untrained memory with a fresh guard (a new namespace, or a deleted stream memory)."""
+        """Write version 0, the untrained memory with a fresh guard and gate (a new namespace, or a deleted stream
+        memory)."""
         self.guard = self._new_guard()
+        self.gate = self._gate_of(None)
         self.replay = ReplayBuffer.for_config(self.cfg)
         self.params = _parameters(self.init)
-        self._write(0, history=[], optim={})
+        self.version = 0
+        self._write(0, entry=None, optim={})
+
+    def _gate_of(self, state: dict[str, Any] | None) -> AmortizationGate:
+        return AmortizationGate.from_json(
+            state, margin=self.cfg.gate_margin, alpha=self.cfg.gate_alpha, min_questions=self.cfg.gate_min_questions
+        )
+
+    def read_gate_state(self) -> str:
+        """``warmup`` | ``serving`` | ``probation`` on disk now (a cheap read, no lock: what a turn plans with)."""
+        stored = self.files.read_gate()
+        return str(stored.get("state", self.gate.state)) if stored else self.gate.state
 
     # -- state -----------------------------------------------------------------------
-    def initial_soft_prompt(self) -> torch.Tensor:
-        """The untrained soft-prompt memory: the format instruction's token embeddings, tiled to k (or random)."""
-        k = self.config.memory.num_tokens
-        ids = self.loaded.tokenizer(self.cfg.format_instruction, add_special_tokens=False)["input_ids"]
-        mode = "question" if self.cfg.init == "instruction" else "random"
-        return init_soft_prompt(self.loaded.model.get_input_embeddings(), ids, k, mode, self.config.training.seed)
-
     def initial_tensors(self) -> dict[str, torch.Tensor]:
         """The untrained memory's tensors by name: a soft prompt, or a LoRA with B = 0 (the base model)."""
-        if self.kind == SOFT_PROMPT:
-            return {"soft_prompt": self.initial_soft_prompt()}
-        m = self.config.memory
-        lora = LoraAdapter.initial(
-            self.loaded.model, rank=m.lora_rank, alpha=m.lora_alpha, seed=self.config.training.seed
-        )
-        return lora.tensors()
+        return initial_stream_tensors(self.config, self.loaded, self.kind)
 
     @property
     def init_is_base_model(self) -> bool:
@@ -194,7 +173,8 @@ class StreamMemory:
             )
         meta = memory.meta.config["stream"]
         self.version = int(meta["version"])
-        self.history: list[dict[str, Any]] = list(meta.get("history", []))
+        self.history: list[dict[str, Any]] = self.files.repair_history(memory)  # callers hold the lock
+        self.gate = self._gate_of(self.files.read_gate())
         self.params = _parameters(memory.params)
         self.replay = self._replay_of(memory)
         self._new_optimizer(optim)
@@ -213,21 +193,10 @@ class StreamMemory:
             self._set_optimizer_state(state)
 
     def _optimizer_state(self) -> dict[str, torch.Tensor]:
-        """The moments by name (a soft prompt's unprefixed, as its files have always held them)."""
-        out = {}
-        for name, p in self.params.items():
-            for key, value in self.optim.state.get(p, {}).items():
-                out[key if self.kind == SOFT_PROMPT else f"{name}/{key}"] = value.detach().clone()
-        return out
+        return optimizer_moments(self.optim, self.params, prefixed=self.kind != SOFT_PROMPT)
 
     def _set_optimizer_state(self, state: dict[str, torch.Tensor]) -> None:
-        for name, p in self.params.items():
-            if self.kind == SOFT_PROMPT:
-                mine = state
-            else:
-                mine = {k.split("/", 1)[1]: v for k, v in state.items() if k.split("/", 1)[0] == name}
-            if mine:
-                self.optim.state[p] = {k: v.clone() for k, v in mine.items()}
+        set_optimizer_moments(self.optim, self.params, state, prefixed=self.kind != SOFT_PROMPT)
 
     def _copy_in(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set the memory's tensors to ``tensors`` (an earlier version's), in place."""
@@ -259,14 +228,25 @@ class StreamMemory:
                 self.pooled = []  # drawn with versions that have since been rolled back
         return False
 
-    def _write(self, version: int, *, history: list[dict[str, Any]], optim: dict[str, torch.Tensor]) -> None:
+    def pinned_versions(self) -> set[int]:
+        """The versions a rollback may return to, kept whatever ``stream.keep_versions`` says: the one the gate
+        approved, and the one that answered the guard window's first question (the current one when the window
+        is empty)."""
+        pinned = {self.guard.pending[0].version if self.guard.pending else self.version}
+        if self.gate.approved_version is not None:
+            pinned.add(self.gate.approved_version)
+        return pinned
+
+    def _write(self, version: int, *, entry: dict[str, Any] | None, optim: dict[str, torch.Tensor]) -> None:
+        """Write ``version`` (its header holds its own history entry, not the whole history), then append the entry
+        to the namespace's log and prune."""
         info = self.loaded.info
         meta = {
             "version": version,
             "namespace": self.namespace,
             "objective": self.cfg.objective,
             "recipe": self.cfg.model_dump(mode="json"),
-            "history": history,
+            "entry": entry,
             "guard": self.guard.state(),
             **({"replay": self.replay.to_json()} if self.cfg.replay else {}),
         }
@@ -280,7 +260,9 @@ class StreamMemory:
             memory_id=uuid.uuid4().hex,  # a memory id is hex; the version is in the metadata
         )
         self.files.write(version, memory, optim)
-        self.files.prune(self.cfg.versions_to_keep)
+        if entry is not None:
+            self.files.append_history([entry])
+        self.files.prune(self.cfg.versions_to_keep, pinned=self.pinned_versions() | {version})
         self.files.prune_moments()
 
     # -- learning ----------------------------------------------------------------------
@@ -295,10 +277,13 @@ class StreamMemory:
         version_used: int,
         zero_shot_answer: str | None,
         served_answers: Sequence[str | None] | None = None,
+        gate_reading: GateReading | None = None,
+        margin: float = 1.0,
     ) -> StreamUpdate:
-        """Read the question's answers into the guard, then update the memory once from ``generations`` (under
-        the lock). ``served_answers``: what the memory itself answered (greedy first, then its samples), when
-        ``generations`` are not its own (``stream.learn_from: zero_shot``): the guard watches the memory."""
+        """Read the question's answers into the guard (and ``gate_reading`` into the gate), then update the memory
+        once from ``generations`` (under the lock). ``served_answers``: what the memory itself answered (greedy
+        first, then its samples), when ``generations`` are not its own (``stream.learn_from: zero_shot``): the guard
+        watches the memory. ``margin``: the label's vote margin, the question's weight in the update."""
         t0 = time.perf_counter()
         with self.files.lock():
             deleted = self.refresh()
@@ -307,20 +292,42 @@ class StreamMemory:
                 update.skipped = "stream_deleted"
                 update.seconds = round(time.perf_counter() - t0, 3)
                 return update
+            closed = False
+            if gate_reading is not None:
+                closed = self._read_gate(update, gate_reading, version_used, question)
             served = list(served_answers) if served_answers is not None else [g.answer for g in generations]
             verdict = self.guard.observe(Observation(version_used, served, zero_shot_answer, own_vote(served)))
             if verdict is not None:
                 update.guard = verdict.to_dict()
-            if verdict is not None and verdict.rollback_to is not None:
+            if closed:  # drawn with the version the gate just stopped: the approved one serves again
+                update.skipped, update.version = "gate_closed", self.version
+            elif verdict is not None and verdict.rollback_to is not None:
                 self._roll_back(verdict, question)
                 update.skipped, update.version = "rolled_back", self.version
             elif any(v > version_used for v in self._rollback_versions()):
                 # drawn with a version that has been rolled back since: not the serving line's experience
                 update.skipped = "drawn_before_rollback"
             else:
-                self._update(update, question, prompt_ids, at, generations)
+                self._update(update, question, prompt_ids, at, generations, margin)
         update.seconds = round(time.perf_counter() - t0, 3)
         return update
+
+    def _read_gate(self, update: StreamUpdate, reading: GateReading, version_used: int, question: str) -> bool:
+        """One gate reading (under the lock); True when it closed the gate and the approved version serves again."""
+        decision = self.gate.observe(reading, version_used)
+        update.gate = {"outcome": reading.outcome, "vote": reading.vote, "state": self.gate.state}
+        closed = False
+        if decision is not None:
+            update.gate_decision = decision.to_dict()
+            entry = {"gate": decision.to_dict(), "at_version": self.version, "question_hash": question_hash(question)}
+            self.history.append(entry)
+            self.files.append_history([entry])
+            approved = decision.approved_version
+            if decision.state == PROBATION and approved is not None and approved != self.version:
+                self._restore(approved, reason=f"gate closed: {decision.reason}")
+                closed = True
+        self.files.write_gate(self.gate.to_json())
+        return closed
 
     def _rollback_versions(self) -> set[int]:
         return {h["version"] for h in self.history if h.get("rollback_to") is not None}
@@ -332,6 +339,7 @@ class StreamMemory:
         prompt_ids: Sequence[int],
         at: int,
         generations: Sequence[Generated],
+        margin: float = 1.0,
     ) -> None:
         label = update.label
         rewards = [1.0 if label is not None and equivalent(g.answer, label) else 0.0 for g in generations]
@@ -348,7 +356,7 @@ class StreamMemory:
             update.skipped = "uniform_rewards" if self.cfg.objective == "grpo" else "no_agreeing"
             return
         completions = [list(generations[i].token_ids) for i in rows]
-        self.pooled.append(PooledQuestion(question, prompt_ids, at, completions, weights, label, share))
+        self.pooled.append(PooledQuestion(question, prompt_ids, at, completions, weights, label, share, margin))
         if len(self.pooled) < self.cfg.update_every:
             update.skipped = f"pooled ({len(self.pooled)} of {self.cfg.update_every})"
             return
@@ -367,10 +375,19 @@ class StreamMemory:
         if replayed and self.cfg.replay_samples:
             replayed, drawn = resample_kept(replayed, self.config, self.backend, self.server, seed)
         items = batch + replayed
+        # each question weighs its vote's margin: within the step by its share of the loss, and the step itself by
+        # the items' mean margin through the learning rate (AdamW would undo a loss scale on its own)
+        margins = [max(b.margin, 1e-6) for b in items]
+        total = sum(margins)
         self.optim.zero_grad(set_to_none=True)
         try:
-            loss = sum(self._backward(b.prompt_ids, b.at, b.completions, b.weights, 1 / len(items)) for b in items)
+            loss = sum(
+                self._backward(b.prompt_ids, b.at, b.completions, b.weights, m / total)
+                for b, m in zip(items, margins, strict=True)
+            )
             norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.max_grad_norm))
+            for group in self.optim.param_groups:
+                group["lr"] = self.cfg.lr * total / len(items)
             self.optim.step()
             finite = all(bool(torch.isfinite(p).all()) for p in self.params.values())
             if not (finite and torch.isfinite(torch.tensor(norm))):
@@ -397,7 +414,7 @@ class StreamMemory:
         if self.cfg.replay:
             self.replay.add(batch)
         self.history.append(entry)
-        self._write(version, history=self.history, optim=self._optimizer_state())
+        self._write(version, entry=entry, optim=self._optimizer_state())
         self.version = version
         update.applied, update.version = True, version
         update.loss, update.grad_norm = round(loss, 6), round(norm, 6)
@@ -411,73 +428,59 @@ class StreamMemory:
         weights: torch.Tensor,
         scale: float = 1.0,
     ) -> float:
-        """Backward of the objective over ``completions`` (one row at a time: a CPU keeps the peak of one)."""
-        model = self.loaded.model
-        pad = self.loaded.tokenizer.pad_token_id or 0
         if self.kind == SOFT_PROMPT:
             prompt = PromptInput(tuple(prompt_ids), soft_prompt=self.soft, soft_prompt_at=at)
         else:  # gradients reach A and B through the hooks
             prompt = PromptInput(tuple(prompt_ids), memory=self.adapter(trainable=True))
-        total = 0.0
-        n = len(completions)
-        max_len = max(1, max(len(c) for c in completions))
-        for comp, weight in zip(completions, weights, strict=True):
-            logps, mask = completion_logprobs(model, [prompt], [comp], temperature=self.temperature, pad_id=pad)
-            if self.cfg.objective == "grpo":
-                loss, _ = policy_loss(
-                    logps,
-                    None,
-                    weight.reshape(1),
-                    mask,
-                    beta=0.0,
-                    loss_type="dr_grpo",
-                    max_completion_length=max_len,
-                    group_size=n,
-                )
-            else:
-                loss = sft_loss(logps, mask) / n
-            if not torch.isfinite(loss):
-                raise NonFiniteError(f"stream memory loss is {loss.item()}")
-            loss = loss * scale
-            loss.backward()
-            total += float(loss.item())
-        return total
+        return backward_rows(
+            self.loaded,
+            prompt,
+            completions,
+            weights,
+            objective=self.cfg.objective,
+            temperature=self.temperature,
+            scale=scale,
+        )
 
     def _roll_back(self, verdict: Verdict, question: str) -> None:
         """A new version holding the tensor of ``verdict.rollback_to``, with a fresh optimizer."""
         assert verdict.rollback_to is not None
         target, _ = self.files.read(verdict.rollback_to)
         version = self.version + 1
-        self.history.append(
-            {
-                "version": version,
-                "rollback_to": verdict.rollback_to,
-                "reasons": verdict.reasons,
-                "window": verdict.stats.to_dict(),
-                "question_hash": question_hash(question),
-            }
-        )
+        entry = {
+            "version": version,
+            "rollback_to": verdict.rollback_to,
+            "reasons": verdict.reasons,
+            "window": verdict.stats.to_dict(),
+            "question_hash": question_hash(question),
+        }
+        self.history.append(entry)
         self._copy_in(target.params)
         self._new_optimizer()
         self.replay = self._replay_of(target)
         self.pooled = []  # drawn with the versions rolled back
-        self._write(version, history=self.history, optim={})
+        self._write(version, entry=entry, optim={})
         self.version = version
 
     def restore_version(self, version: int, *, reason: str) -> None:
         """Serve ``version`` again (its tensor, and its optimizer moments where still kept: else a fresh optimizer)
         as a new version; the history says why."""
         with self.files.lock():
-            memory, optim = self.files.read(version)
-            new = self.files.current_version()
-            new = (new if new is not None else self.version) + 1
-            self.history.append({"version": new, "rollback_to": version, "reasons": [reason]})
-            self.pooled = []
-            self._copy_in(memory.params)
-            self.replay = self._replay_of(memory)
-            self._new_optimizer(optim)
-            self._write(new, history=self.history, optim=optim)
-            self.version = new
+            self._restore(version, reason=reason)
+
+    def _restore(self, version: int, *, reason: str) -> None:
+        """:meth:`restore_version` under the lock."""
+        memory, optim = self.files.read(version)
+        new = self.files.current_version()
+        new = (new if new is not None else self.version) + 1
+        entry = {"version": new, "rollback_to": version, "reasons": [reason]}
+        self.history.append(entry)
+        self.pooled = []
+        self._copy_in(memory.params)
+        self.replay = self._replay_of(memory)
+        self._new_optimizer(optim)
+        self._write(new, entry=entry, optim=optim)
+        self.version = new
 
     def summary(self) -> dict[str, Any]:
         """Kind, version, updates, rollbacks and distance from the init (for listings and records)."""
@@ -487,12 +490,8 @@ class StreamMemory:
             "version": self.version,
             **updates_and_rollbacks(self.history),
             "moved": round(self.moved(), 6),
+            "gate": gate_summary(self.files.read_gate(), self.history),
         }
 
     def write_summary(self, path: str | Path) -> None:
         write_bytes_atomic(path, json.dumps(self.summary(), indent=2).encode())
-
-
-def _parameters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
-    """Trainable float32 copies of a memory's tensors, by name."""
-    return {n: torch.nn.Parameter(t.detach().to(torch.float32).clone()) for n, t in tensors.items()}

@@ -59,6 +59,7 @@ class PooledQuestion:
     weights: torch.Tensor
     label: str
     share: float
+    margin: float = 1.0  # the question's weight in an update: its vote's margin (1: unweighted)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -69,6 +70,7 @@ class PooledQuestion:
             "weights": [float(w) for w in self.weights],
             "label": self.label,
             "share": self.share,
+            "margin": self.margin,
         }
 
     def history_entry(self) -> dict[str, Any]:
@@ -78,6 +80,7 @@ class PooledQuestion:
             "question_hash": question_hash(self.question),
             "label": self.label,
             "label_share": round(self.share, 4),
+            "label_margin": round(self.margin, 4),
         }
 
     @classmethod
@@ -90,6 +93,7 @@ class PooledQuestion:
             weights=torch.tensor([float(w) for w in data["weights"]], dtype=torch.float32),
             label=str(data["label"]),
             share=float(data["share"]),
+            margin=float(data.get("margin", 1.0)),
         )
 
 

@@ -29,3 +29,4 @@ eval_methods.register("elm_stream_objectives", "elm_memory.eval.methods.stream_m
 eval_methods.register("elm_stream_sources", "elm_memory.eval.methods.stream_method:elm_stream_sources")
 eval_methods.register("elm_stream_gold", "elm_memory.eval.methods.stream_method:elm_stream_gold")
 eval_methods.register("zero_shot_format", "elm_memory.eval.methods.stream_method:zero_shot_format")
+eval_methods.register("elm_amortized", "elm_memory.eval.methods.amortized_method:elm_amortized")

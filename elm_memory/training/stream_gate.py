@@ -1,0 +1,178 @@
+"""The amortization gate of a stream memory: decides, with no labels, when its greedy answer alone may answer.
+
+A question that draws the vote's samples (every question during warm-up and probation, a share ``probe_share`` of
+them while serving) gives the gate one paired reading: does the memory's greedy answer agree with the vote of the
+samples, and does zero-shot's greedy answer? Only the questions where exactly one of the two agrees (discordant
+pairs) carry information: ``win`` when it is the memory, ``loss`` when it is zero-shot. The samples' vote excludes
+both greedy answers, so neither is compared with a vote it is part of; a tied vote is no reading.
+
+Two one-sided CUSUM statistics (Page's test, a sequential probability ratio test that restarts at zero) read the
+discordant pairs:
+
+- **open** (warm-up or probation -> serving): H1 "the memory wins a share ``margin`` of discordant pairs" against
+  H0 "half". A win adds log(margin / 0.5), a loss log((1 - margin) / 0.5); the gate opens when the sum reaches
+  log(1 / alpha), and not before ``min_questions`` readings;
+- **close** (serving -> probation): the mirror image, H1 "zero-shot wins a share ``margin``"; when it reaches the
+  same threshold the gate closes, the answer path votes again and the memory returns to the version the gate
+  approved when it opened.
+
+Every change of state is a :class:`GateDecision` with the statistics that made it, kept in the namespace's history.
+Pure Python, no torch: the state is JSON, stored beside the memory's versions.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from elm_memory.answers import equivalent
+from elm_memory.answers.vote import vote_counts
+
+WARMUP, SERVING, PROBATION = "warmup", "serving", "probation"
+STATES = (WARMUP, SERVING, PROBATION)
+
+
+def samples_vote(samples: Sequence[str | None]) -> str | None:
+    """The samples' own vote, with no greedy answer in it: the answer strictly more samples gave than any other
+    (None on a tie or when none answered)."""
+    counts = sorted((n for _, n, _ in vote_counts(samples)), reverse=True)
+    if not counts or (len(counts) > 1 and counts[0] == counts[1]):
+        return None
+    return next(a for a, n, _ in vote_counts(samples) if n == counts[0])
+
+
+@dataclass(frozen=True)
+class GateReading:
+    """One probed question: the memory's and zero-shot's greedy answers against the samples' vote."""
+
+    memory_agrees: bool
+    zero_shot_agrees: bool
+    vote: str | None
+
+    @classmethod
+    def of(cls, memory: str | None, zero_shot: str | None, samples: Sequence[str | None]) -> GateReading:
+        vote = samples_vote(samples)
+        return cls(
+            memory_agrees=vote is not None and equivalent(memory, vote),
+            zero_shot_agrees=vote is not None and equivalent(zero_shot, vote),
+            vote=vote,
+        )
+
+    @property
+    def outcome(self) -> str:
+        """``win`` (only the memory agrees), ``loss`` (only zero-shot), ``tie`` (both or neither) or ``no_vote``."""
+        if self.vote is None:
+            return "no_vote"
+        if self.memory_agrees != self.zero_shot_agrees:
+            return "win" if self.memory_agrees else "loss"
+        return "tie"
+
+
+@dataclass
+class GateDecision:
+    """A change of the gate's state and why."""
+
+    state: str  # the new state
+    previous: str
+    reason: str
+    statistic: float
+    threshold: float
+    wins: int
+    losses: int
+    readings: int
+    approved_version: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class AmortizationGate:
+    """The gate's state and its two sequential statistics (see the module's docstring)."""
+
+    margin: float = 0.75
+    alpha: float = 0.05
+    min_questions: int = 16
+    state: str = WARMUP
+    open_stat: float = 0.0
+    close_stat: float = 0.0
+    readings: int = 0  # probed questions read since the last change of state
+    wins: int = 0  # discordant pairs since the last change of state
+    losses: int = 0
+    total_readings: int = 0
+    approved_version: int | None = None  # the version serving when the gate last opened
+    decisions: int = 0
+    counts: dict[str, int] = field(default_factory=dict)  # outcomes over the whole stream
+
+    def __post_init__(self) -> None:
+        if not 0.5 < self.margin < 1.0:
+            raise ValueError(f"the gate's margin is a share of discordant pairs above one half, got {self.margin}")
+        if not 0.0 < self.alpha < 0.5:
+            raise ValueError(f"the gate's alpha must be in (0, 0.5), got {self.alpha}")
+        if self.state not in STATES:
+            raise ValueError(f"unknown gate state {self.state!r}; one of {STATES}")
+
+    @property
+    def threshold(self) -> float:
+        return math.log(1.0 / self.alpha)
+
+    @property
+    def serving(self) -> bool:
+        """Whether the memory's greedy answer answers alone (with a share of probes)."""
+        return self.state == SERVING
+
+    def observe(self, reading: GateReading, version: int) -> GateDecision | None:
+        """Read one probed question (drawn with memory ``version``); the decision when the state changes."""
+        outcome = reading.outcome
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        self.readings += 1
+        self.total_readings += 1
+        up, down = math.log(self.margin / 0.5), math.log((1.0 - self.margin) / 0.5)
+        if outcome == "win":
+            self.wins += 1
+            self.open_stat = max(0.0, self.open_stat + up)
+            self.close_stat = max(0.0, self.close_stat + down)
+        elif outcome == "loss":
+            self.losses += 1
+            self.open_stat = max(0.0, self.open_stat + down)
+            self.close_stat = max(0.0, self.close_stat + up)
+        if self.state != SERVING and self.open_stat >= self.threshold and self.readings >= self.min_questions:
+            return self._change(SERVING, "memory agrees with the vote more often than zero-shot", version)
+        if self.state == SERVING and self.close_stat >= self.threshold:
+            return self._change(PROBATION, "zero-shot agrees with the vote more often than the memory", None)
+        return None
+
+    def _change(self, state: str, reason: str, version: int | None) -> GateDecision:
+        statistic = self.open_stat if state == SERVING else self.close_stat
+        decision = GateDecision(
+            state=state,
+            previous=self.state,
+            reason=reason,
+            statistic=round(statistic, 4),
+            threshold=round(self.threshold, 4),
+            wins=self.wins,
+            losses=self.losses,
+            readings=self.readings,
+            approved_version=version if state == SERVING else self.approved_version,
+        )
+        if state == SERVING:
+            self.approved_version = version
+        self.state = state
+        self.open_stat = self.close_stat = 0.0
+        self.readings = self.wins = self.losses = 0
+        self.decisions += 1
+        return decision
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(
+        cls, data: dict[str, Any] | None, *, margin: float, alpha: float, min_questions: int
+    ) -> AmortizationGate:
+        """The stored state with the configured test (a changed setting applies from the next reading on)."""
+        fields = {k: v for k, v in (data or {}).items() if k in cls.__dataclass_fields__}
+        fields.update(margin=margin, alpha=alpha, min_questions=min_questions)
+        return cls(**fields)

@@ -1,0 +1,385 @@
+"""``stream.serving: amortized``: the gate (pure), the graph's turn on scripted streams (SmolLM2-135M's real weights
+learn; a scripted backend decides what each row answers), the version log and pinning, and the evaluation method."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from elm_memory.backends.base import Generation, SamplingParams
+from elm_memory.config import ELMConfig
+from elm_memory.errors import ConfigError
+from elm_memory.graph.stream_turn import is_probe
+from elm_memory.training.stream_gate import PROBATION, SERVING, WARMUP, AmortizationGate, GateReading, samples_vote
+
+
+# -- the gate, pure ------------------------------------------------------------------------
+def _win():
+    return GateReading.of("5", "6", ["5", "5", "6"])
+
+
+def _loss():
+    return GateReading.of("6", "5", ["5", "5", "6"])
+
+
+def test_a_reading_compares_both_greedy_answers_with_the_samples_vote_alone():
+    assert _win().outcome == "win" and _loss().outcome == "loss"
+    assert GateReading.of("5", "5", ["5", "5"]).outcome == "tie"
+    assert GateReading.of("7", "8", ["5", "5"]).outcome == "tie"  # neither agrees: no information either
+    assert GateReading.of("5", "6", ["5", "6"]).outcome == "no_vote"  # a tied vote is no reading
+    assert samples_vote([None, None]) is None and samples_vote(["3", None, "3"]) == "3"
+
+
+def test_the_gate_opens_after_enough_wins_and_not_before_its_minimum():
+    gate = AmortizationGate(margin=0.75, alpha=0.25, min_questions=6)  # threshold log 4: four net wins
+    decisions = [gate.observe(_win(), version=v) for v in range(5)]
+    assert decisions == [None] * 5 and gate.state == WARMUP  # four wins are enough, five readings are not
+    decision = gate.observe(_win(), version=5)
+    assert decision is not None and decision.state == SERVING and decision.previous == WARMUP
+    assert gate.serving and gate.approved_version == 5 and decision.wins == 6 and decision.losses == 0
+
+
+def test_losses_hold_the_gate_shut_and_a_mixed_stream_never_opens_it():
+    gate = AmortizationGate(margin=0.75, alpha=0.05, min_questions=1)
+    for i in range(200):  # the memory agrees with the vote exactly as often as zero-shot
+        assert gate.observe(_win() if i % 2 else _loss(), version=i) is None
+    assert gate.state == WARMUP and gate.open_stat < gate.threshold
+
+
+def test_the_gate_closes_when_zero_shot_wins_and_keeps_the_version_it_approved():
+    gate = AmortizationGate(margin=0.75, alpha=0.25, min_questions=1)
+    for v in range(4):
+        gate.observe(_win(), version=v)
+    assert gate.serving and gate.approved_version == 3
+    assert [gate.observe(_loss(), version=9) for _ in range(3)] == [None] * 3
+    decision = gate.observe(_loss(), version=9)
+    assert decision is not None and decision.state == PROBATION and decision.approved_version == 3
+    assert gate.state == PROBATION and gate.readings == 0  # a fresh test before it may open again
+
+
+def test_the_gates_state_round_trips_through_json_with_the_configured_test():
+    gate = AmortizationGate(margin=0.75, alpha=0.25, min_questions=1)
+    for v in range(5):
+        gate.observe(_win(), version=v)
+    stored = json.loads(json.dumps(gate.to_json()))
+    back = AmortizationGate.from_json(stored, margin=0.8, alpha=0.1, min_questions=2)
+    assert back.state == SERVING and back.approved_version == gate.approved_version and back.counts == gate.counts
+    assert (back.margin, back.alpha, back.min_questions) == (0.8, 0.1, 2)
+    with pytest.raises(ValueError, match="above one half"):
+        AmortizationGate(margin=0.5)
+
+
+def test_probes_are_a_share_of_questions_picked_by_their_hash():
+    questions = [f"What is {i} + {i}?" for i in range(2000)]
+    picked = [q for q in questions if is_probe(q, 0, 0.1)]
+    assert 150 < len(picked) < 250  # about a tenth
+    assert picked == [q for q in questions if is_probe(q, 0, 0.1)]  # the same question, the same pick
+    assert all(is_probe(q, 0, 1.0) for q in questions[:10])
+
+
+def test_amortized_serving_needs_the_vote_of_zero_shot_samples():
+    with pytest.raises(ConfigError, match="stream.learn_from=zero_shot"):
+        ELMConfig.load(overrides={"stream": {"serving": "amortized"}})
+    cfg = ELMConfig.load(preset="cpu-amortized")  # the preset sets what it needs, on cpu-demo's values
+    assert cfg.stream.serving == "amortized" and cfg.stream.kind == "lora"
+    assert cfg.verifier.name == "consistency" and cfg.generation.max_new_tokens == 384
+
+
+# -- the graph's turn on scripted streams ---------------------------------------------------------
+class Script:
+    """Answers ``memory`` for a row under the stream memory, ``zero`` for a greedy row without it, and ``samples``
+    in turn for sampled rows; counts rows per call."""
+
+    name = "scripted"
+
+    def __init__(
+        self, real, memory="\\boxed{5}", zero="\\boxed{6}", samples=("\\boxed{5}", "\\boxed{5}", "\\boxed{6}")
+    ):
+        self.tokenizer, self.info = real.tokenizer, real.info
+        self.memory, self.zero, self.samples = memory, zero, list(samples)
+        self.calls: list[int] = []
+
+    def generate(self, prompts, params: SamplingParams):
+        self.calls.append(len(prompts))
+        out = []
+        for i, p in enumerate(prompts):
+            if p.soft_prompt is not None or p.memory is not None:
+                text = self.memory
+            else:
+                text = self.zero if params.temperature == 0 else self.samples[i % len(self.samples)]
+            ids = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            out.append([Generation(text=text, token_ids=ids, finish_reason="stop") for _ in range(params.n)])
+        return out
+
+
+def _amortized(tmp_path, **stream):
+    from _fakes import stream_graph_config
+
+    settings = {"serving": "amortized", "objective": "sft", "learn_from": "zero_shot", "gate_alpha": 0.25}
+    return stream_graph_config(tmp_path, **{**settings, "gate_min_questions": 3, **stream})
+
+
+def _elm(smol, cfg, script):
+    from elm_memory import ELM
+
+    return ELM(cfg, loaded=smol, backend=script)
+
+
+def _tokens(script, text):
+    return len(script.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def test_during_warm_up_the_vote_answers_and_every_row_is_counted(smol, tmp_path):
+    script = Script(smol, memory="\\boxed{7}", zero="\\boxed{5}")
+    with _elm(smol, _amortized(tmp_path), script) as elm:
+        result = elm.answer("What is 2 + 3?")
+    assert result.answer == "5" and result.route == "vote"  # self-consistency: 5 (greedy) + 5, 5, 6
+    turn = result.stream_turn
+    assert turn["mode"] == "self_consistency" and turn["gate"] == WARMUP and turn["probe"]
+    expected = 3 * _tokens(script, "\\boxed{5}") + _tokens(script, "\\boxed{7}") + _tokens(script, "\\boxed{6}")
+    assert turn["tokens"] == expected  # zero-shot, the memory, the three samples
+    assert result.stream_update["gate"]["outcome"] == "loss"  # only zero-shot agrees with the samples' 5
+    assert result.stream_update["applied"] and result.stream_update["label"] == "5"
+
+
+def test_the_gate_opens_on_a_stream_where_the_memory_agrees_with_the_vote_and_it_then_answers_alone(smol, tmp_path):
+    script = Script(smol)  # memory 5, zero-shot 6, samples 5, 5, 6: every probe is a win for the memory
+    cfg = _amortized(tmp_path, probe_share=0.01)
+    with _elm(smol, cfg, script) as elm:
+        results = [elm.answer(f"What is {i} + 5?") for i in range(4)]
+        assert [r.stream_turn["gate"] for r in results] == [WARMUP] * 4
+        decision = results[-1].stream_update["gate_decision"]
+        assert decision["state"] == SERVING and decision["wins"] == 4
+        question = next(f"What is {i} * 3?" for i in range(100) if not is_probe(f"What is {i} * 3?", 0, 0.01))
+        script.calls.clear()
+        alone = elm.answer(question)
+        stream = elm.services().stream_memory("default")
+        streams_row = stream.summary()["gate"]
+    assert alone.answer == "5" and alone.route == "stream"
+    assert alone.stream_turn["mode"] == "memory" and alone.stream_turn["tokens"] == _tokens(script, "\\boxed{5}")
+    assert script.calls == [1] and [c["kind"] for c in alone.candidates] == ["stream"]  # one row, one decode
+    assert alone.stream_update["skipped"] == "not_probed"  # no samples, nothing to learn or read
+    assert streams_row["state"] == SERVING and streams_row["decisions"][0]["state"] == SERVING
+
+
+def test_the_gate_closes_when_the_memory_falls_behind_and_the_approved_version_serves_again(smol, tmp_path):
+    script = Script(smol)
+    cfg = _amortized(tmp_path, probe_share=1.0)
+    with _elm(smol, cfg, script) as elm:
+        for i in range(4):
+            elm.answer(f"What is {i} + 5?")
+        stream = elm.services().stream_memory("default")
+        approved = stream.gate.approved_version
+        kept = stream.files.read(approved)[0].params
+        script.memory, script.zero = "\\boxed{6}", "\\boxed{5}"  # now zero-shot agrees with the vote, not the memory
+        probes = [elm.answer(f"What is {i} - 1?") for i in range(4)]
+    assert [p.stream_turn["mode"] for p in probes] == ["memory_probe"] * 4
+    assert all(p.answer == "6" for p in probes)  # the memory answered while the gate was open
+    last = probes[-1].stream_update
+    assert last["gate_decision"]["state"] == PROBATION and last["skipped"] == "gate_closed"
+    assert stream.gate.state == PROBATION
+    assert all(torch.equal(stream.params[n].detach(), kept[n].float()) for n in kept)  # the approved tensors
+    history = stream.files.read_history()
+    assert history[-1]["rollback_to"] == approved and "gate closed" in history[-1]["reasons"][0]
+
+
+def test_an_unboxed_memory_answer_falls_back_to_the_vote(smol, tmp_path):
+    script = Script(smol)
+    cfg = _amortized(tmp_path, probe_share=0.01)
+    with _elm(smol, cfg, script) as elm:
+        for i in range(4):
+            elm.answer(f"What is {i} + 5?")
+        script.memory = "I think it is five"
+        question = next(f"What is {i} * 3?" for i in range(100) if not is_probe(f"What is {i} * 3?", 0, 0.01))
+        script.calls.clear()
+        result = elm.answer(question)
+    # self-consistency: zero-shot's 6 and the samples 5, 5, 6, a tie that goes to the greedy answer
+    assert result.stream_turn["mode"] == "memory_fallback" and result.answer == "6" and result.route == "vote"
+    assert script.calls == [1, 1, 3]  # the memory's row, then zero-shot's and the samples
+    assert any("no \\boxed{}" in w for w in result.warnings)
+    assert result.stream_update["gate"] is None  # the fallback teaches the memory but is no gate reading
+
+
+def test_the_evaluations_extra_rows_change_no_decision(smol, tmp_path):
+    """A turn measured (every row drawn) answers, spends and learns exactly as the same turn unmeasured."""
+    from elm_memory.graph.nodes import answer_params
+    from elm_memory.graph.stream_turn import StreamTurn
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    script = Script(smol)
+    cfg = _amortized(tmp_path, probe_share=0.01)
+    with _elm(smol, cfg, script) as elm:
+        for i in range(4):
+            elm.answer(f"What is {i} + 5?")
+        svc = elm.services()
+        stream = svc.stream_memory("default")
+        sampler = ConsistencyVerifier.from_config(cfg, script)
+        outcomes = []
+        for measure in (False, True):
+            question = "What is 7 * 3?"
+            prompt = svc.prompts.answer_prompt(question, memory_tokens=cfg.memory.num_tokens)
+            params = answer_params(cfg, prompt, script.info.max_context)
+            turn = StreamTurn.plan(cfg, stream, question, "default", measure=measure)
+            requests, greedy = turn.requests(cfg, stream, prompt, params, sampler)
+            turn.read(script_generate(script, requests), greedy)
+            outcomes.append((turn.answer, turn.mode, turn.tokens, turn.probe, len(turn.samples)))
+    assert outcomes[0][:4] == outcomes[1][:4]
+    assert (outcomes[0][4], outcomes[1][4]) == (0, 3)  # the samples were drawn for the measurement only
+
+
+def script_generate(script, requests):
+    from elm_memory.backends.base import generate_requests
+
+    return generate_requests(script, requests)
+
+
+# -- versions: the log, pinning, failures ----------------------------------------------------------------
+def test_a_long_history_stays_out_of_the_version_header_and_reads_back(smol, tmp_path):
+    from elm_memory.store.stream_files import list_streams
+    from elm_memory.training.stream import StreamMemory
+    from elm_memory.training.stream_samples import Generated
+
+    cfg = _amortized(tmp_path)
+    stream = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
+    synthetic = [
+        {"version": -1 - i, "question_hash": f"{i:064x}", "label": "5", "label_share": 0.8} for i in range(20000)
+    ]
+    stream.files.append_history(synthetic)  # twenty thousand earlier updates, about 2 MB of log
+    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
+    rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+    update = stream.learn("What is 2 + 3?", [1, 2, 3], 3, rows, label="5", version_used=0, zero_shot_answer="5")
+    assert update.applied and update.version == 1
+    header = int.from_bytes(stream.files.path(1).read_bytes()[:8], "little")
+    assert header < 64 * 1024  # the version holds its own entry, not twenty thousand
+    again = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")  # another process reads it all back
+    assert len(again.history) == 20001 and again.history[-1]["question"] == "What is 2 + 3?"
+    [row] = list_streams(tmp_path / "s")
+    assert row["updates"] == 20001 and row["version"] == 1
+
+
+def test_a_crash_between_the_pointer_and_the_log_loses_no_entry(smol, tmp_path):
+    from elm_memory.training.stream import StreamMemory
+    from elm_memory.training.stream_samples import Generated
+
+    cfg = _amortized(tmp_path)
+    stream = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
+    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
+    rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+    stream.learn("q", [1, 2, 3], 3, rows, label="5", version_used=0, zero_shot_answer="5")
+    log = stream.files.dir / "history.jsonl"
+    log.write_bytes(log.read_bytes()[:-7])  # the last line cut short, as a crash mid-append leaves it
+    again = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
+    assert [h["version"] for h in again.history] == [1]  # restored from the serving version's own header
+
+
+def test_the_approved_version_survives_pruning(smol, tmp_path):
+    from elm_memory.training.stream import StreamMemory
+    from elm_memory.training.stream_samples import Generated
+
+    cfg = _amortized(tmp_path, keep_versions=2, gate_min_questions=1)
+    stream = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
+    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
+    rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+    for i in range(8):
+        stream.learn(
+            f"q{i}",
+            [1, 2, 3],
+            3,
+            rows,
+            label="5",
+            version_used=stream.version,
+            zero_shot_answer="6",
+            served_answers=["5"],
+            gate_reading=_win(),
+        )
+    approved = stream.gate.approved_version
+    assert stream.gate.state == SERVING and approved is not None and approved < stream.version - 2
+    assert approved in stream.files.versions() and len(stream.files.versions()) <= 4
+
+
+def test_a_non_finite_update_never_serves_and_the_gate_still_reads_the_question(smol, tmp_path, monkeypatch):
+    from elm_memory.training.stream import StreamMemory
+    from elm_memory.training.stream_samples import Generated
+
+    cfg = _amortized(tmp_path)
+    stream = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
+    before = {n: p.detach().clone() for n, p in stream.params.items()}
+
+    def poisoned(self, *args, **kwargs):
+        for p in self.params.values():
+            p.grad = torch.full_like(p, float("nan"))
+        return 0.0
+
+    monkeypatch.setattr(StreamMemory, "_backward", poisoned)
+    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
+    rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+    update = stream.learn(
+        "q",
+        [1, 2, 3],
+        3,
+        rows,
+        label="5",
+        version_used=0,
+        zero_shot_answer="6",
+        served_answers=["5"],
+        gate_reading=_win(),
+    )
+    assert update.skipped == "non_finite" and stream.version == 0 and stream.files.versions() == [0]
+    assert all(torch.equal(before[n], p.detach()) for n, p in stream.params.items())
+    assert update.gate["outcome"] == "win" and stream.files.read_gate()["total_readings"] == 1
+
+
+def test_margin_weights_the_step_through_the_learning_rate(smol, tmp_path):
+    from elm_memory.training.stream import StreamMemory
+    from elm_memory.training.stream_samples import Generated
+
+    moved = []
+    for margin in (1.0, 0.2):
+        cfg = _amortized(tmp_path / str(margin))
+        stream = StreamMemory(cfg, smol, tmp_path / str(margin) / "s", namespace="ns")
+        ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
+        rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+        stream.learn("q", [1, 2, 3], 3, rows, label="5", version_used=0, zero_shot_answer="5", margin=margin)
+        moved.append(stream.moved())
+        assert stream.history[-1]["label_margin"] == margin
+    assert moved[1] < 0.5 * moved[0]  # a 0.2-margin label moves the memory far less than a unanimous one
+
+
+# -- the evaluation method -------------------------------------------------------------------------
+@pytest.mark.model
+def test_elm_amortized_records_every_row_with_its_tokens_and_reports_them(tiny_loaded, tiny_backend, tmp_path):
+    from elm_memory.data.datasets import load_problems
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+    from elm_memory.eval.records import RecordLog
+
+    cfg = ELMConfig.load(
+        preset="cpu-tiny",
+        overrides={
+            "store": {"path": str(tmp_path / "store")},
+            "learner": {"mode": "off"},
+            "verifier": {"name": "consistency", "consistency_samples": 2},
+            "generation": {"max_new_tokens": 24},
+            "stream": {"mode": "stream", "serving": "amortized", "objective": "sft", "learn_from": "zero_shot"},
+        },
+    )
+    problems = load_problems("synth-arith", limit=2, seed=17)
+    runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+    run_stream(
+        problems, ["elm_amortized"], cfg, tmp_path, dataset="synth-arith", seed=17, runtime=runtime, progress=False
+    )
+    records = RecordLog(tmp_path / "records.jsonl").read()
+    assert [r["index"] for r in records] == [0, 1]
+    extra = records[0]["extra"]["amortized"]
+    assert set(extra["rows"]) == {"zero_shot", "self_consistency", "stream_greedy", "init_greedy", "elm_amortized"}
+    assert extra["turn"]["mode"] == "self_consistency" and extra["turn"]["gate"] == WARMUP
+    # the soft prompt's untrained row is drawn for the measurement, not spent: ELM's tokens are its four rows
+    tokens = extra["tokens"]
+    assert tokens["elm_amortized"] == tokens["self_consistency"] + tokens["stream_greedy"]
+    assert extra["gate_extra_tokens"] == tokens["stream_greedy"] and "update" in extra
+    comparisons = json.loads((tmp_path / "comparisons.json").read_text())
+    assert comparisons["amortized"]["parts"]["all"]["answers"] == 2
+    assert (tmp_path / "amortized.png").exists()
+    assert "Amortized stream memory" in (tmp_path / "results.md").read_text()
