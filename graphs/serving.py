@@ -9,7 +9,7 @@ graphs; requests choose only what :class:`~elm_memory.graph.ELMRunContext` allow
 - ``ELM_<SECTION>__<KEY>``: any config field, e.g. ``ELM_VERIFIER__NAME=logprob`` (optional; see
   :mod:`elm_memory.config.env_settings`); ``ELM_SET`` (``section.key=value;...``) is deprecated
 - ``ELM_AGENT_MODEL``: the math agent's chat model, ``provider:MODEL`` or ``package.module:factory``
-  (see :func:`chat_model_from_env`)
+  (see :func:`chat_model_from_env`; ``elm_memory.graphs.serving:served_chat_model``: the served model itself)
 """
 
 from __future__ import annotations
@@ -52,6 +52,15 @@ def served_services() -> ELMServices:
 def served_config() -> ELMConfig:
     """The process's config (cheap: the model, store and learner are built by :func:`served_services`)."""
     return served_elm().config
+
+
+def served_chat_model() -> Any:
+    """Factory for ``ELM_AGENT_MODEL=elm_memory.graphs.serving:served_chat_model``: the math agent's chat
+    model is the served ELM's own model (:class:`~elm_memory.integrations.chat_model.ElmChatModel`, in
+    process, offline), loaded on the agent's first turn."""
+    from elm_memory.integrations.chat_model import ElmChatModel
+
+    return ElmChatModel(backend=lambda: served_elm().backend)
 
 
 def chat_model_from_env() -> Any:

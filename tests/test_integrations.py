@@ -142,7 +142,7 @@ def test_math_agent_stops_a_model_that_never_stops_calling_tools(elm):
     )
     assert used == ["required", None] and out["messages"][-1].content.startswith("The answer is")
 
-    agent = build_math_agent(Looping(), [create_elm_tool(elm, learn=False)], max_steps=2)
+    agent = build_math_agent(Looping(), [create_elm_tool(elm, learn=False)], max_steps=2, stop_repeated_calls=False)
     out = agent.invoke({"messages": [HumanMessage(Q)]})
     assert out["messages"][-1].content == "Stopped after 2 tool calls without a final answer."
     with pytest.raises(ConfigError, match="tool"):
