@@ -162,6 +162,12 @@ def test_the_gate_opens_on_a_stream_where_the_memory_agrees_with_the_vote_and_it
     assert script.calls == [1] and [c["kind"] for c in alone.candidates] == ["stream"]  # one row, one decode
     assert alone.stream_update["skipped"] == "not_probed"  # no samples, nothing to learn or read
     assert streams_row["state"] == SERVING and streams_row["decisions"][0]["state"] == SERVING
+    from elm_memory.cli.memory_views import stream_lines
+    from elm_memory.store.stream_files import list_streams, stream_root
+
+    header, row, decision = stream_lines(list_streams(stream_root(cfg.store.path)))[:3]
+    assert "gate" in header and " serving " in row  # elm memories streams: the state, then why it changed
+    assert decision.strip().startswith("gate warmup -> serving: memory agrees") and "4 wins, 0 losses" in decision
 
 
 def test_the_gate_closes_when_the_memory_falls_behind_and_the_approved_version_serves_again(smol, tmp_path):

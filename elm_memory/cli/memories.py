@@ -84,10 +84,11 @@ def streams(
     preset: PresetOpt = None,
     set_: SetOpt = None,
 ) -> None:
-    """Stream memories (stream.mode stream or both): per namespace, the serving version, updates and rollbacks.
+    """Stream memories (stream.mode stream or both): per namespace, the serving version, updates, rollbacks, gate.
 
-    Each version is a memory file (LatentMemory.load reads it) whose history names the questions and labels
-    that trained it."""
+    Each version is a memory file (LatentMemory.load reads it); history.jsonl beside the versions names every
+    update, rollback and gate decision. With stream.serving amortized, each gate decision is listed under its row."""
+    from elm_memory.cli.memory_views import stream_lines
     from elm_memory.retrieval.stream_clusters import belongs_to
     from elm_memory.store.stream_files import list_streams, stream_root
 
@@ -97,17 +98,8 @@ def streams(
     if json_out:
         typer.echo(json.dumps(found, ensure_ascii=False))
         return
-    typer.echo(
-        f"{'namespace':<16} {'version':>7}  {'kind':<11} {'objective':<9} {'updates':>7}  {'kept':>9}  "
-        f"{'rollbacks':<16}  path"
-    )
-    for s in found:
-        rollbacks = ", ".join(f"v{r['version']}->v{r['to']}" for r in s["rollbacks"]) or "none"
-        kept = f"{s['versions_kept']}/{s['versions_written']}"
-        typer.echo(
-            f"{s['namespace']:<16} {s['version']:>7}  {s['kind']:<11} {s['objective']:<9} {s['updates']:>7}  "
-            f"{kept:>9}  {rollbacks:<16}  {s['path']}"
-        )
+    for line in stream_lines(found):
+        typer.echo(line)
     typer.echo(f"{len(found)} stream memories", err=True)
 
 

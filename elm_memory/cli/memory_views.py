@@ -168,3 +168,27 @@ def _shorten(field: str, item: object) -> str:
     """A check finding with its ids (and blob hashes) shortened; temp file paths stay whole."""
     text = str(item)
     return text if field == "temp_files" else _LONG_HEX.sub(lambda m: short_id(m.group()), text)
+
+
+def stream_lines(found: list[dict[str, Any]]) -> list[str]:
+    """``elm memories streams``' table: a header, a row per stream memory, and under an amortized one's row each
+    gate decision with why."""
+    lines = [
+        f"{'namespace':<16} {'version':>7}  {'kind':<11} {'objective':<9} {'updates':>7}  {'kept':>9}  "
+        f"{'gate':<10} {'rollbacks':<16}  path"
+    ]
+    for s in found:
+        rollbacks = ", ".join(f"v{r['version']}->v{r['to']}" for r in s["rollbacks"]) or "none"
+        kept = f"{s['versions_kept']}/{s['versions_written']}"
+        gate = s.get("gate") or {}
+        lines.append(
+            f"{s['namespace']:<16} {s['version']:>7}  {s['kind']:<11} {s['objective']:<9} {s['updates']:>7}  "
+            f"{kept:>9}  {gate.get('state') or 'off':<10} {rollbacks:<16}  {s['path']}"
+        )
+        for d in gate.get("decisions", []):
+            lines.append(
+                f"    gate {d['previous']} -> {d['state']}: {d['reason']} ({d['wins']} wins, {d['losses']} losses "
+                f"in {d['readings']} readings; statistic {d['statistic']} >= {d['threshold']}; approved "
+                f"v{d['approved_version']})"
+            )
+    return lines
