@@ -90,6 +90,46 @@ def test_solve_says_when_it_reused_the_memory_a_repeated_question_has(monkeypatc
     assert "note:" not in CliRunner().invoke(app, ["solve", "What is 2 + 3?", "--preset", "cpu-tiny"]).stderr
 
 
+def test_solve_says_how_a_stream_memory_answered_and_what_it_cost(monkeypatch):
+    from types import SimpleNamespace
+
+    from typer.testing import CliRunner
+
+    import elm_memory.elm
+    from elm_memory.cli import app
+
+    turn = {"mode": "memory", "serving": "amortized", "gate": "serving", "probe": False, "version": 12, "tokens": 87}
+
+    class Amortized:  # the facade, as a served amortized stream memory answers alone
+        def __init__(self, config):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            pass
+
+        def answer(self, question, *, namespace, learn=True):
+            return SimpleNamespace(
+                response="\\boxed{5}",
+                answer="5",
+                route="stream",
+                memory_id=None,
+                similarity=None,
+                timings={"total": 0.1},
+                warnings=[],
+                learn_job=None,
+                stream_turn=turn,
+            )
+
+    monkeypatch.setattr(elm_memory.elm, "ELM", Amortized)
+    res = CliRunner().invoke(app, ["solve", "What is 2 + 3?", "--preset", "cpu-tiny"])
+    assert res.exit_code == 0, res.output
+    assert "(route: stream, " in res.stdout
+    assert "stream memory: memory, gate serving, version 12, 87 tokens generated" in res.stdout
+
+
 def test_swapping_the_demos_verifier_names_the_route_to_set():
     r = elm("config", "show", "--preset", "cpu-demo", "--set", "verifier.name=self_certainty")
     assert r.returncode == 2 and "set verifier.route=verify as well" in r.stderr, r.stderr
@@ -175,8 +215,13 @@ def test_demo_shows_every_method_per_question_on_cpu_tiny(tmp_path):
     assert "untrained " in second and "(the same memory before training" in second
     # answered and learned side by side (learner.overlap_answering): the timing line says so
     assert "(memory learned alongside), then learning" in second
-    assert all(f"| {m} " in r.stdout for m in ("zero_shot", "elm_input"))
-    assert "Paired on elm_input's own generations" in r.stdout and "| self_consistency |" in r.stdout
+    # one closing table (self-consistency and ELM untrained read from ELM's records), the plots, then `elm report`
+    assert all(f"| {m} " in r.stdout for m in ("zero_shot", "self_consistency", "elm_input"))
+    assert "Paired on elm_input's own generations" not in r.stdout and "Head to head" not in r.stdout
+    assert "plot: " in r.stdout and f"elm report {out.resolve()}" in r.stdout
+    full = elm("report", "demo", "--no-plots", cwd=tmp_path)
+    assert full.returncode == 0, full.stderr
+    assert "Paired on elm_input's own generations" in full.stdout and "| self_consistency |" in full.stdout
     records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
     assert sorted((rec["method"], rec["index"]) for rec in records) == [
         ("elm_input", 0),
@@ -187,3 +232,37 @@ def test_demo_shows_every_method_per_question_on_cpu_tiny(tmp_path):
     assert [r for r in records if r["method"] == "elm_input"][-1]["extra"]["gate"]["decision"] in {"used", "empty_pool"}
     again = elm(*args, cwd=tmp_path)  # a finished run is printed again, nothing recomputed
     assert again.returncode == 0 and "[1/2]" not in again.stderr and again.stdout == r.stdout
+
+
+@pytest.mark.model
+def test_demo_amortized_shows_each_rows_tokens_the_mode_and_the_gate_on_cpu_tiny(tmp_path):
+    sets = {
+        "stream.mode": "stream",
+        "stream.serving": "amortized",
+        "stream.objective": "sft",
+        "stream.learn_from": "zero_shot",
+        "verifier.name": "consistency",
+        "verifier.consistency_samples": "2",
+        "generation.max_new_tokens": "24",
+        "training.max_completion_length": "24",
+    }
+    args = ["demo", "--amortized", "--preset", "cpu-tiny", "--limit", "2"]
+    r = elm(*args, *(a for k, v in sets.items() for a in ("--set", f"{k}={v}")), cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "elm-runs" / "demo-amortized-synth-arith-2"  # the default run directory
+    assert (out / "records.jsonl").is_file()
+    first, second = r.stderr.split("[2/2] ")[0].split("[1/2] ")[1], r.stderr.split("[2/2] ")[1]
+    for question in (first, second):
+        assert "zero-shot" in question and "self-cons." in question and "votes " in question
+        assert "memory " in question and "the stream memory's greedy answer" in question
+        # warm-up: the vote answers, ELM's tokens beside self-consistency's, the gate's state and reading
+        assert "mode self_consistency" in question and question.count(" tokens") == 4
+        assert "gate warmup" in question and "its reading: " in question
+    table = r.stdout
+    assert all(f"| {m} |" in table for m in ("zero_shot", "self_consistency", "stream_greedy", "elm_amortized"))
+    assert "tokens / question" in table and "The gate stayed in warmup" in table
+    assert f"plot: {(out / 'amortized.png').resolve()}" in table
+    assert f"elm report {out.resolve()}" in table
+    assert (out / "amortized.png").is_file()
+    full = elm("report", str(out), "--no-plots")
+    assert full.returncode == 0 and "Amortized stream memory" in full.stdout

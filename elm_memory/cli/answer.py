@@ -53,6 +53,12 @@ def solve(
     typer.echo(result.response.strip())
     memory = f", memory {short_id(result.memory_id)} (sim {result.similarity:.3f})" if result.memory_id else ""
     typer.echo(f"\nanswer: {result.answer}   (route: {result.route}{memory}, {result.timings['total']:.1f} s)")
+    turn = getattr(result, "stream_turn", None)
+    if turn:  # a stream memory answered: how, and what it cost
+        typer.echo(
+            f"stream memory: {turn['mode']}, gate {turn['gate']}, version {turn['version']}, "
+            f"{turn['tokens']} tokens generated"
+        )
     for w in result.warnings:
         typer.echo(f"warning: {w}", err=True)
     job = result.learn_job or {}
