@@ -29,10 +29,28 @@ def demo(
     ] = "synth-arith",
     limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 8,
     out: Annotated[
-        Path | None, typer.Option(help="Run directory (default elm-runs/demo-DATASET-LIMIT); re-running resumes it.")
+        Path | None,
+        typer.Option(
+            help="Run directory (default elm-runs/demo-DATASET-LIMIT, with --amortized "
+            "elm-runs/demo-amortized-DATASET-LIMIT); re-running resumes it."
+        ),
     ] = None,
+    amortized: Annotated[
+        bool,
+        typer.Option(
+            "--amortized",
+            help="Run the amortized stream memory (elm_amortized, preset cpu-amortized unless --preset) instead: "
+            "per question every row's answer and tokens, ELM's mode and the gate's state. The gate opens only after "
+            "stream.gate_min_questions (16) probed questions and a clear lead, so on a short stream it stays in "
+            "warm-up and ELM spends more tokens than self-consistency; they fall only on longer streams "
+            "(docs/stream-memory.md).",
+        ),
+    ] = False,
     config: ConfigOpt = None,
-    preset: PresetOpt = "cpu-demo",
+    preset: Annotated[
+        str | None,
+        typer.Option("--preset", "-p", help="Named preset (default cpu-demo; with --amortized cpu-amortized)."),
+    ] = None,
     json_out: JsonOpt = False,
     set_: SetOpt = None,
     backend: BackendOpt = None,
@@ -47,21 +65,40 @@ def demo(
     Self-consistency (the greedy answer and ELM's k seeded verifier samples, majority vote: ELM's compute
     without the memory) and the retrieved memory untrained are read from ELM's own generations
     (docs/evaluation-baselines.md). Per question it prints the route, the memory used and where it came
-    from, both candidates and which was right; then the tables and the plots.
+    from, both candidates and which was right; then one summary table and the plots (``elm report RUN``
+    prints the full tables). ``--amortized``: the amortized stream memory instead (``-m elm_amortized``).
     """
     from elm_memory.data.datasets import load_problems
     from elm_memory.eval.paired import replay_settings
-    from elm_memory.eval.walkthrough import Walkthrough
+    from elm_memory.eval.walkthrough import AmortizedWalkthrough, Walkthrough, amortized_summary, summary_table
 
-    cfg = load_config(config, preset, None, set_, backend, server_url)
+    cfg = load_config(config, preset or ("cpu-amortized" if amortized else "cpu-demo"), None, set_, backend, server_url)
     problems = load_problems(dataset, limit=limit, seed=17)
-    out = out or Path("elm-runs") / f"demo-{Path(dataset).stem}-{limit}"
-    methods = ["zero_shot", "elm_input"]
+    name = "demo-amortized" if amortized else "demo"
+    out = out or Path("elm-runs") / f"{name}-{Path(dataset).stem}-{limit}"
     echo = lambda line: typer.echo(line, err=True)  # noqa: E731
-    paired = replay_settings(cfg.model_dump(mode="json"))
-    walkthrough = None if json_out else Walkthrough(len(problems), echo, paired=paired)
-    result = _run_stream(problems, methods, cfg, out, dataset, 17, json_out, True, on_record=walkthrough)
-    _print_run(result, json_out)
+    walkthrough: Any = None
+    if amortized:
+        methods = ["elm_amortized"]
+        walkthrough = None if json_out else AmortizedWalkthrough(len(problems), echo)
+        result = _run_stream(problems, methods, cfg, out, dataset, 17, json_out, True, on_record=walkthrough)
+        table = amortized_summary(result.records, min_questions=cfg.stream.gate_min_questions)
+        full = "every row per part, the planned sign tests, the labels' quality, the gate's decisions"
+    else:
+        methods = ["zero_shot", "elm_input"]
+        paired = replay_settings(cfg.model_dump(mode="json"))
+        walkthrough = None if json_out else Walkthrough(len(problems), echo, paired=paired)
+        result = _run_stream(problems, methods, cfg, out, dataset, 17, json_out, True, on_record=walkthrough)
+        table = summary_table(result.summary, result.records, cfg.model_dump(mode="json"))
+        full = "routes, timings, head to head, the self-consistency counterfactual, the paired rows, any stream memory"
+    if json_out:
+        _print_run(result, json_out)
+        return
+    typer.echo(table)
+    typer.echo(f"records.jsonl, summary.json, results.md in {result.out_dir}")
+    for p in result.plots:
+        typer.echo(f"plot: {p}")
+    typer.echo(f"The full tables ({full}): elm report {result.out_dir}")
 
 
 MethodOpt = Annotated[
