@@ -389,3 +389,28 @@ def test_elm_amortized_records_every_row_with_its_tokens_and_reports_them(tiny_l
     assert comparisons["amortized"]["parts"]["all"]["answers"] == 2
     assert (tmp_path / "amortized.png").exists()
     assert "Amortized stream memory" in (tmp_path / "results.md").read_text()
+
+
+def test_two_learners_of_one_namespace_share_the_gate(smol, tmp_path):
+    from elm_memory.training.stream import StreamMemory
+    from elm_memory.training.stream_samples import Generated
+
+    cfg = _amortized(tmp_path)
+    a = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
+    b = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")  # another process's
+    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
+    weak = [Generated(ids, a_, sampled=i > 0) for i, a_ in enumerate(["5", "6", "7", "8"])]  # no clear vote
+    for learner in (a, b, a):
+        update = learner.learn(
+            "q",
+            [1, 2, 3],
+            3,
+            weak,
+            label="5",
+            version_used=0,
+            zero_shot_answer="6",
+            served_answers=["5"],
+            gate_reading=_win(),
+        )
+        assert update.skipped == "weak_label" and learner.version == 0  # no new version for the other to see
+    assert a.files.read_gate()["total_readings"] == 3 and a.gate.wins == 3  # no reading lost between them

@@ -314,6 +314,7 @@ class StreamMemory:
 
     def _read_gate(self, update: StreamUpdate, reading: GateReading, version_used: int, question: str) -> bool:
         """One gate reading (under the lock); True when it closed the gate and the approved version serves again."""
+        self.gate = self._gate_of(self.files.read_gate())  # another learner may have read a question since
         decision = self.gate.observe(reading, version_used)
         update.gate = {"outcome": reading.outcome, "vote": reading.vote, "state": self.gate.state}
         closed = False
