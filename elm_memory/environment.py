@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from elm_memory.hardware import Hardware, resolve_placement
+from elm_memory.hardware import Hardware, resolve_one_row_engine, resolve_placement
 
 #: Distributions whose versions change behaviour or speed (missing ones are reported as None).
 REPORTED_PACKAGES = (
@@ -48,6 +48,9 @@ def collect_env(config: Any, hardware: Hardware | None = None) -> dict[str, Any]
     """The report for an :class:`~elm_memory.config.ELMConfig` (nothing is loaded or downloaded)."""
     hw = hardware or Hardware.detect()
     placement = resolve_placement(config.model, hw, warn=False)
+    engine, engine_reason = resolve_one_row_engine(
+        config.backend.one_row_engine, placement, backend=config.backend.name, decode_loop=config.backend.decode_loop
+    )
     return {
         "platform": {
             "system": platform.platform(),
@@ -65,6 +68,8 @@ def collect_env(config: Any, hardware: Hardware | None = None) -> dict[str, Any]
             "cpu_allocator": placement.cpu_allocator,
             "weight_prepack": placement.weight_prepack,
             "backend": config.backend.name,
+            "one_row_engine": engine,
+            "one_row_engine_reason": engine_reason,
             "training_engine": config.training.engine,
             "verifier": config.verifier.name,
             "reasons": list(placement.reasons),
@@ -144,6 +149,8 @@ def format_env(report: dict[str, Any]) -> str:
         f"why             {'; '.join(res['reasons'])}",
         f"backend         {res['backend']} (training engine {res['training_engine']}, verifier {res['verifier']})",
     ]
+    if "one_row_engine" in res:
+        lines.append(f"one-row engine  {res['one_row_engine']} ({res['one_row_engine_reason']})")
     lines += [f"warning         {w}" for w in res["warnings"]]
     lines.append("packages        " + ", ".join(f"{k} {v or 'not installed'}" for k, v in report["packages"].items()))
     if "code" in report:

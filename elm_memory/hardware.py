@@ -259,6 +259,43 @@ def _resolve_prepack(requested: str, device: str, dtype: str, reasons: list[str]
     return True
 
 
+#: The most rows of one decode call the one-row engine takes (``elm_memory/backends/int4.py``'s ``MAX_ROWS``).
+ONE_ROW_MAX_ROWS = 2
+
+
+def resolve_one_row_engine(
+    requested: str, placement: Placement, *, backend: str = "hf", decode_loop: str = "elm"
+) -> tuple[str, str]:
+    """The engine of the ``hf`` backend's decode calls of at most :data:`ONE_ROW_MAX_ROWS` rows
+    (``backend.one_row_engine``), and why: ``int4`` (torch's int4 weight-only CPU kernels,
+    ``elm_memory/backends/int4.py``) or ``plain`` (the library's loop on the loaded weights).
+
+    ``auto`` picks int4 on a CPU device in bfloat16 where torch has the kernels: a step at one row is bound
+    by reading the weights there, and int4 was measured only against that bf16 loop (docs/performance.md)."""
+    if requested == "plain":
+        return "plain", "backend.one_row_engine: plain"
+    if backend != "hf":
+        return "plain", f"the {backend} backend decodes by itself"
+    if decode_loop != "elm":
+        return "plain", f"backend.decode_loop={decode_loop} has no int4 path"
+    if placement.device.startswith("cuda"):
+        return "plain", "the int4 kernels are CPU kernels"
+    if not _int4_kernels():
+        return "plain", "this torch has no int4 CPU kernels"
+    if requested == "int4":
+        return "int4", f"backend.one_row_engine: int4, calls of at most {ONE_ROW_MAX_ROWS} rows"
+    if placement.dtype != "bfloat16":
+        return "plain", f"auto: the model runs in {placement.dtype}; int4 is measured against a bf16 loop only"
+    return "int4", f"auto: a CPU in bf16, calls of at most {ONE_ROW_MAX_ROWS} rows"
+
+
+def _int4_kernels() -> bool:
+    import torch
+
+    ops = torch.ops.aten
+    return hasattr(ops, "_convert_weight_to_int4pack_for_cpu") and hasattr(ops, "_weight_int4pack_mm_for_cpu")
+
+
 @functools.lru_cache(maxsize=1)
 def glibc() -> bool:
     """Whether this process runs on glibc (whose ``mallopt`` :func:`apply_allocator` calls)."""

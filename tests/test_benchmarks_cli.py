@@ -84,3 +84,26 @@ def test_the_decode_roofline_counts_the_weights_a_step_reads(tied):
     machine = {"read_bandwidth_gb_s": 1.0, "gemm_gflop_s": {"bfloat16": 1e6}}
     roof = roofline_tok_s(machine, decode_params(model), "bfloat16", 1)
     assert roof["bound"] == "memory" and roof["step_ms"] == round(decode_params(model) * 2 / 1e9 * 1e3, 1)
+
+
+def test_answer_rows_ratios_take_each_engines_better_round_and_null_an_absent_engine():
+    from benchmarks.answer_rows import summarize
+
+    def cell(rows, memory, engine, ms):
+        return {"rows": rows, "memory": memory, "engine": engine, "ms_per_step": ms}
+
+    cells = [
+        cell(1, "soft_prompt", "plain", 50.0),
+        cell(1, "soft_prompt", "int4", 40.0),
+        cell(1, "soft_prompt", "plain", 52.0),  # the better round counts
+        cell(1, "soft_prompt", "int4", 25.0),
+        cell(2, "soft_prompt", "plain", 60.0),
+        cell(2, "soft_prompt", "int4", 40.0),
+        cell(1, "lora", "plain", 70.0),
+        cell(1, "lora", "int4", 35.0),
+    ]
+    s = summarize(cells, ["plain", "int4"])
+    assert (s["ratio_1row_int4"], s["ratio_2row_int4"]) == (2.0, 1.5)  # the soft-prompt cases
+    assert s["ratio_1row_llama"] is None and s["ratio_2row_llama"] is None  # llama.cpp absent: null
+    assert s["ratios"]["1row_lora"] == {"int4": 2.0}
+    assert s["ms_per_step"]["1row_soft_prompt"] == {"plain": 50.0, "int4": 25.0}

@@ -6,7 +6,9 @@ The model is the one frozen instance the rest of the library shares.
 
 Decoding runs in the library's loop (:mod:`elm_memory.backends.decode`; ``backend.decode_loop:
 elm``), which prefills each prompt once for its n samples and drops finished rows, or in
-transformers' ``generate`` (``decode_loop: generate``, the reference).
+transformers' ``generate`` (``decode_loop: generate``, the reference). With ``backend.one_row_engine``
+resolved to ``int4``, a call of at most two rows runs that loop on an int4 weight-only copy of the linear
+layers instead (:mod:`elm_memory.backends.int4`; :meth:`HFBackend.decode_engine` says which per call).
 
 A ``lora`` or ``prefix`` memory (``PromptInput.memory``) is applied around the model calls of the
 prompts that carry it (forward hooks, or a KV cache starting with its prefix): prompts are grouped
@@ -23,12 +25,13 @@ Without any seed the global generator draws the keys.
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
 
-from elm_memory.backends import decode
+from elm_memory.backends import decode, int4
 from elm_memory.backends.base import (
     Generation,
     PromptInput,
@@ -90,6 +93,9 @@ class HFBackend:
         lookup_draft_tokens: int = 0,
         lookup_max_rows: int = 8,
         decode_graphs: str = "auto",
+        one_row_engine: str = "plain",
+        int4_group: int = int4.GROUP_SIZE,
+        int4_lm_head: bool = False,
     ):
         if decode_graphs not in ("auto", "on", "off", "static"):
             raise ValueError(f"decode_graphs must be auto, on, off or static, not {decode_graphs!r}")
@@ -113,6 +119,10 @@ class HFBackend:
         self.decode_graphs = decode_graphs
         self._captured: CapturedSteps | None = None
         self._captured_mode = self._resolve_graphs(decode_graphs)
+        self.one_row_engine, self.one_row_reason = self._resolve_one_row(one_row_engine)
+        self.int4_group, self.int4_lm_head = int4_group, int4_lm_head  # the int4 copy's group size, output layer
+        self.engine_calls: Counter[str] = Counter()  # decode calls per engine ("plain", "int4")
+        self._fallbacks_logged: set[str] = set()
 
     @classmethod
     def from_config(cls, cfg: Any, loaded: LoadedModel | None = None) -> HFBackend:
@@ -128,6 +138,8 @@ class HFBackend:
             lookup_draft_tokens=b.lookup_draft_tokens,
             lookup_max_rows=b.lookup_max_rows,
             decode_graphs=b.decode_graphs,
+            one_row_engine=b.one_row_engine,
+            int4_lm_head=b.int4_lm_head,
         )
 
     # -- public --------------------------------------------------------------------
@@ -307,17 +319,50 @@ class HFBackend:
     ) -> list[tuple[list[int], str]]:
         """:func:`decode.sample` on ``batch`` (``rows[i]`` rows for prompt i); with lookup drafts, seeded
         with what was generated before for the same prompt texts, and remembering what it generates."""
+        engine = self.decode_engine(sum(rows), kwargs.get("memory"))
+        self.engine_calls[engine] += 1
+        model = self._int4_model() if engine == "int4" else self.model
         if not self.lookup_draft_tokens:
-            return decode.sample(self.model, mask, options, captured=self._captured_steps(), **kwargs)
+            captured = self._captured_steps() if engine == "plain" else None
+            return decode.sample(model, mask, options, captured=captured, **kwargs)
         prompts = [p.token_ids for p in batch]
         decoded = decode.sample(
-            self.model, mask, options, prompt_tokens=prompts, earlier_outputs=self.recent.get(prompts), **kwargs
+            model, mask, options, prompt_tokens=prompts, earlier_outputs=self.recent.get(prompts), **kwargs
         )
         row = 0
         for prompt, n in zip(prompts, rows, strict=True):
             self.recent.add(prompt, [tokens for tokens, _ in decoded[row : row + n]])
             row += n
         return decoded
+
+    def decode_engine(self, rows: int, memory: MemoryAdapter | None = None) -> str:
+        """What decodes a call of ``rows`` rows under ``memory``: ``int4`` (``backend.one_row_engine`` resolved to
+        it, at most :data:`int4.MAX_ROWS` rows, a memory kind it serves) or ``plain``. A memory it does not serve
+        is logged once per kind."""
+        if self.one_row_engine != "int4" or rows > int4.MAX_ROWS:
+            return "plain"
+        reason = int4.unserved_reason(memory)
+        if reason is not None:
+            if reason not in self._fallbacks_logged:
+                self._fallbacks_logged.add(reason)
+                log.info("backend.one_row_engine int4: %s", reason)
+            return "plain"
+        return "int4"
+
+    def _resolve_one_row(self, setting: str) -> tuple[str, str]:
+        """``backend.one_row_engine`` for this model and device (one rule, shared with ``elm env``), and why."""
+        from elm_memory.hardware import Placement, resolve_one_row_engine
+
+        dtype = str(self.model.dtype).removeprefix("torch.")
+        placement = Placement(device=self.device.type, dtype=dtype, num_threads=torch.get_num_threads())
+        engine, reason = resolve_one_row_engine(setting, placement, decode_loop=self.decode_loop)
+        if engine != "plain" or setting != "plain":
+            log.info("backend.one_row_engine: %s (%s)", engine, reason)
+        return engine, reason
+
+    def _int4_model(self) -> torch.nn.Module:
+        """The int4 tree of the model (made on its first call, then cached per process: elm_memory/backends/int4.py)."""
+        return int4.int4_model(self.model, group=self.int4_group, lm_head=self.int4_lm_head)
 
     def _resolve_graphs(self, setting: str) -> str:
         """``compile``, ``static`` or ``off``: what ``backend.decode_graphs`` means for this model and device."""

@@ -288,6 +288,25 @@ class BackendConfig(ConfigSection):
         ge=1,
         description="Most sequences decoded together by the `hf` backend (prompts x samples per call).",
     )
+    one_row_engine: Literal["plain", "int4", "auto"] = Field(
+        default="plain",
+        description=(
+            "What decodes the `elm` loop's calls of one or two rows (a greedy answer, `elm solve` zero-shot): "
+            "`plain`: the loop on the loaded weights; `int4`: the same loop on an int4 weight-only copy of the "
+            "linear layers, made once per process (torch's CPU kernels; soft prompts, seeded sampling and LoRA "
+            "memories served, a prefix memory takes the plain loop); `auto`: int4 on a CPU in bf16. Larger calls "
+            "(samples, training rollouts) keep the plain loop. Tokens drift from the plain loop's (4-bit weights). "
+            "`elm env` says which and why; see docs/performance.md."
+        ),
+    )
+    int4_lm_head: bool = Field(
+        default=False,
+        description=(
+            "`one_row_engine` int4: quantize the output layer too (a large share of a small model's weights, so "
+            "of a step's reads) instead of keeping it in the model's dtype; more drift from the plain loop's "
+            "tokens. See docs/performance.md."
+        ),
+    )
 
     _graphs_word = field_validator("decode_graphs", mode="before")(switch_word)
 
