@@ -99,31 +99,28 @@ def test_solve_says_how_a_stream_memory_answered_and_what_it_cost(monkeypatch):
     from elm_memory.cli import app
 
     turn = {"mode": "memory", "serving": "amortized", "gate": "serving", "probe": False, "version": 12, "tokens": 87}
-
-    class Amortized:  # the facade, as a served amortized stream memory answers alone
-        def __init__(self, config):
-            pass
-
-        def __enter__(self):
-            return self
-
-        def __exit__(self, *exc):
-            pass
-
-        def answer(self, question, *, namespace, learn=True):
-            return SimpleNamespace(
-                response="\\boxed{5}",
-                answer="5",
-                route="stream",
-                memory_id=None,
-                similarity=None,
-                timings={"total": 0.1},
-                warnings=[],
-                learn_job=None,
-                stream_turn=turn,
-            )
-
-    monkeypatch.setattr(elm_memory.elm, "ELM", Amortized)
+    answered = SimpleNamespace(  # what a served amortized stream memory returns when it answers alone
+        response="\\boxed{5}",
+        answer="5",
+        route="stream",
+        memory_id=None,
+        similarity=None,
+        timings={"total": 0.1},
+        warnings=[],
+        learn_job=None,
+        stream_turn=turn,
+    )
+    facade = type(
+        "Facade",
+        (),
+        {
+            "__init__": lambda self, config: None,
+            "__enter__": lambda self: self,
+            "__exit__": lambda self, *exc: None,
+            "answer": lambda self, question, *, namespace, learn=True: answered,
+        },
+    )
+    monkeypatch.setattr(elm_memory.elm, "ELM", facade)
     res = CliRunner().invoke(app, ["solve", "What is 2 + 3?", "--preset", "cpu-tiny"])
     assert res.exit_code == 0, res.output
     assert "(route: stream, " in res.stdout

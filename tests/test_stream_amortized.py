@@ -242,10 +242,17 @@ def script_generate(script, requests):
 
 
 # -- versions: the log, pinning, failures ----------------------------------------------------------------
+def _agreeing_rows(smol):
+    """Zero-shot's greedy answer and two samples, all boxing 5: a clear vote to learn from."""
+    from elm_memory.training.stream_samples import Generated
+
+    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
+    return [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+
+
 def test_a_long_history_stays_out_of_the_version_header_and_reads_back(smol, tmp_path):
     from elm_memory.store.stream_files import list_streams
     from elm_memory.training.stream import StreamMemory
-    from elm_memory.training.stream_samples import Generated
 
     cfg = _amortized(tmp_path)
     stream = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
@@ -253,8 +260,7 @@ def test_a_long_history_stays_out_of_the_version_header_and_reads_back(smol, tmp
         {"version": -1 - i, "question_hash": f"{i:064x}", "label": "5", "label_share": 0.8} for i in range(20000)
     ]
     stream.files.append_history(synthetic)  # twenty thousand earlier updates, about 2 MB of log
-    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
-    rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+    rows = _agreeing_rows(smol)
     update = stream.learn("What is 2 + 3?", [1, 2, 3], 3, rows, label="5", version_used=0, zero_shot_answer="5")
     assert update.applied and update.version == 1
     header = int.from_bytes(stream.files.path(1).read_bytes()[:8], "little")
@@ -267,12 +273,10 @@ def test_a_long_history_stays_out_of_the_version_header_and_reads_back(smol, tmp
 
 def test_a_crash_between_the_pointer_and_the_log_loses_no_entry(smol, tmp_path):
     from elm_memory.training.stream import StreamMemory
-    from elm_memory.training.stream_samples import Generated
 
     cfg = _amortized(tmp_path)
     stream = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
-    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
-    rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+    rows = _agreeing_rows(smol)
     stream.learn("q", [1, 2, 3], 3, rows, label="5", version_used=0, zero_shot_answer="5")
     log = stream.files.dir / "history.jsonl"
     log.write_bytes(log.read_bytes()[:-7])  # the last line cut short, as a crash mid-append leaves it
@@ -282,12 +286,10 @@ def test_a_crash_between_the_pointer_and_the_log_loses_no_entry(smol, tmp_path):
 
 def test_the_approved_version_survives_pruning(smol, tmp_path):
     from elm_memory.training.stream import StreamMemory
-    from elm_memory.training.stream_samples import Generated
 
     cfg = _amortized(tmp_path, keep_versions=2, gate_min_questions=1)
     stream = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
-    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
-    rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+    rows = _agreeing_rows(smol)
     for i in range(8):
         stream.learn(
             f"q{i}",
@@ -307,7 +309,6 @@ def test_the_approved_version_survives_pruning(smol, tmp_path):
 
 def test_a_non_finite_update_never_serves_and_the_gate_still_reads_the_question(smol, tmp_path, monkeypatch):
     from elm_memory.training.stream import StreamMemory
-    from elm_memory.training.stream_samples import Generated
 
     cfg = _amortized(tmp_path)
     stream = StreamMemory(cfg, smol, tmp_path / "s", namespace="ns")
@@ -319,8 +320,7 @@ def test_a_non_finite_update_never_serves_and_the_gate_still_reads_the_question(
         return 0.0
 
     monkeypatch.setattr(StreamMemory, "_backward", poisoned)
-    ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
-    rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+    rows = _agreeing_rows(smol)
     update = stream.learn(
         "q",
         [1, 2, 3],
@@ -339,14 +339,12 @@ def test_a_non_finite_update_never_serves_and_the_gate_still_reads_the_question(
 
 def test_margin_weights_the_step_through_the_learning_rate(smol, tmp_path):
     from elm_memory.training.stream import StreamMemory
-    from elm_memory.training.stream_samples import Generated
 
     moved = []
     for margin in (1.0, 0.2):
         cfg = _amortized(tmp_path / str(margin))
         stream = StreamMemory(cfg, smol, tmp_path / str(margin) / "s", namespace="ns")
-        ids = smol.tokenizer("\\boxed{5}", add_special_tokens=False)["input_ids"]
-        rows = [Generated(ids, "5", sampled=i > 0) for i in range(3)]
+        rows = _agreeing_rows(smol)
         stream.learn("q", [1, 2, 3], 3, rows, label="5", version_used=0, zero_shot_answer="5", margin=margin)
         moved.append(stream.moved())
         assert stream.history[-1]["label_margin"] == margin
