@@ -412,3 +412,8 @@ def test_two_learners_of_one_namespace_share_the_gate(smol, tmp_path):
         )
         assert update.skipped == "weak_label" and learner.version == 0  # no new version for the other to see
     assert a.files.read_gate()["total_readings"] == 3 and a.gate.wins == 3  # no reading lost between them
+
+
+def test_amortized_serving_refuses_the_retrieved_memorys_vote():
+    with pytest.raises(ConfigError, match="stream.mode=stream"):
+        ELMConfig.load(preset="cpu-amortized", overrides={"stream": {"mode": "both"}})

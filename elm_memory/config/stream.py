@@ -208,6 +208,11 @@ class StreamConfig(ConfigSection):
 
     @model_validator(mode="after")
     def _off_policy_needs_sft(self) -> StreamConfig:
+        if self.serving == "amortized" and self.mode == "both":
+            raise ValueError(
+                "stream.serving=amortized answers with the stream memory alone; stream.mode=both adds the retrieved "
+                "memory's vote: set stream.mode=stream (or stream.serving=vote)"
+            )
         if self.serving == "amortized" and self.learn_from != "zero_shot":
             raise ValueError(
                 "stream.serving=amortized learns from the vote of zero-shot's samples (the memory's greedy answer "

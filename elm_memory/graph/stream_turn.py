@@ -95,11 +95,6 @@ class StreamTurn:
     def plan(cls, config: ELMConfig, stream: StreamMemory, question: str, namespace: str, *, measure: bool = False):
         """The turn's plan from the config and the gate's state now."""
         s = config.stream
-        if s.serving == "amortized" and s.mode == "both":
-            raise ConfigError(
-                "stream.serving=amortized answers with the stream memory alone; stream.mode=both adds the retrieved "
-                "memory's vote: set stream.mode=stream (or stream.serving=vote)"
-            )
         gate = stream.read_gate_state() if s.serving == "amortized" else "off"
         probe = s.serving == "vote" or gate != SERVING or is_probe(question, config.training.seed, s.probe_share)
         return cls(
