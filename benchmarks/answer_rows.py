@@ -290,13 +290,14 @@ def main() -> None:
 
 def _drift(loaded: Any, builder: Any, tokens: int) -> dict[str, Any]:
     """How far the int4 trees' next-token distributions are from the plain model's, teacher-forced on the plain
-    loop's own greedy tokens (``tokens`` per question, EOS ignored): the share of positions whose top token
-    agrees, the mean KL(plain || int4) in nats, and where each engine's own greedy tokens first differ (None:
-    nowhere). Deterministic for a CPU kind: it does not depend on the load. Group 32 (the engine's) and, for
-    comparison, 64 and 128."""
+    loop's own greedy tokens (``tokens`` per question, EOS ignored), with the int4 product at every position
+    (the engine itself prefills with the layers' own product): the share of positions whose top token agrees
+    and the mean KL(plain || int4) in nats; and where each engine's own greedy tokens (as it decodes: prefill
+    dense, steps int4) first differ from the plain loop's (None: nowhere). Deterministic for a CPU kind: it
+    does not depend on the load. Group 32 (the engine's) and, for comparison, 64 and 128."""
     import torch
 
-    from elm_memory.backends import decode
+    from elm_memory.backends import decode, int4
     from elm_memory.backends.int4 import int4_model
 
     model = loaded.model
@@ -320,7 +321,11 @@ def _drift(loaded: Any, builder: Any, tokens: int) -> dict[str, Any]:
             full = torch.tensor([ids + ref])
             p = torch.log_softmax(model(input_ids=full).logits[0, len(ids) - 1 : -1].float(), -1)
             for name, tree in variants.items():
-                q = torch.log_softmax(tree(input_ids=full).logits[0, len(ids) - 1 : -1].float(), -1)
+                dense_above, int4.INT4_MAX_TOKENS = int4.INT4_MAX_TOKENS, full.shape[1]  # int4 at every position
+                try:
+                    q = torch.log_softmax(tree(input_ids=full).logits[0, len(ids) - 1 : -1].float(), -1)
+                finally:
+                    int4.INT4_MAX_TOKENS = dense_above
                 out[name]["top1"].append((p.argmax(-1) == q.argmax(-1)).float().mean().item())
                 out[name]["kl"].append((p.exp() * (p - q)).sum(-1).mean().item())
                 out[name]["first_divergence"].append(_first_divergence(ref, greedy(tree, ids)))

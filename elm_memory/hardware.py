@@ -283,7 +283,8 @@ def resolve_one_row_engine(
     if not _int4_kernels():
         return "plain", "this torch has no int4 CPU kernels"
     if requested == "int4":
-        return "int4", f"backend.one_row_engine: int4, calls of at most {ONE_ROW_MAX_ROWS} rows"
+        slow = "; slow in float32 (torch's int4 kernel has no fast path there)" if placement.dtype == "float32" else ""
+        return "int4", f"backend.one_row_engine: int4, calls of at most {ONE_ROW_MAX_ROWS} rows{slow}"
     if placement.dtype != "bfloat16":
         return "plain", f"auto: the model runs in {placement.dtype}; int4 is measured against a bf16 loop only"
     return "int4", f"auto: a CPU in bf16, calls of at most {ONE_ROW_MAX_ROWS} rows"

@@ -356,7 +356,9 @@ class HFBackend:
         dtype = str(self.model.dtype).removeprefix("torch.")
         placement = Placement(device=self.device.type, dtype=dtype, num_threads=torch.get_num_threads())
         engine, reason = resolve_one_row_engine(setting, placement, decode_loop=self.decode_loop)
-        if engine != "plain" or setting != "plain":
+        if engine == "int4" and dtype == "float32":
+            log.warning("backend.one_row_engine int4 in float32: torch's int4 kernel takes a slow path there")
+        elif engine != "plain" or setting != "plain":
             log.info("backend.one_row_engine: %s (%s)", engine, reason)
         return engine, reason
 

@@ -12,6 +12,11 @@ becomes an :class:`Int4Linear`: the same ``nn.Linear`` (same shared bf16 ``weigh
 reads it), whose no-grad CPU forward multiplies by its int4 copy instead. The original model is never
 changed, so other threads (a learner training, a verifier scoring) keep the bf16 weights.
 
+A forward of more than :data:`INT4_MAX_TOKENS` tokens (a call's prefill) runs each layer's own bf16 product:
+the kernel's arithmetic grows with the tokens and oneDNN's product is faster there. So a call's prompt KV
+cache is the plain loop's, and so is its first token while the output layer is kept. In float32 the kernel
+takes a slow path (slower than the plain loop), which is why ``auto`` picks int4 only in bf16.
+
 What it serves: the backend runs the plain loop itself (:func:`elm_memory.backends.decode.sample`) on
 that tree, so a call keeps everything the loop does: greedy and seeded sampling, stop at the answer, soft
 prompts (input embeddings from the shared bf16 table), lookup drafts, and LoRA memories, whose forward
@@ -36,7 +41,6 @@ import weakref
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from elm_memory.hardware import ONE_ROW_MAX_ROWS
 from elm_memory.memory.kinds import LORA, LORA_ROWS
@@ -47,6 +51,9 @@ log = logging.getLogger(__name__)
 MAX_ROWS = ONE_ROW_MAX_ROWS
 #: Input weights per scale and zero (the kernel takes 32, 64, 128 or 256; smaller groups fit better, cost more).
 GROUP_SIZE = 32
+#: A forward of more tokens than this (a prefill) runs the layer's own product: the int4 kernel's arithmetic grows
+#: with the tokens while reading the weights does not, and above a few tokens oneDNN's bf16 product is faster.
+INT4_MAX_TOKENS = 8
 #: Memory kinds the engine applies (their forward hooks land on the int4 modules); others take the plain loop.
 SERVED_MEMORY_KINDS = (LORA, LORA_ROWS)
 _PACK_ROWS = 4096  # rows packed per kernel call: bounds the float32 temporaries of a large output layer
@@ -104,8 +111,10 @@ def quantize(
 
 
 class Int4Linear(torch.nn.Linear):
-    """An ``nn.Linear`` that shares the original layer's weight and bias and, in a no-grad CPU forward in
-    the weight's dtype, multiplies by its int4 copy instead (any other forward runs ``F.linear``).
+    """An ``nn.Linear`` that shares the original layer's weight and bias and, in a no-grad CPU forward of at
+    most :data:`INT4_MAX_TOKENS` tokens in the weight's dtype (a decode step), multiplies by its int4 copy
+    instead. Any other forward (a prefill, a graph, another device) is the original layer's own ``forward``
+    (oneDNN's packed weight where the model has one; never its hooks).
 
     It is an ``nn.Linear`` with the original ``weight``, so LoRA hooks, ``isinstance`` checks and anything
     reading ``weight.dtype`` see the layer they saw before."""
@@ -113,6 +122,7 @@ class Int4Linear(torch.nn.Linear):
     group: int
     _packed: torch.Tensor
     _scale_zero: torch.Tensor
+    _dense: torch.nn.Linear
 
     def __init__(self, linear: torch.nn.Linear, group: int = GROUP_SIZE):
         torch.nn.Module.__init__(self)  # not nn.Linear's: it would allocate a weight of its own
@@ -121,6 +131,7 @@ class Int4Linear(torch.nn.Linear):
         self.bias = linear.bias
         self.group = group
         self._packed, self._scale_zero, _ = quantize(linear.weight.detach(), group)
+        self.__dict__["_dense"] = linear  # not a submodule: the int4 tree's modules stay the model's own list
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if (
@@ -128,8 +139,9 @@ class Int4Linear(torch.nn.Linear):
             or x.device.type != "cpu"
             or x.dtype != self._scale_zero.dtype
             or (x.requires_grad and torch.is_grad_enabled())
+            or x.numel() > INT4_MAX_TOKENS * self.in_features
         ):
-            return F.linear(x, self.weight, self.bias)
+            return self._dense.forward(x)
         flat = x.reshape(-1, self.in_features).contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(flat, self._packed, self.group, self._scale_zero)
         y = y.reshape(*x.shape[:-1], self.out_features)
