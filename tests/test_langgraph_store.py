@@ -419,7 +419,10 @@ def test_the_docs_example_runs(tmp_path, monkeypatch, capsys) -> None:
     apples_blob = seeded.record(apples.id).blob
     blocks = doc_blocks()
     assert blocks, f"no python block under {DOC_SECTION!r} in docs/agents.md"
-    scope: dict = {}
+    from elm_memory import ELM
+
+    # the page's block continues its first one, whose `elm` answered a question; here the store is seeded instead
+    scope: dict = {"elm": ELM(ELMConfig.load(preset="cpu-demo"))}
     for block in blocks:
         exec(compile(block, "docs/agents.md", "exec"), scope)
     printed = capsys.readouterr().out
