@@ -169,10 +169,11 @@ class StreamFiles:
     def repair_history(self, serving: LatentMemory) -> list[dict[str, Any]]:
         """:meth:`read_history`, writing back what it recovered (the serving version's own entry; an older file's
         whole history, so the log holds it from now on). Call under :meth:`lock`."""
-        logged = self.read_history()
+        path = self.dir / HISTORY_FILE
+        logged = path.read_bytes().count(b"\n") if path.exists() else 0  # complete lines; the log is read once
         entries = self.read_history(serving)
-        if len(entries) > len(logged):
-            self.append_history(entries[len(logged) :])
+        if len(entries) > logged:
+            self.append_history(entries[logged:])
         return entries
 
     def read_gate(self) -> dict[str, Any] | None:

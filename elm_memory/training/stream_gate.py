@@ -37,10 +37,10 @@ STATES = (WARMUP, SERVING, PROBATION)
 def samples_vote(samples: Sequence[str | None]) -> str | None:
     """The samples' own vote, with no greedy answer in it: the answer strictly more samples gave than any other
     (None on a tie or when none answered)."""
-    counts = sorted((n for _, n, _ in vote_counts(samples)), reverse=True)
-    if not counts or (len(counts) > 1 and counts[0] == counts[1]):
+    ranked = sorted(vote_counts(samples), key=lambda v: -v[1])  # equivalence grouping once
+    if not ranked or (len(ranked) > 1 and ranked[0][1] == ranked[1][1]):
         return None
-    return next(a for a, n, _ in vote_counts(samples) if n == counts[0])
+    return ranked[0][0]
 
 
 @dataclass(frozen=True)
