@@ -62,6 +62,23 @@ def test_int4_linear_multiplies_by_the_values_its_codes_stand_for(dtype, atol):
     assert torch.equal(q(x), torch.nn.functional.linear(x, linear.weight, linear.bias))
 
 
+def test_a_merged_lora_linear_multiplies_by_the_merged_weights_codes_and_its_prefill_adds_the_delta():
+    torch.manual_seed(1)
+    linear = torch.nn.Linear(128, 48, bias=False).requires_grad_(False)
+    a, b = torch.randn(4, 128) * 0.1, torch.randn(48, 4) * 0.1
+    q = int4.LoraInt4Linear(linear, a, b, 2.0, 32)
+    assert q.weight is linear.weight  # the bf16 weight is still the model's own
+    merged = linear.weight + 2.0 * b @ a
+    _, _, values = int4.quantize(merged, 32, values=True)
+    x = torch.randn(1, int4.INT4_MAX_TOKENS, 128)
+    prefill = torch.randn(1, int4.INT4_MAX_TOKENS + 3, 128)
+    with torch.no_grad():
+        assert torch.allclose(q(x), torch.nn.functional.linear(x, values), atol=1e-5)
+        assert torch.allclose(q(prefill), torch.nn.functional.linear(prefill, merged), atol=1e-5)
+        unmerged = int4.Int4Linear(linear)(x)
+        assert (q(x) - unmerged).abs().max() > 1e-2  # the delta is in the codes, not rounded away
+
+
 def test_only_layers_the_kernel_takes_are_quantized():
     assert int4.quantizable(torch.nn.Linear(64, 32), 32)
     assert not int4.quantizable(torch.nn.Linear(48, 32), 32)  # in_features not a multiple of the group
@@ -138,6 +155,36 @@ def test_the_setting_is_checked_and_elm_env_names_the_engine():
 # -- SmolLM2 -----------------------------------------------------------------------------------------------
 
 
+def test_a_lora_merged_tree_shares_the_untargeted_layers_and_is_found_again_by_content(random_qwen):
+    model = random_qwen
+    start = LoraAdapter.initial(model, rank=4, alpha=8, seed=3, targets=("q_proj", "down_proj"))
+    gen = torch.Generator().manual_seed(3)
+    lora = LoraAdapter({n: (a, torch.randn(b.shape, generator=gen) * 0.05) for n, (a, b) in start.weights.items()}, 8)
+    tree = int4.int4_lora_model(model, lora)
+    assert tree is not None and int4.int4_lora_model(model, lora.detached()) is tree  # a copy: the same tree
+    base = int4.int4_model(model)
+    layer, base_layer = tree.model.layers[1], base.model.layers[1]
+    assert isinstance(layer.self_attn.q_proj, int4.LoraInt4Linear) and isinstance(
+        layer.mlp.down_proj, int4.LoraInt4Linear
+    )
+    assert layer.self_attn.k_proj is base_layer.self_attn.k_proj  # untargeted: the base tree's int4 layer
+    assert not any(isinstance(m, int4.LoraInt4Linear) for m in base.modules())
+    merged_copy = copy.deepcopy(model)  # the model with the LoRA folded into its weights, then int4's values
+    for name, (a, b) in lora.weights.items():
+        merged_copy.get_submodule(name).weight += lora.scale * b @ a
+    ids = torch.tensor([[5, 17, 3, 44, 9, 60, 2]])  # few tokens: the int4 product everywhere
+    long_ids = torch.arange(1, 20).unsqueeze(0)  # a prefill: the dense product plus the delta
+    with torch.no_grad():
+        assert torch.allclose(
+            tree(input_ids=ids).logits, _dequantized_copy(merged_copy)(input_ids=ids).logits, atol=1e-4
+        )
+        with lora.apply(model, 1):
+            hooked = model(input_ids=long_ids).logits
+        assert torch.allclose(tree(input_ids=long_ids).logits, hooked, atol=1e-4)
+    other = LoraAdapter({n: (a, b * 2) for n, (a, b) in lora.weights.items()}, 8)
+    assert int4.int4_lora_model(model, other) is not tree  # other tensors: another tree (the newest is kept)
+
+
 @pytest.fixture(scope="module")
 def backends(tiny_loaded):
     """The plain backend and an int4 one on the same SmolLM2 (float32), on one thread."""
@@ -195,14 +242,26 @@ def _lora(model, seed: int) -> LoraAdapter:
 
 
 @pytest.mark.model
-def test_int4_applies_a_lora_memory_on_top_of_the_int4_product(backends, tiny_loaded, prompts):
+def test_int4_decodes_a_lora_memory_merged_into_its_int4_layers(backends, tiny_loaded, prompts):
     plain, q4 = backends
     lora = _lora(tiny_loaded.model, 1)
     inputs = [PromptInput(prompts[1].token_ids, memory=lora)]
+    merged_before = q4.engine_calls["int4_lora_merged"]
     under = _tokens(q4, inputs)
-    assert under == _tokens(plain, inputs, engine="plain")
+    assert q4.engine_calls["int4_lora_merged"] == merged_before + 1
     assert under != _tokens(q4, [PromptInput(prompts[1].token_ids)])  # the delta was applied
-    for model in (tiny_loaded.model, int4.int4_model(tiny_loaded.model)):  # and its hooks are gone again
+    # W + delta requantized is not SmolLM2's Q4_1 grid, so later tokens may part from the plain loop's; the
+    # prefill is the dense product plus the delta, so the first token and the prompt's logits are the plain loop's
+    ref = _tokens(plain, inputs, engine="plain")[0][0]
+    assert under[0][0][0] == ref[0]
+    tree = int4.int4_lora_model(tiny_loaded.model, lora)
+    assert tree is not None
+    ids = torch.tensor([list(prompts[1].token_ids) + ref])
+    with torch.no_grad():
+        with lora.apply(tiny_loaded.model, 1):
+            expected = tiny_loaded.model(input_ids=ids).logits
+        assert torch.allclose(tree(input_ids=ids).logits, expected, atol=1e-4)
+    for model in (tiny_loaded.model, int4.int4_model(tiny_loaded.model), tree):  # no hook was left behind
         assert not any(m._forward_hooks for m in model.modules())
 
 

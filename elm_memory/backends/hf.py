@@ -321,7 +321,9 @@ class HFBackend:
         with what was generated before for the same prompt texts, and remembering what it generates."""
         engine = self.decode_engine(sum(rows), kwargs.get("memory"))
         self.engine_calls[engine] += 1
-        model = self._int4_model() if engine == "int4" else self.model
+        model = self.model
+        if engine == "int4":
+            model = self._int4_model(kwargs)
         if not self.lookup_draft_tokens:
             captured = self._captured_steps() if engine == "plain" else None
             return decode.sample(model, mask, options, captured=captured, **kwargs)
@@ -362,8 +364,17 @@ class HFBackend:
             log.info("backend.one_row_engine: %s (%s)", engine, reason)
         return engine, reason
 
-    def _int4_model(self) -> torch.nn.Module:
-        """The int4 tree of the model (made on its first call, then cached per process: elm_memory/backends/int4.py)."""
+    def _int4_model(self, kwargs: dict[str, Any]) -> torch.nn.Module:
+        """The int4 tree of the model (made on its first call, then cached per process: elm_memory/backends/int4.py).
+        A call under one LoRA memory gets the tree with that LoRA merged into its int4 layers, and the call's
+        ``memory`` is dropped from ``kwargs`` (the tree applies it); a LoRA it cannot merge keeps its hooks."""
+        memory = kwargs.get("memory")
+        if isinstance(memory, LoraAdapter):
+            merged = int4.int4_lora_model(self.model, memory, group=self.int4_group, lm_head=self.int4_lm_head)
+            if merged is not None:
+                kwargs["memory"] = None
+                self.engine_calls["int4_lora_merged"] += 1
+                return merged
         return int4.int4_model(self.model, group=self.int4_group, lm_head=self.int4_lm_head)
 
     def _resolve_graphs(self, setting: str) -> str:
