@@ -122,6 +122,14 @@ def _args() -> argparse.Namespace:
         default=0,
         help="also measure the int4 engines' drift on this many greedy tokens of each of the 8 questions (0: off)",
     )
+    ap.add_argument(
+        "--answers",
+        type=int,
+        default=0,
+        help="also time this many whole one-row answers under the LoRA (a served stream memory's answer: EOS and "
+        "the answer stop honoured, --answer-tokens at most) per hf engine, wall seconds each (0: off)",
+    )
+    ap.add_argument("--answer-tokens", type=int, default=384, help="the answers' token budget (the product's: 384)")
     ap.add_argument("--threads", type=int, default=0, help="threads for every engine (0: what the library resolves)")
     ap.add_argument("--json", action="store_true", help="print the result as one JSON object on one line")
     ap.add_argument("--out", type=Path, default=RESULTS, help="also write the result here")
@@ -191,6 +199,7 @@ def main() -> None:
             tree = int4_model(loaded.model, lm_head=backend.int4_lm_head)
             setup[name] = {"quantize_s": round(time.perf_counter() - t0, 1), "int4_bytes": int4_bytes(tree)}
             backends[name] = backend
+    eos_ids = {name: list(backend.eos_ids) for name, backend in backends.items()}
     for backend in backends.values():
         backend.eos_ids = []  # EOS ignored: every row runs to the cap, so every call times the same steps
 
@@ -246,6 +255,13 @@ def main() -> None:
                 if (c["rows"], c["memory"], c["round"]) == (rows, memory, 1) and c["engine"] != "plain"
             }
 
+    whole_answers = None
+    if args.answers:
+        for name, backend in backends.items():
+            backend.eos_ids = eos_ids[name]
+        questions = [builder.answer_prompt(q, memory_tokens=SOFT_PROMPT_TOKENS) for q in QUESTIONS[: args.answers]]
+        whole_answers = _whole_answers(backends, [PromptInput(a.token_ids, memory=lora) for a in questions], args)
+
     engines = [e for e in wanted if e in backends or (e == "llama" and llama is not None)]
     summary = summarize(cells, engines)
     result = {
@@ -279,6 +295,7 @@ def main() -> None:
         "setup": setup,
         "skipped": skipped,
         "drift": _drift(loaded, builder, args.drift_tokens) if args.drift_tokens else None,
+        "whole_answers": whole_answers,
         "cells": [{k: v for k, v in c.items() if k != "token_ids"} for c in cells],
     }
     text = json.dumps(result, indent=None if args.json else 2, default=str)
@@ -286,6 +303,45 @@ def main() -> None:
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(result, indent=2, default=str) + "\n")
     print(text)
+
+
+def _whole_answers(backends: dict[str, Any], prompts: list[Any], args: argparse.Namespace) -> dict[str, Any]:
+    """Each question answered alone under the LoRA, as amortized serving answers (greedy, EOS and the answer stop
+    honoured), per hf engine in turn: wall seconds (prefill, decode and, for int4's first call under this LoRA,
+    merging it in: reported apart as ``first_call_s``), tokens and whether the answer is boxed. Engines alternate
+    per question, so a load change falls on both."""
+    from elm_memory.backends.base import SamplingParams
+
+    params = SamplingParams(max_new_tokens=args.answer_tokens, stop_at_answer=True)
+    first_call_s = {}
+    for name, backend in backends.items():  # the first call under the LoRA (int4: the merge, if not made yet)
+        t0 = time.perf_counter()
+        backend.generate(prompts[:1], SamplingParams(max_new_tokens=2))
+        first_call_s[name] = round(time.perf_counter() - t0, 2)
+    rows: dict[str, list[dict[str, Any]]] = {name: [] for name in backends}
+    for prompt in prompts:
+        for name, backend in backends.items():
+            t0 = time.perf_counter()
+            [[gen]] = backend.generate([prompt], params)
+            rows[name].append(
+                {
+                    "seconds": round(time.perf_counter() - t0, 2),
+                    "tokens": len(gen.token_ids),
+                    "boxed": "\\boxed" in gen.text,
+                    "load": _loadavg(),
+                }
+            )
+    out: dict[str, Any] = {"answer_tokens": args.answer_tokens, "questions": len(prompts)}
+    for name, got in rows.items():
+        seconds, tokens = sum(r["seconds"] for r in got), sum(r["tokens"] for r in got)
+        out[name] = {
+            "mean_seconds": round(seconds / len(got), 2),
+            "mean_tokens": round(tokens / len(got), 1),
+            "ms_per_token": round(1e3 * seconds / max(tokens, 1), 1),
+            "first_call_s": first_call_s[name],
+            "answers": got,
+        }
+    return out
 
 
 def _drift(loaded: Any, builder: Any, tokens: int) -> dict[str, Any]:

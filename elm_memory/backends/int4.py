@@ -240,7 +240,7 @@ def int4_model(model: torch.nn.Module, *, group: int = GROUP_SIZE, lm_head: bool
         return made[key]
 
 
-_MERGED: weakref.WeakKeyDictionary[torch.nn.Module, tuple[tuple[Any, ...], torch.nn.Module]] = (
+_MERGED: weakref.WeakKeyDictionary[torch.nn.Module, dict[tuple[int, bool], tuple[str, torch.nn.Module]]] = (
     weakref.WeakKeyDictionary()
 )
 
@@ -249,16 +249,16 @@ def int4_lora_model(
     model: torch.nn.Module, adapter: LoraAdapter, *, group: int = GROUP_SIZE, lm_head: bool = False
 ) -> torch.nn.Module | None:
     """The int4 tree of ``model`` with ``adapter`` merged into the layers it targets (:class:`LoraInt4Linear`),
-    the other layers shared with :func:`int4_model`'s tree. One merged tree is kept per model (the newest LoRA
-    asked for: a served stream memory asks for the same version many times). None when a target layer cannot
-    be quantized (the caller applies the LoRA by hooks then)."""
+    the other layers shared with :func:`int4_model`'s tree. One merged tree is kept per model, group size and
+    ``lm_head`` choice (the newest LoRA asked for: a served stream memory asks for the same version many times).
+    None when a target layer cannot be quantized (the caller applies the LoRA by hooks then)."""
     modules = adapter.check_model(model)
     if not all(quantizable(m, group) for m in modules.values()):
         return None
-    key = (group, lm_head, adapter.digest())  # a served stream memory is a new copy per call: found by content
+    key, digest = (group, lm_head), adapter.digest()  # a served stream memory is a new copy per call: by content
     with _LOCK:
-        cached = _MERGED.get(model)
-        if cached is not None and cached[0] == key:
+        cached = _MERGED.get(model, {}).get(key)
+        if cached is not None and cached[0] == digest:
             return cached[1]
     base = int4_model(model, group=group, lm_head=lm_head)
     t0 = time.perf_counter()
@@ -268,7 +268,7 @@ def int4_lora_model(
         replaced[name] = LoraInt4Linear(linear, a, b, adapter.scale, group)
     tree = _tree_with(model, replaced)
     with _LOCK:
-        _MERGED[model] = (key, tree)
+        _MERGED.setdefault(model, {})[key] = (digest, tree)
     log.info("int4 engine: a lora merged into %d layers in %.1f s", len(modules), time.perf_counter() - t0)
     return tree
 
