@@ -119,6 +119,8 @@ class _NoModel:
 
 
 @pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.extended
 def test_every_variant_runs_into_its_folder_and_the_table_resumes(tiny_loaded, tiny_backend, tmp_path):
     problems = load_problems("gsm8k", limit=2, seed=17)
     out = tmp_path / "abl"

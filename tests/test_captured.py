@@ -84,7 +84,14 @@ def test_greedy_tokens_equal_the_plain_loops(smol, batch, share, drop):
     assert captured.buckets_seen == [(2, 256)]  # 2 rows; prompt + 20 tokens fit the smallest cache
 
 
-@pytest.mark.parametrize("read_every, smaller", [(1, 4), (4, 2), (7, 4)])
+@pytest.mark.parametrize(
+    "read_every, smaller",
+    [
+        (1, 4),
+        pytest.param(4, 2, marks=(pytest.mark.slow, pytest.mark.extended)),
+        pytest.param(7, 4, marks=(pytest.mark.slow, pytest.mark.extended)),
+    ],
+)
 def test_seeded_samples_equal_the_plain_loops_while_rows_finish_and_move_to_smaller_buckets(
     smol, batch, read_every, smaller
 ):

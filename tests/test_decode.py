@@ -9,7 +9,14 @@ from elm_memory.backends.decode import DecodeOptions, sample
 from elm_memory.backends.prompting import PromptBuilder
 
 pytestmark = pytest.mark.model
-LEVERS = [(s, d) for s in (False, True) for d in (False, True)]
+# no lever and both levers by default; each lever alone in the extended run (pytest -m extended)
+LEVERS = [
+    (s, d)
+    if (s, d) in ((False, False), (True, True))
+    else pytest.param(s, d, marks=(pytest.mark.slow, pytest.mark.extended))
+    for s in (False, True)
+    for d in (False, True)
+]
 
 
 @pytest.fixture(scope="module")
@@ -126,7 +133,7 @@ def _forwards(model):
     return calls, handle
 
 
-@pytest.mark.parametrize("share", (False, True))
+@pytest.mark.parametrize("share", (False, pytest.param(True, marks=(pytest.mark.slow, pytest.mark.extended))))
 def test_lookup_keeps_greedy_tokens_in_fewer_forwards(tiny_loaded, batch, share):
     _, input_ids, mask = batch
     plain_calls, h = _forwards(tiny_loaded.model)

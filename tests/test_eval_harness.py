@@ -146,6 +146,8 @@ def test_greedy_cache_keeps_no_memory_answers_and_takes_back_recorded_ones():
 
 
 @pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.extended
 def test_every_method_runs_the_online_protocol(tiny_loaded, tiny_backend, tmp_path):
     from elm_memory.eval.methods.base import EvalRuntime
     from elm_memory.eval.online import run_stream
@@ -276,6 +278,8 @@ def test_a_resumed_stream_gives_elm_the_zero_shot_answers_it_recorded(tiny_loade
 
 
 @pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.extended
 def test_a_question_whose_record_was_lost_is_answered_again_without_its_own_memory(tiny_loaded, tiny_backend, tmp_path):
     """Stopped after question 2's memory was stored but before its record was written: the resumed
     run removes that memory and its job, answers question 2 from the pool it had (not from its own
@@ -363,6 +367,8 @@ def test_offline_learning_prints_a_line_per_training_step(tiny_loaded, tiny_back
 
 
 @pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.extended
 def test_offline_protocol_and_transfer(tiny_loaded, tiny_backend, tmp_path):
     from elm_memory.eval.methods.base import EvalRuntime
     from elm_memory.eval.offline import run_offline

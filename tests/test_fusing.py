@@ -266,7 +266,9 @@ def test_outside_a_run_the_view_is_the_backend():
 # ---- the online protocol ------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("verifier", ["self_certainty", "consistency"])
+@pytest.mark.parametrize(
+    "verifier", [pytest.param("self_certainty", marks=(pytest.mark.slow, pytest.mark.extended)), "consistency"]
+)
 def test_overlapping_answering_and_learning_changes_no_answer_and_no_memory(
     verifier, tiny_loaded, tiny_backend, tmp_path
 ):

@@ -238,6 +238,8 @@ def test_background_learning_never_blocks_and_resumes_after_restart(tmp_path, ti
     again.close()
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_16_concurrent_answers_with_background_learning(tmp_path, tiny_loaded, tiny_backend):
     cfg = tiny_config(tmp_path, learner={"mode": "background"}, training={"steps": 1, "num_generations": 2})
     questions = [f"What is {i} plus {i + 1}?" for i in range(16)]

@@ -239,6 +239,8 @@ def test_hf_backend_generates_under_a_prefix_and_a_lora_memory(smol, tiny_backen
 
 
 @pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.extended
 def test_grpo_trains_a_prefix_memory(smol):
     before = weights_checksum(smol.model)
     memory, scripted = _learn(smol, "prefix")
@@ -285,7 +287,7 @@ def test_soft_prompt_files_are_byte_identical_to_format_1():
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("kind", ["lora", "prefix"])
+@pytest.mark.parametrize("kind", ["lora", pytest.param("prefix", marks=(pytest.mark.slow, pytest.mark.extended))])
 def test_adapter_memories_round_trip_and_keep_their_kind(smol, tmp_path, kind):
     memory, _ = _learn(smol, kind)
     path = memory.save(tmp_path / "m.safetensors")
@@ -351,7 +353,7 @@ def test_corrupt_or_mismatched_adapter_files_are_refused(smol):
 
 
 @pytest.mark.model
-@pytest.mark.parametrize("key", ["input", "kv"])
+@pytest.mark.parametrize("key", ["input", pytest.param("kv", marks=(pytest.mark.slow, pytest.mark.extended))])
 def test_each_kind_grows_the_pool_and_retrieval_keeps_to_its_kind(smol, tmp_path, key):
     from elm_memory.memory.keys import key_builders
     from elm_memory.retrieval.retriever import Retriever
@@ -421,6 +423,8 @@ def test_lora_export_loads_in_peft_with_our_logits(smol, tmp_path):
 
 
 @pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.extended
 def test_prefix_memories_are_not_exported_or_served_by_vllm(smol, tmp_path):
     from elm_memory.backends.vllm.lora import check_kind
     from elm_memory.memory.peft import export_adapter
@@ -467,6 +471,8 @@ def test_memory_kind_config():
 
 
 @pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.extended
 def test_learn_memories_batches_adapter_memories(smol):
     """Several lora memories in one train_many call: each is trained on its own rows (no micro-batch mixes two)."""
     cfg = _config("lora", learning_rate=1e-3)

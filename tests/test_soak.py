@@ -201,6 +201,8 @@ def soak(
     (tmp_path / "soak.json").write_text(json.dumps({"rss_mib": rss, "answers": len(results)}))
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_soak_short(tmp_path, tiny_loaded, tiny_backend):
     with one_thread():
         soak(tmp_path, tiny_loaded, tiny_backend, 8, "", questions=8, tokens=8, warm=2)

@@ -154,6 +154,8 @@ def test_an_arm_sets_how_it_learns_but_not_what_it_is(evidence_config):
 
 
 @pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.extended
 def test_elm_stream_sources_trains_one_arm_on_its_own_vote_and_one_on_self_consistencys(
     evidence_config, tiny_loaded, tmp_path
 ):

@@ -388,6 +388,8 @@ def test_elm_memories_streams_lists_versions_updates_and_rollbacks(smol, tmp_pat
 
 
 @pytest.mark.model
+@pytest.mark.slow
+@pytest.mark.extended
 def test_elm_stream_gold_arm_learns_from_the_dataset_answer_after_the_rows_were_drawn(
     evidence_config, tiny_loaded, tiny_backend, tmp_path
 ):
