@@ -150,9 +150,14 @@ def plot_amortized(records: Sequence[Mapping[str, Any]], out_dir: str | Path, *,
     fig = _figure(11.0, 4.5)
     left, right = fig.subplots(1, 2)
     test = [r for r in mine if r["index"] >= warmup] or mine
+    init_is_zero_shot = all(r["extra"]["amortized"].get("init_is_zero_shot") for r in test)
     for row in ROWS:
         acc, tok = _mean([_right(r, row) for r in test]), _mean([_tokens(r, row) for r in test])
-        if acc is not None and tok is not None:
+        if acc is None or tok is None:
+            continue
+        if row == "init_greedy" and init_is_zero_shot:  # a LoRA's init is zero-shot: a ring, not a hidden point
+            left.plot([tok], [acc], "o", markersize=13, fillstyle="none", label=f"{row} (= zero-shot)")
+        else:
             left.plot([tok], [acc], "o", markersize=8, label=row)
     block = max(5, len(mine) // 8)
     xs, ys = [], []
