@@ -34,7 +34,7 @@ import os
 import platform
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -252,8 +252,12 @@ def _packaged_gguf(model: str, explicit: Path | None) -> Path:
 # -- timing ------------------------------------------------------------------------------------------------
 
 
-def _first_divergence(a: list[int], b: list[int]) -> int | None:
-    return next((i for i, (x, y) in enumerate(zip(a, b, strict=False)) if x != y), None)
+def _first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
+    """The first position where two token lists differ (a shorter list differs where it ends); None if equal."""
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return None if len(a) == len(b) else min(len(a), len(b))
 
 
 def _cell(run: Callable[[int], list[list[int]]], tokens: int, short: int) -> dict[str, Any]:

@@ -27,25 +27,17 @@ from pathlib import Path
 from typing import Any
 
 from benchmarks.cpu_decode_pilot import _cpu_model, _git_head
+from benchmarks.cpu_decode_pilot import _first_divergence as first_divergence
 
 RESULTS = Path(__file__).parent / "results" / "answer_rows" / "int4_quality.json"
 ENGINES = ("plain", "int4")
 BAR_POINTS = 2.0
 
 
-def first_divergence(a: Sequence[int], b: Sequence[int]) -> int | None:
-    """The first position where two token lists differ (a shorter list differs where it ends); None if equal."""
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return None if len(a) == len(b) else min(len(a), len(b))
-
-
 def read_records(run_dir: Path) -> list[dict[str, Any]]:
-    path = run_dir / "records.jsonl"
-    if not path.exists():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    from elm_memory.eval.records import RecordLog
+
+    return RecordLog(run_dir / "records.jsonl").read()
 
 
 def _token_ids(record: Mapping[str, Any]) -> list[int] | None:

@@ -126,13 +126,15 @@ class Int4Linear(torch.nn.Linear):
     _scale_zero: torch.Tensor
     _dense: torch.nn.Linear
 
-    def __init__(self, linear: torch.nn.Linear, group: int = GROUP_SIZE):
+    def __init__(self, linear: torch.nn.Linear, group: int = GROUP_SIZE, quantized_from: torch.Tensor | None = None):
+        """``quantized_from``: the weights the int4 copy stands for, when not the layer's own (a merged LoRA)."""
         torch.nn.Module.__init__(self)  # not nn.Linear's: it would allocate a weight of its own
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight = linear.weight  # the same Parameter: no copy of the bf16 weight
         self.bias = linear.bias
         self.group = group
-        self._packed, self._scale_zero, _ = quantize(linear.weight.detach(), group)
+        source = linear.weight.detach() if quantized_from is None else quantized_from
+        self._packed, self._scale_zero, _ = quantize(source, group)
         self.__dict__["_dense"] = linear  # not a submodule: the int4 tree's modules stay the model's own list
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -167,13 +169,9 @@ class LoraInt4Linear(Int4Linear):
     separate small tensor would be."""
 
     def __init__(self, linear: torch.nn.Linear, a: torch.Tensor, b: torch.Tensor, scale: float, group: int):
-        torch.nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias, self.group = linear.weight, linear.bias, group
         w = linear.weight.detach()
         merged = (w.float() + scale * (b.detach().float() @ a.detach().float())).to(w.dtype)
-        self._packed, self._scale_zero, _ = quantize(merged, group)
-        self.__dict__["_dense"] = linear
+        super().__init__(linear, group, quantized_from=merged)
         self._a, self._b, self._delta_scale = a.detach().to(w.dtype), b.detach().to(w.dtype), scale
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
