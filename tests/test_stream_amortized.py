@@ -71,6 +71,85 @@ def test_the_gates_state_round_trips_through_json_with_the_configured_test():
         AmortizationGate(margin=0.5)
 
 
+def _tie():
+    return GateReading.of("5", "5", ["5", "5", "6"])
+
+
+def _non_inferiority(**kw):
+    return AmortizationGate(**{"test": "non_inferiority", "tolerance": 0.05, "alpha": 0.05, "min_questions": 16, **kw})
+
+
+def test_non_inferiority_opens_on_a_memory_that_answers_as_zero_shot_and_counts_its_ties():
+    gate = _non_inferiority()
+    opened = next(i for i in range(1000) if gate.observe(_tie(), version=i) is not None)
+    assert 16 <= opened < 400 and gate.serving and gate.approved_version == opened
+    decisions = [gate.observe(_tie(), version=9) for _ in range(50)]
+    assert decisions == [None] * 50 and gate.serving  # not behind: serving stays
+
+
+def test_non_inferiority_ignores_questions_without_a_vote_and_respects_its_minimum():
+    gate = _non_inferiority(min_questions=10_000)
+    no_vote = GateReading.of("5", "6", ["5", "6"])
+    for i in range(300):
+        gate.observe(no_vote, version=i)
+    assert gate.open_stat == 0.0 and gate.close_stat == 0.0
+    for i in range(600):
+        assert gate.observe(_win(), version=i) is None  # overwhelming evidence, too few readings
+    assert gate.open_stat > gate.threshold and gate.state == WARMUP
+
+
+def test_non_inferiority_keeps_a_memory_behind_by_more_than_its_tolerance_shut():
+    gate = _non_inferiority(min_questions=1)
+    for i in range(1000):  # one loss in ten, no win: 0.1 behind against a tolerance of 0.05
+        assert gate.observe(_loss() if i % 10 == 0 else _tie(), version=i) is None
+    assert gate.open_stat < 0.0 and gate.state == WARMUP
+
+
+def test_non_inferiority_holds_its_alpha_at_the_boundary_however_often_it_is_read():
+    import random
+
+    rng = random.Random(7)
+    opened = 0
+    for _ in range(200):  # E[D] = 0.10 - 0.15 = -tolerance exactly: each opening is a false one
+        gate = _non_inferiority(min_questions=1)
+        for i in range(400):
+            u = rng.random()
+            reading = _win() if u < 0.10 else _loss() if u < 0.25 else _tie()
+            if gate.observe(reading, version=i) is not None:
+                opened += 1
+                break
+    assert opened <= 200 * 0.05 + 6  # Ville: at most alpha, with room for the 200 streams' noise
+
+
+def test_non_inferiority_closes_when_the_memory_falls_behind_and_keeps_its_approved_version():
+    gate = _non_inferiority(min_questions=1)
+    v = 0
+    while not gate.serving:
+        gate.observe(_win(), version=v)
+        v += 1
+    approved = gate.approved_version
+    closing = [gate.observe(_loss(), version=99) for _ in range(40)]
+    decision = next(d for d in closing if d is not None)
+    assert decision.state == PROBATION and decision.test == "non_inferiority"
+    assert decision.approved_version == approved and "more often than the memory" in decision.reason
+
+
+def test_a_changed_gate_test_starts_its_statistics_afresh():
+    gate = AmortizationGate(margin=0.75, alpha=0.25, min_questions=100)
+    for v in range(5):
+        gate.observe(_win(), version=v)
+    stored = json.loads(json.dumps(gate.to_json()))
+    same = AmortizationGate.from_json(stored, margin=0.75, alpha=0.25, min_questions=100)
+    assert same.open_stat == gate.open_stat and same.wins == 5
+    other = AmortizationGate.from_json(stored, margin=0.75, alpha=0.25, min_questions=100, test="non_inferiority")
+    assert other.test == "non_inferiority" and other.open_stat == 0.0 and other.wins == 0
+    assert other.counts == gate.counts and other.total_readings == 5  # the stream's record stays
+    with pytest.raises(ValueError, match="unknown gate test"):
+        AmortizationGate(test="bayes")
+    with pytest.raises(ValueError, match="tolerance"):
+        AmortizationGate(test="non_inferiority", tolerance=0.0)
+
+
 def test_probes_are_a_share_of_questions_picked_by_their_hash():
     questions = [f"What is {i} + {i}?" for i in range(2000)]
     picked = [q for q in questions if is_probe(q, 0, 0.1)]
@@ -168,6 +247,22 @@ def test_the_gate_opens_on_a_stream_where_the_memory_agrees_with_the_vote_and_it
     header, row, decision = stream_lines(list_streams(stream_root(cfg.store.path)))[:3]
     assert "gate" in header and " serving " in row  # elm memories streams: the state, then why it changed
     assert decision.strip().startswith("gate warmup -> serving: memory agrees") and "4 wins, 0 losses" in decision
+
+
+def test_the_configured_non_inferiority_gate_reads_the_turns_and_says_why_it_opened(smol, tmp_path):
+    script = Script(smol, memory="\\boxed{5}", zero="\\boxed{5}")  # the memory answers as zero-shot: ties only
+    cfg = _amortized(tmp_path, probe_share=0.01, gate_test="non_inferiority", gate_tolerance=0.45)
+    with _elm(smol, cfg, script) as elm:
+        results = []
+        while not results or not results[-1].stream_update["gate_decision"]:
+            assert len(results) < 12, "the gate never opened on ties at tolerance 0.45"
+            results.append(elm.answer(f"What is {len(results)} + 5?"))
+        stream = elm.services().stream_memory("default")
+    assert stream.gate.test == "non_inferiority" and stream.gate.serving
+    assert [r.stream_update["gate"]["outcome"] for r in results] == ["tie"] * len(results)
+    decision = results[-1].stream_update["gate_decision"]
+    assert decision["test"] == "non_inferiority" and decision["readings"] == len(results) >= 3
+    assert "at least as often as zero-shot, less 0.45" in decision["reason"]
 
 
 def test_the_gate_closes_when_the_memory_falls_behind_and_the_approved_version_serves_again(smol, tmp_path):

@@ -41,8 +41,9 @@ def demo(
             "--amortized",
             help="Run the amortized stream memory (elm_amortized, preset cpu-amortized unless --preset) instead: "
             "per question every row's answer and tokens, ELM's mode and the gate's state. The gate opens only after "
-            "stream.gate_min_questions (16) probed questions and a clear lead, so on a short stream it stays in "
-            "warm-up and ELM spends more tokens than self-consistency; they fall only on longer streams "
+            "stream.gate_min_questions (16) probed questions and enough evidence for stream.gate_test, so on a "
+            "short stream it stays in warm-up and ELM spends more tokens than self-consistency; they fall only on "
+            "longer streams "
             "(docs/stream-memory.md).",
         ),
     ] = False,

@@ -185,20 +185,39 @@ class StreamConfig(ConfigSection):
         le=1.0,
         description="`amortized`, gate open: the share of questions that also draw zero-shot's answer and the samples.",
     )
+    gate_test: Literal["superiority", "non_inferiority"] = Field(
+        default="superiority",
+        description=(
+            "`amortized`: what opens the gate. `superiority`: the memory's greedy answer agrees with the samples' "
+            "vote more often than zero-shot's, by `gate_margin` of the questions where only one of them agrees. "
+            "`non_inferiority`: it agrees at least as often, less `gate_tolerance` (every question with a clear "
+            "vote counts, ties too); it closes when the memory falls behind. docs/stream-memory.md#amortized-serving."
+        ),
+    )
     gate_margin: float = Field(
         default=0.75,
         gt=0.5,
         lt=1.0,
         description=(
-            "`amortized`: the share of the questions where exactly one of the memory and zero-shot agrees with the "
-            "samples' vote that the memory must win for the gate to open (and zero-shot to close it)."
+            "`amortized`, `gate_test: superiority`: the share of the questions where exactly one of the memory and "
+            "zero-shot agrees with the samples' vote that the memory must win for the gate to open (and zero-shot "
+            "to close it)."
+        ),
+    )
+    gate_tolerance: float = Field(
+        default=0.05,
+        gt=0.0,
+        lt=0.5,
+        description=(
+            "`amortized`, `gate_test: non_inferiority`: how far below zero-shot's rate of agreeing with the vote "
+            "the memory's may be for the gate to open (0.05: one question in twenty)."
         ),
     )
     gate_alpha: float = Field(
         default=0.05,
         gt=0.0,
         lt=0.5,
-        description="`amortized`: the gate opens (or closes) when its sequential test's likelihood ratio hits 1/alpha.",
+        description="`amortized`: the gate opens (or closes) when its sequential test's statistic reaches 1/alpha.",
     )
     gate_min_questions: int = Field(
         default=16,

@@ -108,7 +108,12 @@ class StreamMemory:
 
     def _gate_of(self, state: dict[str, Any] | None) -> AmortizationGate:
         return AmortizationGate.from_json(
-            state, margin=self.cfg.gate_margin, alpha=self.cfg.gate_alpha, min_questions=self.cfg.gate_min_questions
+            state,
+            margin=self.cfg.gate_margin,
+            alpha=self.cfg.gate_alpha,
+            min_questions=self.cfg.gate_min_questions,
+            test=self.cfg.gate_test,
+            tolerance=self.cfg.gate_tolerance,
         )
 
     def read_gate_state(self) -> str:

@@ -6,15 +6,24 @@ samples, and does zero-shot's greedy answer? Only the questions where exactly on
 pairs) carry information: ``win`` when it is the memory, ``loss`` when it is zero-shot. The samples' vote excludes
 both greedy answers, so neither is compared with a vote it is part of; a tied vote is no reading.
 
-Two one-sided CUSUM statistics (Page's test, a sequential probability ratio test that restarts at zero) read the
-discordant pairs:
+``gate_test`` picks what opens it:
 
-- **open** (warm-up or probation -> serving): H1 "the memory wins a share ``margin`` of discordant pairs" against
-  H0 "half". A win adds log(margin / 0.5), a loss log((1 - margin) / 0.5); the gate opens when the sum reaches
-  log(1 / alpha), and not before ``min_questions`` readings;
-- **close** (serving -> probation): the mirror image, H1 "zero-shot wins a share ``margin``"; when it reaches the
-  same threshold the gate closes, the answer path votes again and the memory returns to the version the gate
-  approved when it opened.
+- ``superiority`` reads the discordant pairs with two one-sided CUSUM statistics (Page's test, a sequential
+  probability ratio test that restarts at zero). **open** (warm-up or probation -> serving): H1 "the memory wins
+  a share ``margin`` of discordant pairs" against H0 "half". A win adds log(margin / 0.5), a loss
+  log((1 - margin) / 0.5); the gate opens when the sum reaches log(1 / alpha). **close** (serving -> probation):
+  the mirror image, H1 "zero-shot wins a share ``margin``".
+- ``non_inferiority`` reads every question with a clear vote as D = +1 (win), -1 (loss) or 0 (tie), and asks
+  whether the memory agrees with the vote at least as often as zero-shot, less a ``tolerance``: it opens when a
+  test martingale against H0 "E[D] <= -tolerance" reaches 1 / alpha (Ville's inequality makes that an
+  alpha-level test however often it is read). Its bets are predictable plug-in Kelly fractions from the readings
+  so far plus four neutral pseudo-readings. It closes on the mirror test against H0 "E[D] >= 0", that is when
+  the memory falls behind zero-shot at all. Ties carry its evidence: a memory that mostly answers as zero-shot
+  cannot be far behind it, which the discordant pairs alone cannot show in a few hundred questions.
+
+Both keep log(1 / alpha) as the threshold of a log statistic, need ``min_questions`` readings before the gate may
+open, and start afresh after every change of state. When the gate closes, the answer path votes again and the
+memory returns to the version the gate approved when it opened.
 
 Every change of state is a :class:`GateDecision` with the statistics that made it, kept in the namespace's history.
 Pure Python, no torch: the state is JSON, stored beside the memory's versions.
@@ -32,6 +41,10 @@ from elm_memory.answers.vote import vote_counts
 
 WARMUP, SERVING, PROBATION = "warmup", "serving", "probation"
 STATES = (WARMUP, SERVING, PROBATION)
+SUPERIORITY, NON_INFERIORITY = "superiority", "non_inferiority"
+TESTS = (SUPERIORITY, NON_INFERIORITY)
+_PSEUDO = (1, 1, 2)  # wins, losses, ties every bet starts from: mean 0, E[D^2] 0.5
+_MAX_LOSS = 0.5  # no single reading takes more than half of a test's wealth
 
 
 def samples_vote(samples: Sequence[str | None]) -> str | None:
@@ -83,6 +96,7 @@ class GateDecision:
     losses: int
     readings: int
     approved_version: int | None
+    test: str = SUPERIORITY
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -95,12 +109,15 @@ class AmortizationGate:
     margin: float = 0.75
     alpha: float = 0.05
     min_questions: int = 16
+    test: str = SUPERIORITY
+    tolerance: float = 0.05
     state: str = WARMUP
     open_stat: float = 0.0
     close_stat: float = 0.0
     readings: int = 0  # probed questions read since the last change of state
     wins: int = 0  # discordant pairs since the last change of state
     losses: int = 0
+    ties: int = 0  # clear votes both or neither greedy answer agreed with, since the last change of state
     total_readings: int = 0
     approved_version: int | None = None  # the version serving when the gate last opened
     decisions: int = 0
@@ -113,6 +130,10 @@ class AmortizationGate:
             raise ValueError(f"the gate's alpha must be in (0, 0.5), got {self.alpha}")
         if self.state not in STATES:
             raise ValueError(f"unknown gate state {self.state!r}; one of {STATES}")
+        if self.test not in TESTS:
+            raise ValueError(f"unknown gate test {self.test!r}; one of {TESTS}")
+        if not 0.0 < self.tolerance < 0.5:
+            raise ValueError(f"the gate's tolerance is a difference of agreement rates in (0, 0.5): {self.tolerance}")
 
     @property
     def threshold(self) -> float:
@@ -127,22 +148,53 @@ class AmortizationGate:
         """Read one probed question (drawn with memory ``version``); the decision when the state changes."""
         outcome = reading.outcome
         self.counts[outcome] = self.counts.get(outcome, 0) + 1
+        if self.test == NON_INFERIORITY:
+            self._bet(outcome)  # the bets use the readings before this one
+        else:
+            self._cusum(outcome)
         self.readings += 1
         self.total_readings += 1
-        up, down = math.log(self.margin / 0.5), math.log((1.0 - self.margin) / 0.5)
         if outcome == "win":
             self.wins += 1
-            self.open_stat = max(0.0, self.open_stat + up)
-            self.close_stat = max(0.0, self.close_stat + down)
         elif outcome == "loss":
             self.losses += 1
-            self.open_stat = max(0.0, self.open_stat + down)
-            self.close_stat = max(0.0, self.close_stat + up)
+        elif outcome == "tie":
+            self.ties += 1
         if self.state != SERVING and self.open_stat >= self.threshold and self.readings >= self.min_questions:
-            return self._change(SERVING, "memory agrees with the vote more often than zero-shot", version)
+            reason = (
+                "memory agrees with the vote more often than zero-shot"
+                if self.test == SUPERIORITY
+                else f"memory agrees with the vote at least as often as zero-shot, less {self.tolerance:g}"
+            )
+            return self._change(SERVING, reason, version)
         if self.state == SERVING and self.close_stat >= self.threshold:
             return self._change(PROBATION, "zero-shot agrees with the vote more often than the memory", None)
         return None
+
+    def _cusum(self, outcome: str) -> None:
+        up, down = math.log(self.margin / 0.5), math.log((1.0 - self.margin) / 0.5)
+        if outcome == "win":
+            self.open_stat = max(0.0, self.open_stat + up)
+            self.close_stat = max(0.0, self.close_stat + down)
+        elif outcome == "loss":
+            self.open_stat = max(0.0, self.open_stat + down)
+            self.close_stat = max(0.0, self.close_stat + up)
+
+    def _bet(self, outcome: str) -> None:
+        """Log-wealth of the two test martingales (the module's docstring); a question without a clear vote bets
+        nothing."""
+        if outcome not in ("win", "loss", "tie"):
+            return
+        d = {"win": 1.0, "loss": -1.0, "tie": 0.0}[outcome]
+        n = self.wins + self.losses + self.ties + sum(_PSEUDO)
+        mean = (self.wins - self.losses + _PSEUDO[0] - _PSEUDO[1]) / n
+        second = (self.wins + self.losses + _PSEUDO[0] + _PSEUDO[1]) / n
+        # open: H0 E[D] <= -tolerance, so D + tolerance >= -(1 - tolerance) bounds the loss of one reading
+        tol = self.tolerance
+        bet = _kelly(mean + tol, second + 2 * tol * mean + tol * tol, 1.0 - tol)
+        self.open_stat += math.log1p(bet * (d + tol))
+        # close: H0 E[-D] <= 0
+        self.close_stat += math.log1p(_kelly(-mean, second, 1.0) * -d)
 
     def _change(self, state: str, reason: str, version: int | None) -> GateDecision:
         statistic = self.open_stat if state == SERVING else self.close_stat
@@ -156,12 +208,13 @@ class AmortizationGate:
             losses=self.losses,
             readings=self.readings,
             approved_version=version if state == SERVING else self.approved_version,
+            test=self.test,
         )
         if state == SERVING:
             self.approved_version = version
         self.state = state
         self.open_stat = self.close_stat = 0.0
-        self.readings = self.wins = self.losses = 0
+        self.readings = self.wins = self.losses = self.ties = 0
         self.decisions += 1
         return decision
 
@@ -170,9 +223,28 @@ class AmortizationGate:
 
     @classmethod
     def from_json(
-        cls, data: dict[str, Any] | None, *, margin: float, alpha: float, min_questions: int
+        cls,
+        data: dict[str, Any] | None,
+        *,
+        margin: float,
+        alpha: float,
+        min_questions: int,
+        test: str = SUPERIORITY,
+        tolerance: float = 0.05,
     ) -> AmortizationGate:
-        """The stored state with the configured test (a changed setting applies from the next reading on)."""
+        """The stored state with the configured test (a changed setting applies from the next reading on; a changed
+        test starts its statistics afresh, since the stored ones measure something else)."""
         fields = {k: v for k, v in (data or {}).items() if k in cls.__dataclass_fields__}
-        fields.update(margin=margin, alpha=alpha, min_questions=min_questions)
+        if data and fields.get("test", SUPERIORITY) != test:
+            fields.update(open_stat=0.0, close_stat=0.0, readings=0, wins=0, losses=0, ties=0)
+        fields.update(margin=margin, alpha=alpha, min_questions=min_questions, test=test, tolerance=tolerance)
         return cls(**fields)
+
+
+def _kelly(first: float, second: float, worst: float) -> float:
+    """A bet's fraction on X = the reading less the null's mean, from its plug-in moments E[X] and E[X^2]: the
+    Kelly fraction E[X] / E[X^2] when E[X] > 0 (none otherwise), capped so that a reading of X = -``worst`` loses
+    at most ``_MAX_LOSS`` of the wealth."""
+    if first <= 0.0:
+        return 0.0
+    return min(_MAX_LOSS / worst, first / second)
