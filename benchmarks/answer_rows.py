@@ -1,7 +1,6 @@
 """Issue #66: one- and two-row answer decode, the plain loop against torch int4 and llama.cpp, in one run.
 
     python -m benchmarks.answer_rows --json
-    PYTHONPATH=DIR python -m benchmarks.answer_rows --json   # DIR: a site-packages holding llama_cpp
 
 Engines, on the packaged model loaded as the library loads it (prepacked weights, the resolved attention
 and threads):
@@ -11,9 +10,9 @@ and threads):
   layers int4, group 32, the output layer kept: ``backend.int4_lm_head: false``, the default);
 - ``int4_head``: the same with ``int4_lm_head: true``, the output layer int4 too (what #54's pilot timed);
   reported beside, so a quiet run shows what keeping the output layer costs;
-- ``llama``: llama.cpp on the packaged GGUF (``benchmarks/cpu_decode_pilot.py``'s engine), rows fed as input
-  embeddings; soft-prompt cases only (a LoRA in GGUF is a later step); absent when ``llama_cpp`` does not
-  import (it is not a dependency: see that module for how to build it).
+- ``llama``: the ``hf`` backend with ``one_row_engine: llama`` (``elm_memory/backends/llama_rows.py``: llama.cpp
+  on the packaged GGUF, a soft prompt's rows fed as input embeddings, a LoRA written as an adapter file);
+  absent when ``llama_cpp`` does not import (the optional extra ``elm-memory[llama]``, a source build).
 
 Cases: 1 row (one question) and 2 rows (two questions, one row each), each with a soft prompt (k=20 vectors
 initialised from another question's token embeddings, at the user turn, as a retrieved memory is) and with
@@ -109,7 +108,6 @@ def _cell(run: Runner, tokens: int, short: int) -> dict[str, Any]:
 def _args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", default="packaged:qwen2.5-coder-0.5b")
-    ap.add_argument("--gguf", type=Path, default=None, help="the GGUF for llama.cpp (default: the packaged one)")
     ap.add_argument("--engines", default=",".join(ENGINES))
     ap.add_argument("--memories", default=",".join(MEMORIES))
     ap.add_argument("--rows", default="1,2")
@@ -199,6 +197,16 @@ def main() -> None:
             tree = int4_model(loaded.model, lm_head=backend.int4_lm_head)
             setup[name] = {"quantize_s": round(time.perf_counter() - t0, 1), "int4_bytes": int4_bytes(tree)}
             backends[name] = backend
+        elif name == "llama":
+            backend_cfg = cfg.backend.model_copy(update={"one_row_engine": "llama"})
+            backend = HFBackend.from_config(cfg.model_copy(update={"backend": backend_cfg}), loaded)
+            if backend.one_row_engine != "llama":
+                skipped[name] = backend.one_row_reason
+                continue
+            t0 = time.perf_counter()
+            engine = backend.one_row.llama()
+            setup[name] = {"load_s": round(time.perf_counter() - t0, 1), "gguf": str(engine.gguf)}
+            backends[name] = backend
     eos_ids = {name: list(backend.eos_ids) for name, backend in backends.items()}
     for backend in backends.values():
         backend.eos_ids = []  # EOS ignored: every row runs to the cap, so every call times the same steps
@@ -214,18 +222,6 @@ def main() -> None:
         for memory in memories:
             for name, backend in backends.items():
                 runners[(rows, memory, name)] = hf_runner(backend, inputs[memory][:rows])
-
-    llama = None
-    if "llama" in wanted:
-        llama, why = _llama(args, loaded, answers, softs, row_counts, threads, setup)
-        if llama is None:
-            skipped["llama"] = why
-        else:
-            for rows in row_counts:
-                if "soft_prompt" in memories:
-                    runners[(rows, "soft_prompt", "llama")] = llama(rows)
-            if "lora" in memories:
-                skipped["llama_lora"] = "LoRA adapters in GGUF are a later step (#66)"
 
     for run in runners.values() if args.repeats else ():  # warm-up: kernels' first calls, the int4 tree
         run(2)
@@ -262,7 +258,7 @@ def main() -> None:
         questions = [builder.answer_prompt(q, memory_tokens=SOFT_PROMPT_TOKENS) for q in QUESTIONS[: args.answers]]
         whole_answers = _whole_answers(backends, [PromptInput(a.token_ids, memory=lora) for a in questions], args)
 
-    engines = [e for e in wanted if e in backends or (e == "llama" and llama is not None)]
+    engines = [e for e in wanted if e in backends]
     summary = summarize(cells, engines)
     result = {
         **{k: summary[k] for k in ("ratio_1row_int4", "ratio_1row_llama", "ratio_2row_int4", "ratio_2row_llama")},
@@ -397,52 +393,6 @@ def _drift(loaded: Any, builder: Any, tokens: int) -> dict[str, Any]:
             for name, r in out.items()
         },
     }
-
-
-def _llama(
-    args: argparse.Namespace,
-    loaded: Any,
-    answers: list[Any],
-    softs: list[Any],
-    row_counts: list[int],
-    threads: int,
-    setup: dict[str, Any],
-) -> tuple[Callable[[int], Runner] | None, str]:
-    """llama.cpp's runner per row count (soft prompts as input embeddings), or None and why it is absent."""
-    try:
-        import llama_cpp
-    except ImportError as exc:
-        return None, (
-            f"llama_cpp not importable ({exc}); build it as benchmarks/cpu_decode_pilot.py says and put its "
-            "site-packages on PYTHONPATH"
-        )
-    import numpy as np
-    from safetensors import safe_open
-
-    from benchmarks.cpu_decode_pilot import LlamaEngine, _packaged_gguf
-
-    gguf = _packaged_gguf(args.model, args.gguf)
-    with safe_open(str(Path(loaded.info.path) / "model.safetensors"), framework="pt") as fh:
-        table = fh.get_tensor("model.embed_tokens.weight").float().numpy()  # the GGUF's dequantized table
-    embeds = []
-    for a, soft in zip(answers, softs, strict=True):
-        ids, at = list(a.token_ids), a.memory_at
-        embeds.append(np.concatenate([table[ids[:at]], soft.numpy(), table[ids[at:]]]).astype(np.float32))
-    t0 = time.perf_counter()
-    ctx_per_row = max(len(e) for e in embeds) + args.tokens + args.short + 32
-    engine = LlamaEngine(gguf, max(row_counts), ctx_per_row, threads)
-    setup["llama"] = {
-        "version": getattr(llama_cpp, "__version__", None),
-        "gguf": str(gguf),
-        "load_s": round(time.perf_counter() - t0, 2),
-        **engine.settings,
-    }
-
-    def for_rows(rows: int) -> Runner:
-        prompts = [list(a.token_ids) for a in answers[:rows]]
-        return lambda n: engine.generate(prompts, n, embeds=embeds[:rows])
-
-    return for_rows, ""
 
 
 if __name__ == "__main__":

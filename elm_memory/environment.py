@@ -44,12 +44,20 @@ def package_versions(names: tuple[str, ...] = REPORTED_PACKAGES) -> dict[str, st
     return out
 
 
-def collect_env(config: Any, hardware: Hardware | None = None) -> dict[str, Any]:
-    """The report for an :class:`~elm_memory.config.ELMConfig` (nothing is loaded or downloaded)."""
+def collect_env(
+    config: Any, hardware: Hardware | None = None, llama_missing: str | None = "not asked"
+) -> dict[str, Any]:
+    """The report for an :class:`~elm_memory.config.ELMConfig` (nothing is loaded or downloaded).
+    ``llama_missing``: why llama.cpp cannot serve the configured model (None: it can; the caller asks
+    ``elm_memory.backends.llama_rows.missing``, a layer above this one)."""
     hw = hardware or Hardware.detect()
     placement = resolve_placement(config.model, hw, warn=False)
     engine, engine_reason = resolve_one_row_engine(
-        config.backend.one_row_engine, placement, backend=config.backend.name, decode_loop=config.backend.decode_loop
+        config.backend.one_row_engine,
+        placement,
+        backend=config.backend.name,
+        decode_loop=config.backend.decode_loop,
+        llama_missing=llama_missing,
     )
     return {
         "platform": {

@@ -264,30 +264,47 @@ ONE_ROW_MAX_ROWS = 2
 
 
 def resolve_one_row_engine(
-    requested: str, placement: Placement, *, backend: str = "hf", decode_loop: str = "elm"
+    requested: str,
+    placement: Placement,
+    *,
+    backend: str = "hf",
+    decode_loop: str = "elm",
+    llama_missing: str | None = "not asked",
 ) -> tuple[str, str]:
     """The engine of the ``hf`` backend's decode calls of at most :data:`ONE_ROW_MAX_ROWS` rows
-    (``backend.one_row_engine``), and why: ``int4`` (torch's int4 weight-only CPU kernels,
+    (``backend.one_row_engine``), and why: ``llama`` (llama.cpp on the model's GGUF,
+    ``elm_memory/backends/llama_rows.py``), ``int4`` (torch's int4 weight-only CPU kernels,
     ``elm_memory/backends/int4.py``) or ``plain`` (the library's loop on the loaded weights).
 
-    ``auto`` picks int4 on a CPU device in bfloat16 where torch has the kernels: a step at one row is bound
-    by reading the weights there, and int4 was measured only against that bf16 loop (docs/performance.md)."""
+    ``llama_missing``: why llama.cpp cannot serve this model here (None: it can). ``auto`` picks llama.cpp
+    where it can, else int4 on a CPU device in bfloat16 where torch has the kernels: a step at one row is bound
+    by reading the weights there, and both were measured only against that bf16 loop (docs/performance.md)."""
     if requested == "plain":
         return "plain", "backend.one_row_engine: plain"
     if backend != "hf":
         return "plain", f"the {backend} backend decodes by itself"
     if decode_loop != "elm":
-        return "plain", f"backend.decode_loop={decode_loop} has no int4 path"
+        return "plain", f"backend.decode_loop={decode_loop} has no one-row engine"
     if placement.device.startswith("cuda"):
-        return "plain", "the int4 kernels are CPU kernels"
+        return "plain", "the one-row engines run CPU kernels"
+    if requested == "llama":
+        if llama_missing is not None:
+            return "plain", f"backend.one_row_engine: llama, but {llama_missing}"
+        return "llama", f"backend.one_row_engine: llama, calls of at most {ONE_ROW_MAX_ROWS} rows"
+    if requested == "auto" and llama_missing is None:
+        return "llama", f"auto: llama.cpp on the model's GGUF, calls of at most {ONE_ROW_MAX_ROWS} rows"
+    no_llama = f" (llama.cpp: {llama_missing})" if requested == "auto" and llama_missing != "not asked" else ""
     if not _int4_kernels():
-        return "plain", "this torch has no int4 CPU kernels"
+        return "plain", f"this torch has no int4 CPU kernels{no_llama}"
     if requested == "int4":
         slow = "; slow in float32 (torch's int4 kernel has no fast path there)" if placement.dtype == "float32" else ""
         return "int4", f"backend.one_row_engine: int4, calls of at most {ONE_ROW_MAX_ROWS} rows{slow}"
     if placement.dtype != "bfloat16":
-        return "plain", f"auto: the model runs in {placement.dtype}; int4 is measured against a bf16 loop only"
-    return "int4", f"auto: a CPU in bf16, calls of at most {ONE_ROW_MAX_ROWS} rows"
+        return (
+            "plain",
+            f"auto: the model runs in {placement.dtype}; int4 is measured against a bf16 loop only{no_llama}",
+        )
+    return "int4", f"auto: a CPU in bf16, calls of at most {ONE_ROW_MAX_ROWS} rows{no_llama}"
 
 
 def _int4_kernels() -> bool:

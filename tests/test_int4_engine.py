@@ -131,6 +131,24 @@ def test_the_engine_follows_the_setting_device_and_dtype(requested, device, dtyp
     assert got == engine and why in reason
 
 
+@pytest.mark.parametrize(
+    "requested, llama_missing, engine, why",
+    [
+        ("llama", None, "llama", "backend.one_row_engine: llama"),
+        ("llama", "llama_cpp does not import", "plain", "but llama_cpp does not import"),
+        ("auto", None, "llama", "auto: llama.cpp on the model's GGUF"),
+        ("auto", "no GGUF", "int4", "(llama.cpp: no GGUF)"),
+        ("int4", None, "int4", "backend.one_row_engine: int4"),  # asked for int4: int4, llama or not
+    ],
+)
+def test_llama_is_taken_where_it_can_serve_and_auto_prefers_it(requested, llama_missing, engine, why):
+    cpu = Placement(device="cpu", dtype="bfloat16", num_threads=2)
+    got, reason = resolve_one_row_engine(requested, cpu, llama_missing=llama_missing)
+    assert got == engine and why in reason
+    gpu = Placement(device="cuda", dtype="bfloat16", num_threads=2)
+    assert resolve_one_row_engine(requested, gpu, llama_missing=None)[0] == "plain"
+
+
 def test_other_backends_and_the_generate_loop_keep_their_own_decoding():
     cpu = Placement(device="cpu", dtype="bfloat16", num_threads=2)
     assert resolve_one_row_engine("int4", cpu, backend="vllm")[0] == "plain"

@@ -39,12 +39,14 @@ def test_compare_pairs_questions_and_applies_the_bar():
     reading = compare(plain, int4 + [_record("only-int4", True, [1])])
     assert reading["questions"] == 100  # the question only one engine answered is left out
     assert reading["plain"]["accuracy"] == 50.0 and reading["int4"]["accuracy"] == 52.0
-    assert reading["int4_minus_plain_points"] == 2.0 and reading["within_bar"]
+    assert reading["minus_plain_points"] == 2.0 and reading["within_bar"]
     assert reading["paired"]["wins"] == 3 and reading["paired"]["losses"] == 1
     assert reading["same_answer"] == 99 and reading["same_tokens"] == 98
     assert reading["first_divergence"]["positions"] == [1, 3]
     int4[90] = _record("q90", True, [1, 2, 3])
     assert not compare(plain, int4)["within_bar"]  # 3 points up is outside the bar too
+    llama = compare(plain, int4, engine="llama")  # any engine, under its own name
+    assert llama["llama"]["accuracy"] == 53.0 and "int4" not in llama
 
 
 def test_compare_with_nothing_shared_and_reading_a_missing_run(tmp_path):

@@ -44,6 +44,7 @@ from elm_memory.backends.base import (
 from elm_memory.backends.captured import CapturedSteps, unsupported_reason
 from elm_memory.backends.decode import DecodeOptions
 from elm_memory.backends.lookup import RecentOutputs
+from elm_memory.backends.one_row import OneRowEngines
 from elm_memory.backends.postprocess import answer_closed_after, eos_ids_of, finish_generation
 from elm_memory.backends.teacher_forcing import completion_logprobs
 from elm_memory.errors import ConfigError
@@ -119,10 +120,17 @@ class HFBackend:
         self.decode_graphs = decode_graphs
         self._captured: CapturedSteps | None = None
         self._captured_mode = self._resolve_graphs(decode_graphs)
-        self.one_row_engine, self.one_row_reason = self._resolve_one_row(one_row_engine)
+        self.engine_calls: Counter[str] = Counter()  # decode calls per engine ("plain", "int4", "llama")
+        self.one_row = OneRowEngines(
+            one_row_engine,
+            self.model,
+            self.info,
+            decode_loop=decode_loop,
+            int4_group=int4_group,
+            int4_lm_head=int4_lm_head,
+            calls=self.engine_calls,
+        )
         self.int4_group, self.int4_lm_head = int4_group, int4_lm_head  # the int4 copy's group size, output layer
-        self.engine_calls: Counter[str] = Counter()  # decode calls per engine ("plain", "int4")
-        self._fallbacks_logged: set[str] = set()
 
     @classmethod
     def from_config(cls, cfg: Any, loaded: LoadedModel | None = None) -> HFBackend:
@@ -321,9 +329,11 @@ class HFBackend:
         with what was generated before for the same prompt texts, and remembering what it generates."""
         engine = self.decode_engine(sum(rows), kwargs.get("memory"))
         self.engine_calls[engine] += 1
+        if engine == "llama":
+            return self.one_row.llama_sample(batch, rows, options, kwargs, self.embed_tokens)
         model = self.model
         if engine == "int4":
-            model = self._int4_model(kwargs)
+            model = self.one_row.int4_model(kwargs)
         if not self.lookup_draft_tokens:
             captured = self._captured_steps() if engine == "plain" else None
             return decode.sample(model, mask, options, captured=captured, **kwargs)
@@ -338,44 +348,17 @@ class HFBackend:
         return decoded
 
     def decode_engine(self, rows: int, memory: MemoryAdapter | None = None) -> str:
-        """What decodes a call of ``rows`` rows under ``memory``: ``int4`` (``backend.one_row_engine`` resolved to
-        it, at most :data:`int4.MAX_ROWS` rows, a memory kind it serves) or ``plain``. A memory it does not serve
-        is logged once per kind."""
-        if self.one_row_engine != "int4" or rows > int4.MAX_ROWS:
-            return "plain"
-        reason = int4.unserved_reason(memory)
-        if reason is not None:
-            if reason not in self._fallbacks_logged:
-                self._fallbacks_logged.add(reason)
-                log.info("backend.one_row_engine int4: %s", reason)
-            return "plain"
-        return "int4"
+        """What decodes a call of ``rows`` rows under ``memory`` (:meth:`OneRowEngines.pick`)."""
+        return self.one_row.pick(rows, memory)
 
-    def _resolve_one_row(self, setting: str) -> tuple[str, str]:
-        """``backend.one_row_engine`` for this model and device (one rule, shared with ``elm env``), and why."""
-        from elm_memory.hardware import Placement, resolve_one_row_engine
+    @property
+    def one_row_engine(self) -> str:
+        """``backend.one_row_engine`` resolved for this model and device: ``plain``, ``int4`` or ``llama``."""
+        return self.one_row.engine
 
-        dtype = str(self.model.dtype).removeprefix("torch.")
-        placement = Placement(device=self.device.type, dtype=dtype, num_threads=torch.get_num_threads())
-        engine, reason = resolve_one_row_engine(setting, placement, decode_loop=self.decode_loop)
-        if engine == "int4" and dtype == "float32":
-            log.warning("backend.one_row_engine int4 in float32: torch's int4 kernel takes a slow path there")
-        elif engine != "plain" or setting != "plain":
-            log.info("backend.one_row_engine: %s (%s)", engine, reason)
-        return engine, reason
-
-    def _int4_model(self, kwargs: dict[str, Any]) -> torch.nn.Module:
-        """The int4 tree of the model (made on its first call, then cached per process: elm_memory/backends/int4.py).
-        A call under one LoRA memory gets the tree with that LoRA merged into its int4 layers, and the call's
-        ``memory`` is dropped from ``kwargs`` (the tree applies it); a LoRA it cannot merge keeps its hooks."""
-        memory = kwargs.get("memory")
-        if isinstance(memory, LoraAdapter):
-            merged = int4.int4_lora_model(self.model, memory, group=self.int4_group, lm_head=self.int4_lm_head)
-            if merged is not None:
-                kwargs["memory"] = None
-                self.engine_calls["int4_lora_merged"] += 1
-                return merged
-        return int4.int4_model(self.model, group=self.int4_group, lm_head=self.int4_lm_head)
+    @property
+    def one_row_reason(self) -> str:
+        return self.one_row.reason
 
     def _resolve_graphs(self, setting: str) -> str:
         """``compile``, ``static`` or ``off``: what ``backend.decode_graphs`` means for this model and device."""

@@ -89,9 +89,11 @@ def _shown(value: Any) -> str:
 @handle_errors
 def env(config: ConfigOpt = None, preset: PresetOpt = None, set_: SetOpt = None, json_out: JsonOpt = False) -> None:
     """What a bug report needs: CPU/GPU capabilities, the resolved device/dtype/threads, library versions."""
+    from elm_memory.backends.llama_rows import missing_for
     from elm_memory.environment import collect_env, format_env
 
-    report = collect_env(load_config(config, preset, None, set_))
+    cfg = load_config(config, preset, None, set_)
+    report = collect_env(cfg, llama_missing=missing_for(cfg))
     typer.echo(json.dumps(report, ensure_ascii=False) if json_out else format_env(report))
 
 

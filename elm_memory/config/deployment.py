@@ -288,15 +288,16 @@ class BackendConfig(ConfigSection):
         ge=1,
         description="Most sequences decoded together by the `hf` backend (prompts x samples per call).",
     )
-    one_row_engine: Literal["plain", "int4", "auto"] = Field(
+    one_row_engine: Literal["plain", "int4", "llama", "auto"] = Field(
         default="plain",
         description=(
             "What decodes the `elm` loop's calls of one or two rows (a greedy answer, `elm solve` zero-shot): "
             "`plain`: the loop on the loaded weights; `int4`: the same loop on an int4 weight-only copy of the "
-            "linear layers, made once per process (torch's CPU kernels; soft prompts, seeded sampling and LoRA "
-            "memories served, a prefix memory takes the plain loop); `auto`: int4 on a CPU in bf16. Larger calls "
-            "(samples, training rollouts) keep the plain loop. Tokens drift from the plain loop's (4-bit weights). "
-            "`elm env` says which and why; see docs/performance.md."
+            "linear layers, made once per process (torch's CPU kernels); `llama`: llama.cpp on the GGUF the model "
+            "was prepared from (the optional extra `elm-memory[llama]`); `auto`: llama where it can, else int4 on "
+            "a CPU in bf16. Both serve soft prompts, seeded sampling and LoRA memories; a prefix memory takes the "
+            "plain loop. Larger calls (samples, training rollouts) keep the plain loop. Tokens drift from the "
+            "plain loop's (4-bit weights). `elm env` says which and why; see docs/performance.md."
         ),
     )
     int4_lm_head: bool = Field(

@@ -143,9 +143,10 @@ def _with_defaults(old: dict[str, Any], default: dict[str, Any]) -> dict[str, An
 def machine_facts(config: Any) -> dict[str, Any]:
     """What a run's timings and bf16 results depend on: CPU, its bf16 capability, GPUs and the resolved
     device, dtype and threads (from ``elm env``). Nothing is loaded."""
+    from elm_memory.backends.llama_rows import missing_for
     from elm_memory.environment import collect_env
 
-    env = collect_env(config)
+    env = collect_env(config, llama_missing=missing_for(config))
     cpu = env["cpu"]
     return {
         "cpu": cpu.get("name"),

