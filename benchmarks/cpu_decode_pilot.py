@@ -40,6 +40,8 @@ from typing import Any
 
 import torch
 
+from elm_memory.backends.llama_rows import fill_batch
+
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
@@ -194,17 +196,6 @@ class LlamaEngine:
         self.lc.llama_free(self.ctx)
         self.lc.llama_model_free(self.model)
 
-    def _fill(self, batch: Any, entries: list[tuple[int, int, bool]], token_ids: list[int] | None) -> None:
-        """entries: (position, sequence, wants logits) per input; token_ids when it is a token batch."""
-        for i, (pos, seq, out) in enumerate(entries):
-            if token_ids is not None:
-                batch.token[i] = token_ids[i]
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = 1 if out else 0
-        batch.n_tokens = len(entries)
-
     def _decode(self, batch: Any, outputs: int) -> Any:
         rc = self.lc.llama_decode(self.ctx, batch)
         if rc != 0:
@@ -220,17 +211,17 @@ class LlamaEngine:
         lengths = [len(p) if embeds is None else len(e) for p, e in zip(prompts, embeds or prompts, strict=True)]
         entries = [(i, s, i == n - 1) for s, n in enumerate(lengths) for i in range(n)]
         if embeds is None:
-            self._fill(self.tokens, entries, [t for p in prompts for t in p])
+            fill_batch(self.tokens, entries, [t for p in prompts for t in p])
             logits = self._decode(self.tokens, len(prompts))
         else:
             flat = np.ascontiguousarray(np.concatenate(embeds), dtype=np.float32)
             ctypes.memmove(self.embd.embd, flat.ctypes.data, flat.nbytes)
-            self._fill(self.embd, entries, None)
+            fill_batch(self.embd, entries, None)
             logits = self._decode(self.embd, len(prompts))
         picked = logits.argmax(axis=1).tolist()
         out = [[t] for t in picked]
         for step in range(1, new_tokens):
-            self._fill(self.tokens, [(n + step - 1, s, True) for s, n in enumerate(lengths)], picked)
+            fill_batch(self.tokens, [(n + step - 1, s, True) for s, n in enumerate(lengths)], picked)
             picked = self._decode(self.tokens, len(prompts)).argmax(axis=1).tolist()
             for row, t in zip(out, picked, strict=True):
                 row.append(t)

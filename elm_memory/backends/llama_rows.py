@@ -242,7 +242,7 @@ class LlamaRows:
             if not still:
                 break
             entries = [(lengths[row] + step, row, True) for row in still]
-            self._fill(self.tokens, entries, [tokens[row][-1] for row in still])
+            fill_batch(self.tokens, entries, [tokens[row][-1] for row in still])
             logits = self._decode(self.tokens, len(still))
             live = still
         return list(zip(tokens, reasons, strict=True))
@@ -251,7 +251,7 @@ class LlamaRows:
         """Every row's prompt as sequence ``row``; the last position's logits per row."""
         entries = [(i, row, i == len(p) - 1) for row, p in enumerate(prompts) for i in range(len(p))]
         if all(not isinstance(p, np.ndarray) for p in prompts):
-            self._fill(self.tokens, entries, [int(t) for p in prompts for t in p])
+            fill_batch(self.tokens, entries, [int(t) for p in prompts for t in p])
             return self._decode(self.tokens, len(prompts))
         if not all(isinstance(p, np.ndarray) for p in prompts):
             raise ValueError("a call mixing token prompts and embedding prompts passes embeddings for every prompt")
@@ -259,19 +259,8 @@ class LlamaRows:
         if flat.shape[1] != self.n_embd:
             raise ValueError(f"input embeddings have width {flat.shape[1]}; the GGUF's is {self.n_embd}")
         ctypes.memmove(self.embd.embd, flat.ctypes.data, flat.nbytes)
-        self._fill(self.embd, entries, None)
+        fill_batch(self.embd, entries, None)
         return self._decode(self.embd, len(prompts))
-
-    def _fill(self, batch: Any, entries: list[tuple[int, int, bool]], token_ids: list[int] | None) -> None:
-        """``entries``: (position, sequence, wants logits) per input; ``token_ids`` for a token batch."""
-        for i, (pos, seq, out) in enumerate(entries):
-            if token_ids is not None:
-                batch.token[i] = token_ids[i]
-            batch.pos[i] = pos
-            batch.n_seq_id[i] = 1
-            batch.seq_id[i][0] = seq
-            batch.logits[i] = 1 if out else 0
-        batch.n_tokens = len(entries)
 
     def _decode(self, batch: Any, outputs: int) -> np.ndarray:
         rc = self.lc.llama_decode(self.ctx, batch)
@@ -279,6 +268,19 @@ class LlamaRows:
             raise RuntimeError(f"llama_decode returned {rc}")
         logits = self.lc.llama_get_logits(self.ctx)
         return np.ctypeslib.as_array(logits, shape=(outputs, self.n_vocab)).copy()
+
+
+def fill_batch(batch: Any, entries: list[tuple[int, int, bool]], token_ids: list[int] | None) -> None:
+    """Fill a ``llama_batch``: ``entries`` are (position, sequence, wants logits) per input, ``token_ids`` the
+    tokens of a token batch (None: an embeddings batch, whose rows are copied in by the caller)."""
+    for i, (pos, seq, out) in enumerate(entries):
+        if token_ids is not None:
+            batch.token[i] = token_ids[i]
+        batch.pos[i] = pos
+        batch.n_seq_id[i] = 1
+        batch.seq_id[i][0] = seq
+        batch.logits[i] = 1 if out else 0
+    batch.n_tokens = len(entries)
 
 
 def _quiet(level: int, text: bytes, user_data: Any) -> None:
