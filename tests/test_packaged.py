@@ -86,3 +86,27 @@ def test_prepared_folder_is_a_plain_hf_model(tiny_loaded):
 
     assert embedding_fingerprint(tiny_loaded.model) == tiny_loaded.info.fingerprint
     assert all(not p.requires_grad for p in tiny_loaded.model.parameters())  # frozen
+
+
+def test_the_gguf_a_folder_was_prepared_from_is_found_or_the_reason_given(tmp_path, monkeypatch):
+    from elm_memory.backends.llama_rows import missing
+    from elm_memory.models.prepare import MARKER, source_gguf
+
+    plain = tmp_path / "hf-folder"
+    plain.mkdir()
+    assert source_gguf(plain) == (None, f"{plain} was not prepared from a GGUF (no {MARKER})")
+    monkeypatch.setattr("elm_memory.backends.llama_rows.available", lambda: None)
+    assert missing(plain) == f"{plain} was not prepared from a GGUF"
+    gguf = tmp_path / "model.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(60))
+    folder = tmp_path / "prepared"
+    folder.mkdir()
+    sha = hashlib.sha256(gguf.read_bytes()).hexdigest()
+    (folder / MARKER).write_text(json.dumps({"source": {"name": str(gguf), "sha256": sha}}))
+    assert source_gguf(folder) == (gguf, str(gguf)) and missing(folder) is None
+    gguf.write_bytes(b"GGUF" + bytes(61))  # changed since it was prepared
+    assert source_gguf(folder)[0] is None and "changed since" in source_gguf(folder)[1]
+    gguf.unlink()
+    assert "is gone" in source_gguf(folder)[1]
+    (folder / MARKER).write_text("{not json")
+    assert source_gguf(folder)[0] is None and "unreadable" in source_gguf(folder)[1]
