@@ -10,8 +10,8 @@ What it serves, like the plain loop:
 
 - token ids, or a soft prompt as input embeddings: the whole prompt is fed as rows of the prepared model's own
   embedding table (the GGUF's table, dequantized) with the soft prompt in place;
-- a LoRA memory, written once per version as a llama.cpp adapter file (:mod:`elm_memory.memory.gguf_lora`) and
-  applied to the context; the newest few stay loaded;
+- a LoRA memory, written once per version as a llama.cpp adapter file (:mod:`elm_memory.memory.gguf_lora`),
+  loaded (llama.cpp copies it) and removed, then applied to the context; the newest few stay loaded;
 - greedy and seeded sampling with the plain loop's own token choice (:mod:`elm_memory.backends.sampling`: the
   same keyed draws from the same logits would pick the same tokens; the logits differ, so tokens may too);
 - EOS, the length limit and ``should_stop`` (stop at the answer), through the plain loop's own bookkeeping.
@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -89,8 +90,8 @@ def unserved_reason(memory: Any) -> str | None:
 class LlamaRows:
     """One llama.cpp model and context for calls of at most ``rows`` rows (see the module's docstring).
 
-    ``adapter_dir``: where LoRA memories are written as adapter files, one per content digest. Not thread-safe by
-    itself: the backend's calls hold :attr:`lock`."""
+    ``adapter_dir``: where a LoRA memory's adapter file is written for the moment it takes to load it. Not
+    thread-safe by itself: the backend's calls hold :attr:`lock`."""
 
     def __init__(
         self, gguf: Path, *, threads: int, adapter_dir: Path, rows: int = MAX_ROWS, context_per_row: int = 2048
@@ -176,8 +177,10 @@ class LlamaRows:
         self.current_adapter = digest
 
     def _load_adapter(self, lora: LoraAdapter, digest: str) -> Any:
-        path = self.adapter_dir / f"lora-{digest[:24]}.gguf"
-        if not path.is_file():
+        # llama.cpp copies an adapter's tensors into its own buffers as it loads them, so the file is only a way in:
+        # written, loaded and removed, a served stream memory's versions leave nothing on disk
+        path = self.adapter_dir / f"lora-{digest[:24]}-{os.getpid()}-{threading.get_ident()}.gguf"
+        try:
             write_gguf_lora(
                 lora,
                 path,
@@ -186,9 +189,11 @@ class LlamaRows:
                 heads=self.lc.llama_model_n_head(self.model),
                 kv_heads=self.lc.llama_model_n_head_kv(self.model),
             )
-        adapter = self.lc.llama_adapter_lora_init(self.model, str(path).encode())
+            adapter = self.lc.llama_adapter_lora_init(self.model, str(path).encode())
+        finally:
+            path.unlink(missing_ok=True)
         if not adapter:
-            raise RuntimeError(f"llama.cpp could not load the LoRA adapter {path}")
+            raise RuntimeError(f"llama.cpp could not load the LoRA adapter written for {digest[:12]}")
         self.adapter_loads += 1
         self.adapters[digest] = adapter
         while len(self.adapters) > ADAPTERS_KEPT:
