@@ -182,3 +182,18 @@ def test_llama_without_its_binding_falls_back_and_says_why(smol, monkeypatch):
 def test_embeddings_of_the_wrong_width_are_refused(engine):
     with pytest.raises(ValueError, match="width"):
         engine.sample([np.zeros((3, 7), dtype=np.float32)], [DecodeOptions(max_new_tokens=1)])
+
+
+def test_a_failing_llama_cpp_falls_back_to_the_plain_loop_once_and_says_why(smol, monkeypatch, caplog):
+    backend = HFBackend(smol, one_row_engine="llama")
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("llama_decode returned -1")
+
+    monkeypatch.setattr(llama_rows.LlamaRows, "sample", broken)
+    prompt = PromptInput(PromptBuilder(smol.tokenizer).build(QUESTIONS[0]).token_ids)
+    with caplog.at_level(logging.WARNING, logger="elm_memory.backends.hf"):
+        answers = [backend.generate([prompt], SamplingParams(max_new_tokens=4))[0][0] for _ in range(2)]
+    assert all(a.token_ids for a in answers) and backend.engine_calls == {"plain": 2}
+    assert backend.one_row_engine == "plain" and "llama_decode returned -1" in backend.one_row_reason
+    assert sum("llama.cpp failed" in r.getMessage() for r in caplog.records) == 1

@@ -328,9 +328,13 @@ class HFBackend:
         """:func:`decode.sample` on ``batch`` (``rows[i]`` rows for prompt i); with lookup drafts, seeded
         with what was generated before for the same prompt texts, and remembering what it generates."""
         engine = self.decode_engine(sum(rows), kwargs.get("memory"))
-        self.engine_calls[engine] += 1
         if engine == "llama":
-            return self.one_row.llama_sample(batch, rows, options, kwargs, self.embed_tokens)
+            done = self.one_row.llama_sample(batch, rows, options, kwargs, self.embed_tokens)
+            if done is not None:
+                self.engine_calls[engine] += 1
+                return done
+            engine = "plain"  # llama.cpp failed: logged once, and the plain loop serves from now on
+        self.engine_calls[engine] += 1
         model = self.model
         if engine == "int4":
             model = self.one_row.int4_model(kwargs)

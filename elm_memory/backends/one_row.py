@@ -100,9 +100,11 @@ class OneRowEngines:
         options: Any,
         kwargs: dict[str, Any],
         embed: Callable[[torch.Tensor], torch.Tensor],
-    ) -> list[tuple[list[int], str]]:
+    ) -> list[tuple[list[int], str]] | None:
         """A call on llama.cpp: the prompts as token ids, or all as input embeddings (``embed``: the model's table)
-        when one has a soft prompt; the call's LoRA applied there."""
+        when one has a soft prompt; the call's LoRA applied there. None when llama.cpp fails (it could not load the
+        GGUF, refused an adapter, or failed a decode): logged with the reason, and the engine is ``plain`` from then
+        on, so one bad file costs one warning, not every answer."""
         per_prompt = list(options) if isinstance(options, list | tuple) else [options] * len(batch)
         per_prompt = [replace(o, n=n) for o, n in zip(per_prompt, rows, strict=True)]
         prompts: list[Any]
@@ -110,16 +112,21 @@ class OneRowEngines:
             prompts = [compose_embeddings(p, embed).float().cpu().numpy() for p in batch]
         else:
             prompts = [list(p.token_ids) for p in batch]
-        engine = self.llama()
-        with engine.lock:
-            return engine.sample(
-                prompts,
-                per_prompt,
-                eos_ids=kwargs.get("eos_ids", ()),
-                generators=kwargs.get("generators"),
-                should_stop=kwargs.get("should_stop"),
-                lora=kwargs.get("memory"),
-            )
+        try:
+            engine = self.llama()
+            with engine.lock:
+                return engine.sample(
+                    prompts,
+                    per_prompt,
+                    eos_ids=kwargs.get("eos_ids", ()),
+                    generators=kwargs.get("generators"),
+                    should_stop=kwargs.get("should_stop"),
+                    lora=kwargs.get("memory"),
+                )
+        except (RuntimeError, ConfigError, OSError) as exc:
+            self.engine, self.reason = "plain", f"llama.cpp failed ({exc}); the plain loop serves"
+            log.warning("backend.one_row_engine llama: %s", self.reason)
+            return None
 
     def llama(self) -> llama_rows.LlamaRows:
         """llama.cpp on the GGUF the model was prepared from, made on the first call (a packaged model's GGUF is
