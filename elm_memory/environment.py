@@ -14,7 +14,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from elm_memory.hardware import Hardware, resolve_one_row_engine, resolve_placement
+from elm_memory.hardware import NOT_ASKED, Hardware, resolve_one_row_engine, resolve_placement
 
 #: Distributions whose versions change behaviour or speed (missing ones are reported as None).
 REPORTED_PACKAGES = (
@@ -44,9 +44,7 @@ def package_versions(names: tuple[str, ...] = REPORTED_PACKAGES) -> dict[str, st
     return out
 
 
-def collect_env(
-    config: Any, hardware: Hardware | None = None, llama_missing: str | None = "not asked"
-) -> dict[str, Any]:
+def collect_env(config: Any, hardware: Hardware | None = None, llama_missing: str | None = NOT_ASKED) -> dict[str, Any]:
     """The report for an :class:`~elm_memory.config.ELMConfig` (nothing is loaded or downloaded).
     ``llama_missing``: why llama.cpp cannot serve the configured model (None: it can; the caller asks
     ``elm_memory.backends.llama_rows.missing``, a layer above this one)."""

@@ -261,6 +261,8 @@ def _resolve_prepack(requested: str, device: str, dtype: str, reasons: list[str]
 
 #: The most rows of one decode call the one-row engine takes (``elm_memory/backends/int4.py``'s ``MAX_ROWS``).
 ONE_ROW_MAX_ROWS = 2
+#: ``llama_missing`` when nobody checked llama.cpp (the setting cannot pick it): no reason to report.
+NOT_ASKED = "not asked"
 
 
 def resolve_one_row_engine(
@@ -269,7 +271,7 @@ def resolve_one_row_engine(
     *,
     backend: str = "hf",
     decode_loop: str = "elm",
-    llama_missing: str | None = "not asked",
+    llama_missing: str | None = NOT_ASKED,
 ) -> tuple[str, str]:
     """The engine of the ``hf`` backend's decode calls of at most :data:`ONE_ROW_MAX_ROWS` rows
     (``backend.one_row_engine``), and why: ``llama`` (llama.cpp on the model's GGUF,
@@ -293,7 +295,7 @@ def resolve_one_row_engine(
         return "llama", f"backend.one_row_engine: llama, calls of at most {ONE_ROW_MAX_ROWS} rows"
     if requested == "auto" and llama_missing is None:
         return "llama", f"auto: llama.cpp on the model's GGUF, calls of at most {ONE_ROW_MAX_ROWS} rows"
-    no_llama = f" (llama.cpp: {llama_missing})" if requested == "auto" and llama_missing != "not asked" else ""
+    no_llama = f" (llama.cpp: {llama_missing})" if requested == "auto" and llama_missing != NOT_ASKED else ""
     if not _int4_kernels():
         return "plain", f"this torch has no int4 CPU kernels{no_llama}"
     if requested == "int4":

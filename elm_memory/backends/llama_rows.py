@@ -36,7 +36,7 @@ import torch
 
 from elm_memory.backends.decode import DecodeOptions, _append
 from elm_memory.backends.sampling import RowChoice
-from elm_memory.hardware import ONE_ROW_MAX_ROWS
+from elm_memory.hardware import NOT_ASKED, ONE_ROW_MAX_ROWS
 from elm_memory.memory.gguf_lora import write_gguf_lora
 from elm_memory.memory.kinds import LORA
 from elm_memory.memory.lora import LoraAdapter
@@ -69,15 +69,18 @@ def missing(model_folder: str | Path) -> str | None:
 
 
 def missing_for(config: Any) -> str | None:
-    """:func:`missing` for an :class:`~elm_memory.config.ELMConfig`'s model, before it is loaded ("not asked"
+    """:func:`missing` for an :class:`~elm_memory.config.ELMConfig`'s model, before it is loaded (``NOT_ASKED``
     when its ``backend.one_row_engine`` cannot pick llama.cpp)."""
-    from elm_memory.models.packaged import PACKAGED_PREFIX
-    from elm_memory.models.prepare import prepared_dir
+    from elm_memory.errors import ModelNotFoundError
+    from elm_memory.models.loading import resolve_model_path
 
     if config.backend.one_row_engine not in ("llama", "auto"):
-        return "not asked"
-    name = config.model.name_or_path
-    return missing(prepared_dir(name) if name.startswith(PACKAGED_PREFIX) or name.endswith(".gguf") else name)
+        return NOT_ASKED
+    try:
+        folder = resolve_model_path(config.model.name_or_path, prepare=False)
+    except ModelNotFoundError as exc:
+        return str(exc)
+    return missing(folder)
 
 
 def unserved_reason(memory: Any) -> str | None:

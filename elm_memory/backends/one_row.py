@@ -50,12 +50,12 @@ class OneRowEngines:
         self._llama_lock = threading.Lock()
 
     def _resolve(self, setting: str, decode_loop: str) -> tuple[str, str]:
-        from elm_memory.hardware import Placement, resolve_one_row_engine
+        from elm_memory.hardware import NOT_ASKED, Placement, resolve_one_row_engine
 
         dtype = str(self.model.dtype).removeprefix("torch.")
         device = str(self.info.device)
         placement = Placement(device=device, dtype=dtype, num_threads=torch.get_num_threads())
-        llama_missing = llama_rows.missing(self.info.path) if setting in ("llama", "auto") else "not asked"
+        llama_missing = llama_rows.missing(self.info.path) if setting in ("llama", "auto") else NOT_ASKED
         engine, reason = resolve_one_row_engine(
             setting, placement, decode_loop=decode_loop, llama_missing=llama_missing
         )

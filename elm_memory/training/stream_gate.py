@@ -213,10 +213,14 @@ class AmortizationGate:
         if state == SERVING:
             self.approved_version = version
         self.state = state
-        self.open_stat = self.close_stat = 0.0
-        self.readings = self.wins = self.losses = self.ties = 0
+        self._restart()
         self.decisions += 1
         return decision
+
+    def _restart(self) -> None:
+        """A fresh test: what the statistics read since the last change of state, forgotten."""
+        self.open_stat = self.close_stat = 0.0
+        self.readings = self.wins = self.losses = self.ties = 0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -235,10 +239,12 @@ class AmortizationGate:
         """The stored state with the configured test (a changed setting applies from the next reading on; a changed
         test starts its statistics afresh, since the stored ones measure something else)."""
         fields = {k: v for k, v in (data or {}).items() if k in cls.__dataclass_fields__}
-        if data and fields.get("test", SUPERIORITY) != test:
-            fields.update(open_stat=0.0, close_stat=0.0, readings=0, wins=0, losses=0, ties=0)
+        changed = bool(data) and fields.get("test", SUPERIORITY) != test
         fields.update(margin=margin, alpha=alpha, min_questions=min_questions, test=test, tolerance=tolerance)
-        return cls(**fields)
+        gate = cls(**fields)
+        if changed:
+            gate._restart()
+        return gate
 
     @classmethod
     def from_settings(cls, data: dict[str, Any] | None, settings: Any) -> AmortizationGate:
