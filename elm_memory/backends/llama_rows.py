@@ -115,7 +115,6 @@ class LlamaRows:
         self.n_layer = lc.llama_model_n_layer(self.model)
         self.arch = self._meta("general.architecture")
         self.ctx: Any = None
-        self.capacity = 0
         self._context(context_per_row)
         self.adapters: OrderedDict[str, Any] = OrderedDict()  # digest -> loaded adapter, newest last
         self.adapter_loads = 0
@@ -138,9 +137,9 @@ class LlamaRows:
         self.ctx = lc.llama_init_from_model(self.model, params)
         if not self.ctx:
             raise RuntimeError("llama.cpp could not create a context")
-        self.capacity, self.per_row = self.rows * per_row, per_row
-        self.tokens = lc.llama_batch_init(self.capacity, 0, 1)
-        self.embd = lc.llama_batch_init(self.capacity, self.n_embd, 1)
+        self.per_row = per_row
+        self.tokens = lc.llama_batch_init(params.n_ctx, 0, 1)
+        self.embd = lc.llama_batch_init(params.n_ctx, self.n_embd, 1)
         self.current_adapter: str | None = None
 
     def _free_context(self) -> None:
@@ -165,7 +164,7 @@ class LlamaRows:
         digest = None if lora is None else lora.digest()
         if digest == self.current_adapter:
             return
-        if lora is None or digest is None:
+        if lora is None or digest is None:  # one test, both narrowed
             rc = self.lc.llama_set_adapters_lora(self.ctx, None, 0, None)
         else:
             adapter = self.adapters.get(digest)
@@ -199,10 +198,10 @@ class LlamaRows:
             raise RuntimeError(f"llama.cpp could not load the LoRA adapter written for {digest[:12]}")
         self.adapter_loads += 1
         self.adapters[digest] = adapter
+        # use_lora moves each applied adapter to the end, so the applied one is the newest but one here: with
+        # ADAPTERS_KEPT >= 2 the oldest is never it
         while len(self.adapters) > ADAPTERS_KEPT:
-            old_digest, old = self.adapters.popitem(last=False)
-            if old_digest != self.current_adapter:
-                self.lc.llama_adapter_lora_free(old)
+            self.lc.llama_adapter_lora_free(self.adapters.popitem(last=False)[1])
         return adapter
 
     # -- decoding ----------------------------------------------------------------------------
