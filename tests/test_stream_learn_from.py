@@ -116,10 +116,16 @@ def test_elm_stream_learning_from_zero_shot_trains_on_self_consistencys_vote(
         assert extra["updates"]["sft"]["label"] == "5"  # self-consistency's vote, not its own
     else:
         assert "stream_zs_vote[sft]" not in rows and extra["updates"]["sft"]["label"] == "7"
-    # either way the guard saw the memory's own answers: its greedy 7 and its 3 samples under it
+    # the graph's turn answers and learns: with zero_shot its greedy 7 among the zero-shot samples, the guard
+    # reading its greedy answer alone; with own its vote, the guard reading its greedy 7 and its 3 samples under it
+    assert record["answer"] == ("5" if learn_from == "zero_shot" else "7")
+    tokens = extra["tokens"]  # each answer text is the same few tokens with the memory, and without it
+    zero, mine = tokens["zero_shot"], tokens["stream_greedy[sft]"]
+    assert tokens["self_consistency"] == 4 * zero
+    assert tokens["elm_stream"] == zero + mine + 3 * (zero if learn_from == "zero_shot" else mine)
     [newest] = sorted((tmp_path / "stream" / "sft").rglob("v000001.safetensors"))
     [seen] = LatentMemory.load(newest).meta.config["stream"]["guard"]["pending"]
-    assert seen["memory_answers"] == ["7"] * 4 and seen["label"] == "7"
+    assert seen["memory_answers"] == (["7"] if learn_from == "zero_shot" else ["7"] * 4) and seen["label"] == "7"
 
 
 def test_a_stream_evaluation_learning_from_zero_shot_refuses_a_grpo_arm(evidence_config, tmp_path):

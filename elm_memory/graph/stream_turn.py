@@ -70,6 +70,17 @@ class Row:
     def tokens(self) -> int:
         return len(self.token_ids)
 
+    @classmethod
+    def of(cls, gen: Any, spent: bool) -> Row:
+        """A backend's generation as a row, its ``\\boxed{}`` answer extracted."""
+        return cls(
+            answer=extract_answer(gen.text),
+            text=gen.text,
+            token_ids=list(gen.token_ids),
+            finish_reason=str(gen.finish_reason),
+            spent=spent,
+        )
+
 
 @dataclasses.dataclass
 class StreamTurn:
@@ -150,9 +161,9 @@ class StreamTurn:
     def read(self, generated: list[list[list[Any]]], greedy: list[tuple[str, bool]]) -> None:
         """Take the first call's generations and decide the answer (unless it needs the fallback's rows)."""
         for (name, spent), [gen] in zip(greedy, generated[0], strict=True):
-            self.rows[name] = _row(gen, spent)
+            self.rows[name] = Row.of(gen, spent)
         if len(generated) > 1:
-            self.samples = [_row(g, self.samples_spent) for gens in generated[1] for g in gens]
+            self.samples = [Row.of(g, self.samples_spent) for gens in generated[1] for g in gens]
         if not self.needs_fallback:
             self._decide()
 
@@ -170,8 +181,8 @@ class StreamTurn:
 
     def read_fallback(self, generated: list[list[list[Any]]]) -> None:
         if generated:
-            self.rows[ZERO_SHOT] = _row(generated[0][0][0], True)
-            self.samples = [_row(g, True) for gens in generated[1] for g in gens]
+            self.rows[ZERO_SHOT] = Row.of(generated[0][0][0], True)
+            self.samples = [Row.of(g, True) for gens in generated[1] for g in gens]
         self.rows[ZERO_SHOT].spent = True
         for s in self.samples:
             s.spent = True
@@ -281,13 +292,3 @@ class StreamTurn:
         data["rows"] = {k: Row(**v) for k, v in data.get("rows", {}).items()}
         data["samples"] = [Row(**v) for v in data.get("samples", [])]
         return cls(**data)
-
-
-def _row(gen: Any, spent: bool) -> Row:
-    return Row(
-        answer=extract_answer(gen.text),
-        text=gen.text,
-        token_ids=list(gen.token_ids),
-        finish_reason=str(gen.finish_reason),
-        spent=spent,
-    )

@@ -1,24 +1,24 @@
-"""``elm_stream``: the stream memory online, with every control read from the same decode call.
+"""``elm_stream``: the stream memory online (``stream.serving: vote``), every control from the same decode call.
 
-Per question, one batched call draws, with the same per-sample seeds where rows are sampled:
+The first arm is the graph's own turn (:class:`~elm_memory.graph.stream_turn.StreamTurn`): the rows it draws, the
+answer, the label, what the collapse guard reads and the update are the ones users run. Everything else is an extra
+request of the same decode call, with the same per-sample seeds where rows are sampled, and read by no decision:
 
-- zero-shot greedy and the ``consistency`` verifier's k zero-shot samples (self-consistency: greedy + k, vote);
+- the samples the turn did not draw: without the memory (self-consistency's, with ``learn_from: own``) or under it
+  (the memory's own vote, with ``learn_from: zero_shot``);
 - the stream memory's **untrained init**, greedy (the ablation of training; a LoRA stream memory's init is the
   base model itself, B = 0, so its answer is zero-shot's and is not decoded twice);
 - the question with the one-sentence format instruction appended, greedy (``zero_shot_format``);
-- per trained arm, the stream memory's greedy + the same k samples under its serving version.
+- per further arm, its greedy answer and the same k samples under its serving version.
 
-The method's answer is the first arm's vote over its own greedy answer and samples (the compute of
-self-consistency, k + 1 generations). With ``learn_from: own`` (an arm's ``stream`` setting) that vote is also
-the label the arm learns from, with no decode of its own. With ``learn_from: zero_shot`` the arm learns instead
-from zero-shot's greedy answer and samples, labelled by self-consistency's vote (no extra decode either), and a
-``stream_zs_vote`` row is added: the arm's greedy answer voting among the zero-shot samples, what the graph
-answers then (the answer stays the arm's own vote, so runs of either setting answer by one rule). The collapse
-guard reads the arm's greedy answer and its own samples either way (the graph, which draws no samples under
-the memory with ``zero_shot``, gives it the greedy answer only).
+The method's answer is the turn's: with ``learn_from: own`` the vote of the memory's greedy answer and its samples
+(the compute of self-consistency, k + 1 generations), which is also its label; with ``learn_from: zero_shot`` the
+memory's greedy answer voting among the zero-shot samples (``stream_zs_vote``), while it learns from zero-shot's
+rows labelled by self-consistency's vote and the guard reads its greedy answer alone. Further arms learn by the
+same rule from their own rows.
 
-Every row's answer, the versions used and each update are in the record's ``extra`` (read by
-:mod:`elm_memory.eval.stream_report`), so anyone can recount what decided each answer.
+Every row's answer, the tokens of the main rows, the versions used and each update are in the record's ``extra``
+(read by :mod:`elm_memory.eval.stream_report`), so anyone can recount what decided each answer.
 
 ``elm_stream`` trains ``stream.objective``; ``elm_stream_objectives`` trains a ``grpo`` and an ``sft`` arm side
 by side on the same questions (the rows they share are decoded once). ``elm_stream_gold`` trains a ``grpo`` arm on
@@ -35,7 +35,6 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from elm_memory.answers import extract_answer
 from elm_memory.answers.vote import plurality_vote
 from elm_memory.backends.base import GenerateRequest, PromptInput, generate_requests
 from elm_memory.config.stream import StreamConfig
@@ -43,6 +42,7 @@ from elm_memory.errors import ConfigError
 from elm_memory.eval.methods.base import EvalRuntime, MethodOutput
 from elm_memory.eval.methods.baselines import ZeroShot
 from elm_memory.graph.nodes import answer_params
+from elm_memory.graph.stream_turn import INIT, STREAM, ZERO_SHOT, Row, StreamTurn
 from elm_memory.training.stream import StreamMemory
 from elm_memory.training.stream_samples import Generated, answer_budget_samples
 
@@ -132,6 +132,11 @@ class StreamEval:
         cfg = runtime.config
         if cfg.store.kind == "none":
             raise ConfigError(f"{name} keeps its stream memory on disk, but store.kind is 'none'; set store.kind")
+        if cfg.stream.serving != "vote":
+            raise ConfigError(
+                f"{name} measures stream.serving=vote, but the config serves {cfg.stream.serving!r}: run elm_amortized "
+                "for the amortized stream memory, or set stream.serving=vote"
+            )
         if cfg.stream.clusters > 1:  # the graph's option; every row here reads one memory per arm
             raise ConfigError(
                 f"{name} evaluates one stream memory per arm; stream.clusters={cfg.stream.clusters} is served by "
@@ -146,6 +151,7 @@ class StreamEval:
         if len(set(self.objectives)) != len(self.objectives):
             raise ConfigError(f"{name}: stream arms need distinct names, got {self.objectives}")
         self.streams = {a.name: a.stream_config(cfg.stream) for a in self.specs}
+        self._configs = {name: cfg.model_copy(update={"stream": stream}) for name, stream in self.streams.items()}
         self._arms: dict[str, StreamMemory] | None = None
         self._pending: dict[str, Any] | None = None
 
@@ -160,10 +166,9 @@ class StreamEval:
             rt, cfg = self.runtime, self.runtime.config
             self._arms = {}
             for spec in self.specs:
-                arm_cfg = cfg.model_copy(update={"stream": self.streams[spec.name]})
                 root = rt.out_dir / STREAM_DIR / spec.name
                 self._arms[spec.name] = StreamMemory(
-                    arm_cfg, rt.loaded, root, namespace=cfg.namespace, backend=rt.backend
+                    self._configs[spec.name], rt.loaded, root, namespace=cfg.namespace, backend=rt.backend
                 )
         return self._arms
 
@@ -191,84 +196,103 @@ class StreamEval:
         params = answer_params(cfg, prompt, rt.backend.info.max_context)
         formatted = rt.prompts.answer_prompt(format_question(question, cfg.stream.format_instruction), memory_tokens=k)
         format_params = answer_params(cfg, formatted, rt.backend.info.max_context)
-        samples, sample_params = answer_budget_samples(self.sampler, question, prompt, params)
-        arms = self.arms
-        lead = next(iter(arms.values()))
+        sampler = self.sampler
+        arms, first = self.arms, self.objectives[0]
+        lead, lead_config = arms[first], self._configs[first]
         versions = {obj: arm.version for obj, arm in arms.items()}
-        at, zero = prompt.memory_at, prompt.zero_shot()
-
-        decode_init = not lead.init_is_base_model
-        base = [zero, *(lead.serve_init([zero], at) if decode_init else [])]
-        same_budget = format_params.max_new_tokens == params.max_new_tokens
-        if same_budget:
-            base.append(formatted.zero_shot())
-        # the init's samples are not drawn: its ablation is its greedy answer (the vote's control is self-consistency)
-        requests: list[GenerateRequest] = [(base, params), (samples, sample_params)]
-        for arm in arms.values():  # an arm's greedy row and samples share one memory: one decode batch
-            requests += [(arm.serve([zero], at), params), (arm.serve(samples, at), sample_params)]
-        if not same_budget:  # a budget of its own (a longer prompt near the context's end): its own call
-            requests.append(([formatted.zero_shot()], format_params))
-        generated = generate_requests(rt.backend, requests)
+        # the first arm is the product's turn; everything else is an extra request of the same decode call
+        turn = StreamTurn.plan(lead_config, lead, question, cfg.namespace, measure=True)
+        requests, turn_rows = turn.requests(lead_config, lead, prompt, params, sampler)
+        samples, sample_params = answer_budget_samples(sampler, question, prompt, params)
+        zero, at = prompt.zero_shot(), prompt.memory_at
+        controls: dict[str, GenerateRequest] = {"format": ([formatted.zero_shot()], format_params)}
+        # the turn draws the samples one way (under the memory with learn_from own, else without); the other way
+        # is a control: self-consistency's samples, or the memory's own vote
+        other_samples = ZERO_SHOT if turn.samples_under_memory else first
+        controls[f"samples[{other_samples}]"] = (
+            (samples if other_samples == ZERO_SHOT else lead.serve(samples, at)),
+            sample_params,
+        )
+        for obj, arm in arms.items():
+            if obj != first:
+                controls[f"greedy[{obj}]"] = (arm.serve([zero], at), params)
+                controls[f"samples[{obj}]"] = (arm.serve(samples, at), sample_params)
+        all_requests = requests + list(controls.values())
+        generated = generate_requests(rt.backend, all_requests)
+        turn.read(generated[: len(requests)], turn_rows)
+        drawn = {
+            name: [Row.of(g, spent=False) for gens in out for g in gens]
+            for name, out in zip(controls, generated[len(requests) :], strict=True)
+        }
         decode_seconds = time.perf_counter() - t0
 
-        base_gen = [gens[0] for gens in generated[0]]
-        format_gen = base_gen[-1] if same_budget else generated[-1][0][0]
-        greedy = {"zero_shot": base_gen[0]}
-        sample_groups = {"zero_shot": [g for gens in generated[1] for g in gens]}
-        for j, obj in enumerate(arms):
-            greedy[obj] = generated[2 + 2 * j][0][0]
-            sample_groups[obj] = [g for gens in generated[3 + 2 * j] for g in gens]
-        answers = {n: extract_answer(g.text) for n, g in greedy.items()}
-        answers["init"] = extract_answer(base_gen[1].text) if decode_init else answers["zero_shot"]
-        sampled = {n: [extract_answer(g.text) for g in grp] for n, grp in sample_groups.items()}
+        greedy = {ZERO_SHOT: turn.rows[ZERO_SHOT], first: turn.rows[STREAM]}
+        turn_samples = first if turn.samples_under_memory else ZERO_SHOT
+        sample_rows = {turn_samples: turn.samples, other_samples: drawn[f"samples[{other_samples}]"]}
+        for obj in arms:
+            if obj != first:
+                greedy[obj], sample_rows[obj] = drawn[f"greedy[{obj}]"][0], drawn[f"samples[{obj}]"]
+        answers = {n: r.answer for n, r in greedy.items()}
+        sampled = {n: [r.answer for r in rs] for n, rs in sample_rows.items()}
         rows: dict[str, str | None] = {
-            "zero_shot": answers["zero_shot"],
-            "self_consistency": plurality_vote(sampled["zero_shot"], answers["zero_shot"], with_greedy=True),
-            "format": extract_answer(format_gen.text),
-            "init_greedy": answers["init"],
+            "zero_shot": answers[ZERO_SHOT],
+            "self_consistency": plurality_vote(sampled[ZERO_SHOT], answers[ZERO_SHOT], with_greedy=True),
+            "format": drawn["format"][0].answer,
+            "init_greedy": turn.rows[INIT].answer if INIT in turn.rows else answers[ZERO_SHOT],
         }
         zero_shot_source = {obj: self.streams[obj].learn_from == "zero_shot" for obj in arms}
         for obj in arms:
             rows[f"stream_greedy[{obj}]"] = answers[obj]
             rows[f"stream_vote[{obj}]"] = plurality_vote(sampled[obj], answers[obj], with_greedy=True)
             if zero_shot_source[obj]:  # what the graph answers then: its greedy answer among the zero-shot samples
-                rows[f"stream_zs_vote[{obj}]"] = plurality_vote(sampled["zero_shot"], answers[obj], with_greedy=True)
-        first = self.objectives[0]
+                rows[f"stream_zs_vote[{obj}]"] = plurality_vote(sampled[ZERO_SHOT], answers[obj], with_greedy=True)
+        tokens = {
+            "zero_shot": greedy[ZERO_SHOT].tokens,
+            "self_consistency": greedy[ZERO_SHOT].tokens + sum(r.tokens for r in sample_rows[ZERO_SHOT]),
+            "elm_stream": turn.tokens,
+            **{f"stream_greedy[{obj}]": greedy[obj].tokens for obj in arms},
+        }
 
-        def drawn(source: str) -> list[Generated]:
+        def learned_from(source: str) -> list[Generated]:
             return [Generated(greedy[source].token_ids, answers[source], False)] + [
-                Generated(g.token_ids, a, True) for g, a in zip(sample_groups[source], sampled[source], strict=True)
+                Generated(r.token_ids, r.answer, True) for r in sample_rows[source]
             ]
 
+        # the other arms learn by the graph's rule too: from their own rows and vote, or from zero-shot's rows and
+        # self-consistency's vote while the guard watches their greedy answer alone
+        others = [obj for obj in arms if obj != first]
         self._pending = {
             "question": question,
             "prompt": prompt,
-            # learn_from zero_shot: every arm trains on self-consistency's rows and vote; the guard watches its own
-            "generations": {obj: drawn("zero_shot" if zero_shot_source[obj] else obj) for obj in arms},
+            "turn": turn,
+            "generations": {obj: learned_from(ZERO_SHOT if zero_shot_source[obj] else obj) for obj in others},
             "labels": {
-                obj: rows["self_consistency" if zero_shot_source[obj] else f"stream_vote[{obj}]"] for obj in arms
+                obj: rows["self_consistency" if zero_shot_source[obj] else f"stream_vote[{obj}]"] for obj in others
             },
-            "served": {obj: [answers[obj], *sampled[obj]] for obj in arms},
+            "served": {
+                obj: [answers[obj]] if zero_shot_source[obj] else [answers[obj], *sampled[obj]] for obj in others
+            },
             "versions": versions,
-            "zero_shot": answers["zero_shot"],
+            "zero_shot": answers[ZERO_SHOT],
         }
         candidates = [
-            {"kind": "zero_shot", "answer": answers["zero_shot"], "score": None},
+            {"kind": "zero_shot", "answer": answers[ZERO_SHOT], "score": None},
             {"kind": "memory", "answer": answers[first], "score": None},
         ]
         return MethodOutput(
-            answer=rows[f"stream_vote[{first}]"],
-            response=greedy[first].text,
+            answer=turn.answer,
+            response=turn.response,
             route="vote",
             candidates=candidates,
             extra={
                 "stream": {
                     "rows": rows,
                     "samples": sampled,
+                    "tokens": tokens,
                     "versions": versions,
                     "kind": lead.kind,
-                    "init_is_zero_shot": not decode_init,
-                    "decode_rows": sum(len(r[0]) for r in requests),
+                    "init_is_zero_shot": INIT not in turn.rows,
+                    "decode_rows": sum(len(r[0]) for r in all_requests),
                     "decode_seconds": round(decode_seconds, 3),
                 }
             },
@@ -279,9 +303,12 @@ class StreamEval:
         pending, self._pending = self._pending, None
         if pending is None or pending["question"] != question:
             raise RuntimeError(f"{self.name}: learn() must follow answer() on the same question")
-        prompt = pending["prompt"]
-        updates = {}
+        prompt, first = pending["prompt"], self.objectives[0]
+        lead_update = pending["turn"].learn(self._configs[first], self.arms[first], prompt)
+        updates = {first: lead_update.to_dict()}
         for obj, arm in self.arms.items():
+            if obj == first:
+                continue
             update = arm.learn(
                 question,
                 prompt.token_ids,
