@@ -235,9 +235,7 @@ def test_demo_shows_every_method_per_question_on_cpu_tiny(tmp_path):
 def test_demo_amortized_shows_each_rows_tokens_the_mode_and_the_gate_on_cpu_tiny(tmp_path):
     sets = {
         "stream.mode": "stream",
-        "stream.serving": "amortized",
-        "stream.objective": "sft",
-        "stream.learn_from": "zero_shot",
+        "stream.serving": "amortized",  # learns from zero-shot's samples by sft: not set, it follows serving
         "verifier.name": "consistency",
         "verifier.consistency_samples": "2",
         "generation.max_new_tokens": "24",

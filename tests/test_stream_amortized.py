@@ -158,9 +158,15 @@ def test_probes_are_a_share_of_questions_picked_by_their_hash():
     assert all(is_probe(q, 0, 1.0) for q in questions[:10])
 
 
-def test_amortized_serving_needs_the_vote_of_zero_shot_samples():
+def test_amortized_serving_learns_from_zero_shot_samples_by_sft_unless_told_otherwise():
+    cfg = ELMConfig.load(preset="cpu-demo", overrides={"stream": {"mode": "stream", "serving": "amortized"}})
+    assert (cfg.stream.learn_from, cfg.stream.objective) == ("zero_shot", "sft")
+    voting = ELMConfig.load(preset="cpu-demo", overrides={"stream": {"mode": "stream"}}).stream
+    assert (voting.learn_from, voting.objective) == ("own", "grpo")  # the vote keeps the paper's
     with pytest.raises(ConfigError, match="stream.learn_from=zero_shot"):
-        ELMConfig.load(overrides={"stream": {"serving": "amortized"}})
+        ELMConfig.load(overrides={"stream": {"serving": "amortized", "learn_from": "own"}})
+    with pytest.raises(ConfigError, match="stream.objective=sft"):
+        ELMConfig.load(overrides={"stream": {"serving": "amortized", "objective": "grpo"}})
     cfg = ELMConfig.load(preset="cpu-amortized")  # the preset sets what it needs, on cpu-demo's values
     assert cfg.stream.serving == "amortized" and cfg.stream.kind == "lora"
     assert cfg.verifier.name == "consistency" and cfg.generation.max_new_tokens == 384

@@ -36,11 +36,11 @@ class MemorySensitive:
         return out
 
 
-def test_learning_from_zero_shot_needs_the_sft_objective():
+def test_learning_from_zero_shot_needs_the_sft_objective_which_it_takes_unless_told_otherwise():
     with pytest.raises(ConfigError, match="stream.objective=sft"):
-        ELMConfig.load(overrides={"stream": {"learn_from": "zero_shot"}})
-    cfg = ELMConfig.load(overrides={"stream": {"learn_from": "zero_shot", "objective": "sft"}})
-    assert cfg.stream.learn_from == "zero_shot"
+        ELMConfig.load(overrides={"stream": {"learn_from": "zero_shot", "objective": "grpo"}})
+    cfg = ELMConfig.load(overrides={"stream": {"learn_from": "zero_shot"}})
+    assert (cfg.stream.learn_from, cfg.stream.objective) == ("zero_shot", "sft")
 
 
 def test_the_guard_watches_the_answers_the_memory_served_not_the_rows_it_learned_from(smol, tmp_path):

@@ -8,7 +8,7 @@ accumulates in one place.
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
@@ -34,7 +34,8 @@ class StreamConfig(ConfigSection):
         default="grpo",
         description=(
             "`grpo`: Dr.GRPO on the samples, reward 1 where a sample's answer equals the vote. `sft`: "
-            "self-distillation, the log-likelihood of the generations that agree with the vote."
+            "self-distillation, the log-likelihood of the generations that agree with the vote. Unset, it is "
+            "`sft` with `learn_from: zero_shot` (and so with `serving: amortized`), else `grpo`."
         ),
     )
     learn_from: Literal["own", "zero_shot"] = Field(
@@ -43,7 +44,8 @@ class StreamConfig(ConfigSection):
             "`own`: the stream memory's greedy answer and samples, labelled by their vote (on-policy; the label "
             "moves with the memory). `zero_shot`: zero-shot's greedy answer and the samples drawn without the "
             "memory, labelled by their vote (self-consistency's): the label cannot drift with the memory, which "
-            "learns to give the vote's answer first. Needs objective `sft`."
+            "learns to give the vote's answer first. Needs objective `sft`. Unset, it is `zero_shot` with "
+            "`serving: amortized`, else `own`."
         ),
     )
     kind: Literal["soft_prompt", "lora"] = Field(
@@ -176,7 +178,7 @@ class StreamConfig(ConfigSection):
             "`amortized`: the answer path votes (greedy + samples, without the memory) until the gate finds the "
             "memory's greedy answer agreeing with the vote more often than zero-shot's; then the memory's greedy "
             "answer alone answers, and a share `probe_share` of questions still draws the vote to teach and check "
-            "it. Needs `learn_from: zero_shot`."
+            "it. Learns from zero-shot's samples (`learn_from: zero_shot`, objective `sft`)."
         ),
     )
     probe_share: float = Field(
@@ -224,6 +226,18 @@ class StreamConfig(ConfigSection):
         ge=1,
         description="`amortized`: probed questions read before the gate may open (after it closes, again).",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _learning_follows_serving(cls, data: Any) -> Any:
+        """``learn_from`` and ``objective`` left unset follow what is set: amortized serving draws no samples under
+        the memory, so it learns from zero-shot's, and samples the memory did not draw train only by ``sft``."""
+        if isinstance(data, dict):
+            if data.get("serving") == "amortized":
+                data = {"learn_from": "zero_shot", **data}
+            if data.get("learn_from") == "zero_shot":
+                data = {"objective": "sft", **data}
+        return data
 
     @model_validator(mode="after")
     def _off_policy_needs_sft(self) -> StreamConfig:

@@ -39,8 +39,7 @@ class AmortizedEval:
         if cfg.stream.serving != "amortized":
             raise ConfigError(
                 f"{name} measures stream.serving=amortized, but the config serves {cfg.stream.serving!r}: set "
-                "stream.serving=amortized, stream.learn_from=zero_shot and stream.objective=sft (the "
-                "cpu-amortized preset sets them)"
+                "stream.serving=amortized (the cpu-amortized preset does)"
             )
         if cfg.stream.clusters > 1:
             raise ConfigError(f"{name} evaluates one stream memory; set stream.clusters=1 for the evaluation")
