@@ -150,6 +150,23 @@ def test_lora_hooks_condition_only_the_thread_that_applied_them(smol):
     assert not torch.allclose(mine, base, atol=1e-3)
 
 
+def test_a_lora_digest_follows_its_tensors_and_a_detached_copy_computes_it_once(monkeypatch):
+    import elm_memory.memory.lora as lora_module
+
+    weights = {"m.q_proj": (torch.ones(2, 4), torch.zeros(3, 2))}
+    live = LoraAdapter(weights, alpha=4.0)
+    copy = live.detached()
+    first = live.digest()
+    assert copy.digest() == first
+    weights["m.q_proj"][1][0, 0] = 1.0  # trained in place: the live adapter's digest moves, the copy's tensors did not
+    assert live.digest() != first and copy.digest() == first
+    calls = []
+    monkeypatch.setattr(lora_module, "digest_tensors", lambda t: calls.append(1) or "x")
+    assert copy.digest() == first and calls == []  # cached
+    live.digest()
+    assert calls == [1]  # never cached for tensors that may change
+
+
 @pytest.mark.model
 def test_grpo_trains_a_lora_memory_and_never_the_model(smol):
     before = weights_checksum(smol.model)

@@ -542,6 +542,8 @@ def test_a_lora_stream_memory_starts_as_the_base_model_learns_and_continues_in_a
     completion = smol.tokenizer("so \\boxed{5}", add_special_tokens=False)["input_ids"]
     [served] = stream.serve([PromptInput(tuple(ids))], at)
     assert served.memory is not None and served.soft_prompt is None
+    [again_served] = stream.serve([PromptInput(tuple(ids))], at)
+    assert again_served.memory is served.memory  # one copy per version, not per call
     with torch.no_grad():  # B = 0: the untrained memory scores every token exactly as the base model does
         under, _ = completion_logprobs(smol.model, [served], [completion])
         base, _ = completion_logprobs(smol.model, [PromptInput(tuple(ids))], [completion])
@@ -557,6 +559,7 @@ def test_a_lora_stream_memory_starts_as_the_base_model_learns_and_continues_in_a
         [now] = stream.serve([PromptInput(tuple(ids))], at)
         trained, _ = completion_logprobs(smol.model, [now], [completion])
     assert not torch.equal(trained, base)
+    assert now.memory is not served.memory and now.memory.digest() != served.memory.digest()  # a new version's copy
 
     again = StreamMemory(cfg, smol, tmp_path, namespace="team-a")  # another process: the same version and moments
     assert again.version == 1
@@ -571,9 +574,12 @@ def test_a_non_finite_lora_update_leaves_the_last_good_version_serving(smol, tmp
     gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
     before = {n: p.detach().clone() for n, p in stream.params.items()}
     monkeypatch.setattr(StreamMemory, "_backward", _poisoned_backward)
+    served = stream.adapter()
     update = stream.learn("q", ids, at, gens, label="5", version_used=0, zero_shot_answer="5")
     assert update.skipped == "non_finite" and stream.version == 0 and stream.files.versions() == [0]
     assert all(torch.equal(stream.params[n], before[n]) for n in before)
+    # the copy served now is made from the restored tensors, not from the poisoned step's
+    assert stream.adapter() is not served and stream.adapter().digest() == served.digest()
 
 
 def test_a_stream_memory_of_another_kind_on_disk_is_refused_by_name(smol, tmp_path):

@@ -253,7 +253,7 @@ def int4_lora_model(
     modules = adapter.check_model(model)
     if not all(quantizable(m, group) for m in modules.values()):
         return None
-    key, digest = (group, lm_head), adapter.digest()  # a served stream memory is a new copy per call: by content
+    key, digest = (group, lm_head), adapter.digest()  # by content (a copy a version)
     with _LOCK:
         cached = _MERGED.get(model, {}).get(key)
         if cached is not None and cached[0] == digest:

@@ -59,6 +59,8 @@ class LoraAdapter:
         self.weights = weights
         self.rank = ranks.pop()
         self.alpha = float(alpha)
+        self._own_tensors = False  # see detached()
+        self._digest: str | None = None
         for name, (a, b) in weights.items():
             if a.dim() != 2 or b.dim() != 2 or b.shape[1] != self.rank:
                 raise MemoryFormatError(
@@ -127,12 +129,20 @@ class LoraAdapter:
         )
 
     def detached(self) -> LoraAdapter:
-        return LoraAdapter(
+        """A copy with tensors of its own, which nothing changes in place: its digest is computed once."""
+        copy = LoraAdapter(
             {n: (a.detach().clone(), b.detach().clone()) for n, (a, b) in self.weights.items()}, self.alpha
         )
+        copy._own_tensors = True
+        return copy
 
     def digest(self) -> str:
-        return digest_tensors(self.tensors()) + f"/alpha={self.alpha}"
+        if self._digest is not None:
+            return self._digest
+        digest = digest_tensors(self.tensors()) + f"/alpha={self.alpha}"
+        if self._own_tensors:
+            self._digest = digest
+        return digest
 
     def max_layer(self) -> int:
         """The highest decoder-layer index a module path names (-1 if none does)."""

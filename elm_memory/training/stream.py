@@ -57,6 +57,8 @@ STREAM_QUESTION = "stream memory of namespace {namespace}"
 class StreamMemory:
     """One namespace's stream memory: serves its current version, learns from each answered question."""
 
+    _served: LoraAdapter | None = None  # the serving version's copy (adapter())
+
     def __init__(
         self,
         config: ELMConfig,
@@ -103,6 +105,7 @@ class StreamMemory:
         self.gate = self._gate_of(None)
         self.replay = ReplayBuffer.for_config(self.cfg)
         self.params = _parameters(self.init)
+        self._served = None
         self.version = 0
         self._write(0, entry=None, optim={})
 
@@ -141,7 +144,13 @@ class StreamMemory:
         if self.kind != LORA:
             raise MemoryKindError(f"the stream memory of {self.namespace!r} is a soft prompt, not a lora memory")
         lora = LoraAdapter.over(dict(self.params), self.config.memory.lora_alpha)
-        return lora if trainable else lora.detached()
+        if trainable:
+            return lora
+        # one copy per version, not per call: a backend keys what it builds from a LoRA (merged int4 layers, a
+        # llama.cpp adapter) by its digest, which a copy computes once instead of hashing 35 MB on every call
+        if self._served is None:
+            self._served = lora.detached()
+        return self._served
 
     def serve(self, rows: Sequence[Any], at: int) -> list[PromptInput]:
         """The rows (seeds kept) conditioned on the serving version: on-policy greedy answers and samples."""
@@ -174,6 +183,7 @@ class StreamMemory:
         self.history: list[dict[str, Any]] = self.files.repair_history(memory)  # callers hold the lock
         self.gate = self._gate_of(self.files.read_gate())
         self.params = _parameters(memory.params)
+        self._served = None
         self.replay = self._replay_of(memory)
         self._new_optimizer(optim)
         guard_state = meta.get("guard")
@@ -203,6 +213,7 @@ class StreamMemory:
         with torch.no_grad():
             for name, p in self.params.items():
                 p.copy_(tensors[name].to(torch.float32))
+        self._served = None
 
     def moved(self) -> float:
         """||memory - init|| / ||init|| over all its tensors."""
@@ -388,6 +399,7 @@ class StreamMemory:
             for group in self.optim.param_groups:
                 group["lr"] = self.cfg.lr * total / len(items)
             self.optim.step()
+            self._served = None
             finite = all(bool(torch.isfinite(p).all()) for p in self.params.values())
             if not (finite and torch.isfinite(torch.tensor(norm))):
                 raise NonFiniteError(f"stream memory update from version {self.version} is non-finite")
