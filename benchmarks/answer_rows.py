@@ -194,7 +194,7 @@ def main() -> None:
                 skipped[name] = backend.one_row_reason
                 continue
             t0 = time.perf_counter()
-            tree = int4_model(loaded.model, lm_head=backend.int4_lm_head)
+            tree = int4_model(loaded.model, lm_head=backend.one_row.int4_lm_head)
             setup[name] = {"quantize_s": round(time.perf_counter() - t0, 1), "int4_bytes": int4_bytes(tree)}
             backends[name] = backend
         elif name == "llama":

@@ -130,7 +130,6 @@ class HFBackend:
             int4_lm_head=int4_lm_head,
             calls=self.engine_calls,
         )
-        self.int4_group, self.int4_lm_head = int4_group, int4_lm_head  # the int4 copy's group size, output layer
 
     @classmethod
     def from_config(cls, cfg: Any, loaded: LoadedModel | None = None) -> HFBackend:
