@@ -52,7 +52,7 @@ def main() -> None:
     ap.add_argument("run", type=Path, help="an elm_amortized run directory (records.jsonl)")
     ap.add_argument("--shares", default="1.0,0.6,0.5,0.3")
     ap.add_argument("--salts", type=int, default=20, help="hash salts per share below 1")
-    ap.add_argument("--test", default="non_inferiority", choices=["superiority", "non_inferiority"])
+    ap.add_argument("--test", default="non_inferiority", choices=["superiority", "non_inferiority", "sample_share"])
     ap.add_argument("--tolerance", type=float, default=0.05)
     args = ap.parse_args()
     lines = (args.run / "records.jsonl").read_text().splitlines()

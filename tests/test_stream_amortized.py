@@ -134,6 +134,63 @@ def test_non_inferiority_closes_when_the_memory_falls_behind_and_keeps_its_appro
     assert decision.approved_version == approved and "more often than the memory" in decision.reason
 
 
+def _sample_share(**kw):
+    return _non_inferiority(**{"test": "sample_share", **kw})
+
+
+def test_a_reading_carries_each_greedy_answers_share_of_the_samples():
+    reading = GateReading.of("5", "6", ["5", "6", "6", None])
+    assert (reading.memory_share, reading.zero_shot_share, reading.share_difference) == (0.25, 0.5, -0.25)
+    assert GateReading.of(None, "6", ["6", "6"]).memory_share == 0.0  # no answer is supported by nothing
+    assert GateReading.of("5", "6", []).share_difference == 0.0
+
+
+def test_sample_share_reads_questions_whose_vote_is_tied_and_opens_on_a_memory_the_samples_back_as_often():
+    split = GateReading.of("5", "6", ["5", "6"])  # no vote: no reading for non_inferiority, d = 0 here
+    assert split.outcome == "no_vote" and split.share_difference == 0.0
+    gate = _sample_share()
+    opened = next(i for i in range(1000) if gate.observe(split, version=i) is not None)
+    assert 16 <= opened < 400 and gate.serving and gate.counts == {"tie": opened + 1}
+    again = _sample_share()
+    decision = next(d for d in (again.observe(split, version=i) for i in range(1000)) if d is not None)
+    assert decision.test == "sample_share" and decision.readings == opened + 1
+    assert "the samples give the memory's answer at least as often as zero-shot's, less 0.05" in decision.reason
+
+
+def test_sample_share_keeps_a_memory_behind_by_more_than_its_tolerance_shut_and_closes_when_it_falls_behind():
+    behind = GateReading.of("6", "5", ["5", "5", "6", "6", "5"])  # d = 0.4 - 0.6 = -0.2
+    gate = _sample_share(min_questions=1)
+    for i in range(1000):  # one such question in two: 0.1 behind against a tolerance of 0.05
+        assert gate.observe(behind if i % 2 == 0 else _tie(), version=i) is None
+    assert gate.state == WARMUP and gate.open_stat < 0.0
+    gate = _sample_share(min_questions=1)
+    while not gate.serving:
+        gate.observe(_win(), version=1)
+    decision = next(d for d in (gate.observe(behind, version=2) for _ in range(200)) if d is not None)
+    assert decision.state == PROBATION and gate.share_sum == 0.0  # a fresh test after the change
+
+
+def test_sample_share_holds_its_alpha_at_the_boundary_however_often_it_is_read():
+    import random
+
+    rng = random.Random(11)
+    readings = {  # shares of five samples: d in steps of 0.2
+        0.4: GateReading.of("5", "6", ["5", "5", "5", "6", "7"]),
+        -0.4: GateReading.of("6", "5", ["5", "5", "5", "6", "7"]),
+        0.0: _tie(),
+    }
+    opened = 0
+    for _ in range(200):  # E[d] = 0.4 * 0.15 - 0.4 * 0.275 = -0.05 = -tolerance exactly: each opening is false
+        gate = _sample_share(min_questions=1)
+        for i in range(400):
+            u = rng.random()
+            d = 0.4 if u < 0.15 else -0.4 if u < 0.425 else 0.0
+            if gate.observe(readings[d], version=i) is not None:
+                opened += 1
+                break
+    assert opened <= 200 * 0.05 + 6
+
+
 def test_a_changed_gate_test_starts_its_statistics_afresh():
     gate = AmortizationGate(margin=0.75, alpha=0.25, min_questions=100)
     for v in range(5):
@@ -255,20 +312,27 @@ def test_the_gate_opens_on_a_stream_where_the_memory_agrees_with_the_vote_and_it
     assert decision.strip().startswith("gate warmup -> serving: memory agrees") and "4 wins, 0 losses" in decision
 
 
-def test_the_configured_non_inferiority_gate_reads_the_turns_and_says_why_it_opened(smol, tmp_path):
+@pytest.mark.parametrize(
+    ("test", "reason"),
+    [
+        ("non_inferiority", "at least as often as zero-shot, less 0.45"),
+        ("sample_share", "the samples give the memory's answer at least as often as zero-shot's, less 0.45"),
+    ],
+)
+def test_the_configured_non_inferiority_gate_reads_the_turns_and_says_why_it_opened(smol, tmp_path, test, reason):
     script = Script(smol, memory="\\boxed{5}", zero="\\boxed{5}")  # the memory answers as zero-shot: ties only
-    cfg = _amortized(tmp_path, probe_share=0.01, gate_test="non_inferiority", gate_tolerance=0.45)
+    cfg = _amortized(tmp_path, probe_share=0.01, gate_test=test, gate_tolerance=0.45)
     with _elm(smol, cfg, script) as elm:
         results = []
         while not results or not results[-1].stream_update["gate_decision"]:
             assert len(results) < 12, "the gate never opened on ties at tolerance 0.45"
             results.append(elm.answer(f"What is {len(results)} + 5?"))
         stream = elm.services().stream_memory("default")
-    assert stream.gate.test == "non_inferiority" and stream.gate.serving
+    assert stream.gate.test == test and stream.gate.serving
     assert [r.stream_update["gate"]["outcome"] for r in results] == ["tie"] * len(results)
     decision = results[-1].stream_update["gate_decision"]
-    assert decision["test"] == "non_inferiority" and decision["readings"] == len(results) >= 3
-    assert "at least as often as zero-shot, less 0.45" in decision["reason"]
+    assert decision["test"] == test and decision["readings"] == len(results) >= 3
+    assert reason in decision["reason"]
 
 
 def test_the_gate_closes_when_the_memory_falls_behind_and_the_approved_version_serves_again(smol, tmp_path):

@@ -187,13 +187,15 @@ class StreamConfig(ConfigSection):
         le=1.0,
         description="`amortized`, gate open: the share of questions that also draw zero-shot's answer and the samples.",
     )
-    gate_test: Literal["superiority", "non_inferiority"] = Field(
+    gate_test: Literal["superiority", "non_inferiority", "sample_share"] = Field(
         default="superiority",
         description=(
             "`amortized`: what opens the gate. `superiority`: the memory's greedy answer agrees with the samples' "
             "vote more often than zero-shot's, by `gate_margin` of the questions where only one of them agrees. "
             "`non_inferiority`: it agrees at least as often, less `gate_tolerance` (every question with a clear "
-            "vote counts, ties too); it closes when the memory falls behind. docs/stream-memory.md#amortized-serving."
+            "vote counts, ties too); it closes when the memory falls behind. `sample_share`: the same test on every "
+            "question, reading the share of the samples that gave the memory's answer less the share that gave "
+            "zero-shot's. docs/stream-memory.md#amortized-serving."
         ),
     )
     gate_margin: float = Field(
@@ -211,8 +213,9 @@ class StreamConfig(ConfigSection):
         gt=0.0,
         lt=0.5,
         description=(
-            "`amortized`, `gate_test: non_inferiority`: how far below zero-shot's rate of agreeing with the vote "
-            "the memory's may be for the gate to open (0.05: one question in twenty)."
+            "`amortized`, `gate_test: non_inferiority` or `sample_share`: how far below zero-shot's rate of agreeing "
+            "with the vote (or share of the samples) the memory's may be for the gate to open (0.05: one question in "
+            "twenty)."
         ),
     )
     gate_alpha: float = Field(

@@ -325,7 +325,12 @@ class StreamMemory:
         """One gate reading (under the lock); True when it closed the gate and the approved version serves again."""
         self.gate = self._gate_of(self.files.read_gate())  # another learner may have read a question since
         decision = self.gate.observe(reading, version_used)
-        update.gate = {"outcome": reading.outcome, "vote": reading.vote, "state": self.gate.state}
+        update.gate = {
+            "outcome": self.gate.outcome_of(reading),
+            "vote": reading.vote,
+            "shares": [round(reading.memory_share, 4), round(reading.zero_shot_share, 4)],
+            "state": self.gate.state,
+        }
         closed = False
         if decision is not None:
             update.gate_decision = decision.to_dict()

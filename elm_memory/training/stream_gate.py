@@ -20,6 +20,9 @@ both greedy answers, so neither is compared with a vote it is part of; a tied vo
   so far plus four neutral pseudo-readings. It closes on the mirror test against H0 "E[D] >= 0", that is when
   the memory falls behind zero-shot at all. Ties carry its evidence: a memory that mostly answers as zero-shot
   cannot be far behind it, which the discordant pairs alone cannot show in a few hundred questions.
+- ``sample_share`` is the same test on a finer reading of every question, vote or not: D = the share of the samples
+  that gave the memory's greedy answer less the share that gave zero-shot's (a soft vote, in [-1, 1]). A question
+  whose samples split still says which greedy answer more of them support, so no question is lost to a tied vote.
 
 Both keep log(1 / alpha) as the threshold of a log statistic, need ``min_questions`` readings before the gate may
 open, and start afresh after every change of state. When the gate closes, the answer path votes again and the
@@ -42,7 +45,8 @@ from elm_memory.answers.vote import vote_counts
 WARMUP, SERVING, PROBATION = "warmup", "serving", "probation"
 STATES = (WARMUP, SERVING, PROBATION)
 SUPERIORITY, NON_INFERIORITY = "superiority", "non_inferiority"
-TESTS = (SUPERIORITY, NON_INFERIORITY)
+SAMPLE_SHARE = "sample_share"
+TESTS = (SUPERIORITY, NON_INFERIORITY, SAMPLE_SHARE)
 _PSEUDO = (1, 1, 2)  # wins, losses, ties every bet starts from: mean 0, E[D^2] 0.5
 _MAX_LOSS = 0.5  # no single reading takes more than half of a test's wealth
 
@@ -63,15 +67,30 @@ class GateReading:
     memory_agrees: bool
     zero_shot_agrees: bool
     vote: str | None
+    memory_share: float = 0.0  # the share of the samples that gave the memory's greedy answer
+    zero_shot_share: float = 0.0  # ... and zero-shot's
 
     @classmethod
     def of(cls, memory: str | None, zero_shot: str | None, samples: Sequence[str | None]) -> GateReading:
         vote = samples_vote(samples)
+
+        def share(answer: str | None) -> float:  # no answer is supported by nothing
+            if answer is None or not samples:
+                return 0.0
+            return sum(s is not None and equivalent(s, answer) for s in samples) / len(samples)
+
         return cls(
             memory_agrees=vote is not None and equivalent(memory, vote),
             zero_shot_agrees=vote is not None and equivalent(zero_shot, vote),
             vote=vote,
+            memory_share=share(memory),
+            zero_shot_share=share(zero_shot),
         )
+
+    @property
+    def share_difference(self) -> float:
+        """``sample_share``'s reading: the memory's share of the samples less zero-shot's."""
+        return self.memory_share - self.zero_shot_share
 
     @property
     def outcome(self) -> str:
@@ -118,6 +137,8 @@ class AmortizationGate:
     wins: int = 0  # discordant pairs since the last change of state
     losses: int = 0
     ties: int = 0  # clear votes both or neither greedy answer agreed with, since the last change of state
+    share_sum: float = 0.0  # sample_share: the readings' sum and sum of squares since the last change of state
+    share_square_sum: float = 0.0
     total_readings: int = 0
     approved_version: int | None = None  # the version serving when the gate last opened
     decisions: int = 0
@@ -144,14 +165,24 @@ class AmortizationGate:
         """Whether the memory's greedy answer answers alone (with a share of probes)."""
         return self.state == SERVING
 
+    def outcome_of(self, reading: GateReading) -> str:
+        """What this gate's test reads in ``reading``: its outcome against the vote, or for ``sample_share`` (where
+        every question is a reading) the sign of the share difference."""
+        if self.test != SAMPLE_SHARE:
+            return reading.outcome
+        d = reading.share_difference
+        return "win" if d > 0 else "loss" if d < 0 else "tie"
+
     def observe(self, reading: GateReading, version: int) -> GateDecision | None:
         """Read one probed question (drawn with memory ``version``); the decision when the state changes."""
-        outcome = reading.outcome
-        self.counts[outcome] = self.counts.get(outcome, 0) + 1
-        if self.test == NON_INFERIORITY:
-            self._bet(outcome)  # the bets use the readings before this one
+        outcome = self.outcome_of(reading)
+        if self.test == SAMPLE_SHARE:
+            self._bet_share(reading.share_difference)  # the bets use the readings before this one
+        elif self.test == NON_INFERIORITY:
+            self._bet(outcome)
         else:
             self._cusum(outcome)
+        self.counts[outcome] = self.counts.get(outcome, 0) + 1
         self.readings += 1
         self.total_readings += 1
         if outcome == "win":
@@ -161,11 +192,12 @@ class AmortizationGate:
         elif outcome == "tie":
             self.ties += 1
         if self.state != SERVING and self.open_stat >= self.threshold and self.readings >= self.min_questions:
-            reason = (
-                "memory agrees with the vote more often than zero-shot"
-                if self.test == SUPERIORITY
-                else f"memory agrees with the vote at least as often as zero-shot, less {self.tolerance:g}"
-            )
+            reason = {
+                SUPERIORITY: "memory agrees with the vote more often than zero-shot",
+                NON_INFERIORITY: f"memory agrees with the vote at least as often as zero-shot, less {self.tolerance:g}",
+                SAMPLE_SHARE: f"the samples give the memory's answer at least as often as zero-shot's, less "
+                f"{self.tolerance:g}",
+            }[self.test]
             return self._change(SERVING, reason, version)
         if self.state == SERVING and self.close_stat >= self.threshold:
             return self._change(PROBATION, "zero-shot agrees with the vote more often than the memory", None)
@@ -186,9 +218,20 @@ class AmortizationGate:
         if outcome not in ("win", "loss", "tie"):
             return
         d = {"win": 1.0, "loss": -1.0, "tie": 0.0}[outcome]
-        n = self.wins + self.losses + self.ties + sum(_PSEUDO)
-        mean = (self.wins - self.losses + _PSEUDO[0] - _PSEUDO[1]) / n
-        second = (self.wins + self.losses + _PSEUDO[0] + _PSEUDO[1]) / n
+        self._wager(d, self.wins + self.losses + self.ties, self.wins - self.losses, self.wins + self.losses)
+
+    def _bet_share(self, d: float) -> None:
+        """:meth:`_bet` for ``sample_share``, whose readings are any number in [-1, 1]."""
+        self._wager(d, self.readings, self.share_sum, self.share_square_sum)
+        self.share_sum += d
+        self.share_square_sum += d * d
+
+    def _wager(self, d: float, n: int, total: float, square_total: float) -> None:
+        """Bet both test martingales on reading ``d``, from the ``n`` readings before it (their sum and sum of
+        squares) and the pseudo-readings."""
+        n += sum(_PSEUDO)
+        mean = (total + _PSEUDO[0] - _PSEUDO[1]) / n
+        second = (square_total + _PSEUDO[0] + _PSEUDO[1]) / n
         # open: H0 E[D] <= -tolerance, so D + tolerance >= -(1 - tolerance) bounds the loss of one reading
         tol = self.tolerance
         bet = _kelly(mean + tol, second + 2 * tol * mean + tol * tol, 1.0 - tol)
@@ -221,6 +264,7 @@ class AmortizationGate:
         """A fresh test: what the statistics read since the last change of state, forgotten."""
         self.open_stat = self.close_stat = 0.0
         self.readings = self.wins = self.losses = self.ties = 0
+        self.share_sum = self.share_square_sum = 0.0
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
