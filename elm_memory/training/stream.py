@@ -80,7 +80,7 @@ class StreamMemory:
         self.loaded = loaded
         self.namespace = namespace or config.namespace
         self.files = StreamFiles(root, self.namespace)
-        self.guard = self._new_guard()
+        self.guard = CollapseGuard.from_settings(self.cfg)
         self.temperature = config.verifier.consistency_temperature  # what the answer path's samples used
         self.pooled: list[PooledQuestion] = []  # waiting for a batch (stream.update_every > 1), this process only
         self.init = self.initial_tensors()  # rebuilt, not stored: the same text (or seed) gives the same tensors
@@ -89,19 +89,10 @@ class StreamMemory:
                 self._start()
             self._load_current()
 
-    def _new_guard(self) -> CollapseGuard:
-        return CollapseGuard(
-            window=self.cfg.guard_window,
-            max_unboxed_increase=self.cfg.guard_max_unboxed_increase,
-            max_agreement_drop=self.cfg.guard_max_agreement_drop,
-            max_repeated_answer=self.cfg.guard_max_repeated_answer,
-            max_agreement_rise=self.cfg.guard_max_agreement_rise,
-        )
-
     def _start(self) -> None:
         """Write version 0, the untrained memory with a fresh guard and gate (a new namespace, or a deleted stream
         memory)."""
-        self.guard = self._new_guard()
+        self.guard = CollapseGuard.from_settings(self.cfg)
         self.gate = self._gate_of(None)
         self.replay = ReplayBuffer.for_config(self.cfg)
         self.params = _parameters(self.init)
@@ -146,8 +137,7 @@ class StreamMemory:
         lora = LoraAdapter.over(dict(self.params), self.config.memory.lora_alpha)
         if trainable:
             return lora
-        # one copy per version, not per call: a backend keys what it builds from a LoRA (merged int4 layers, a
-        # llama.cpp adapter) by its digest, which a copy computes once instead of hashing 35 MB on every call
+        # one copy per version: backends key what they build from it by its digest, which a copy computes once
         if self._served is None:
             self._served = lora.detached()
         return self._served
@@ -325,12 +315,7 @@ class StreamMemory:
         """One gate reading (under the lock); True when it closed the gate and the approved version serves again."""
         self.gate = self._gate_of(self.files.read_gate())  # another learner may have read a question since
         decision = self.gate.observe(reading, version_used)
-        update.gate = {
-            "outcome": self.gate.outcome_of(reading),
-            "vote": reading.vote,
-            "shares": [round(reading.memory_share, 4), round(reading.zero_shot_share, 4)],
-            "state": self.gate.state,
-        }
+        update.gate = self.gate.record(reading)
         closed = False
         if decision is not None:
             update.gate_decision = decision.to_dict()

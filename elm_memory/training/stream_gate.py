@@ -173,6 +173,11 @@ class AmortizationGate:
         d = reading.share_difference
         return "win" if d > 0 else "loss" if d < 0 else "tie"
 
+    def record(self, reading: GateReading) -> dict[str, Any]:
+        """What an answer's ``stream_update.gate`` shows of a reading this gate has read."""
+        shares = [round(reading.memory_share, 4), round(reading.zero_shot_share, 4)]
+        return {"outcome": self.outcome_of(reading), "vote": reading.vote, "shares": shares, "state": self.state}
+
     def observe(self, reading: GateReading, version: int) -> GateDecision | None:
         """Read one probed question (drawn with memory ``version``); the decision when the state changes."""
         outcome = self.outcome_of(reading)

@@ -86,6 +86,17 @@ class CollapseGuard:
         self.pending: list[Observation] = []
         self.baseline_agreement: float | None = None
 
+    @classmethod
+    def from_settings(cls, settings: Any) -> CollapseGuard:
+        """A fresh guard with the thresholds a ``StreamConfig`` names (its ``guard_*`` settings)."""
+        return cls(
+            window=settings.guard_window,
+            max_unboxed_increase=settings.guard_max_unboxed_increase,
+            max_agreement_drop=settings.guard_max_agreement_drop,
+            max_repeated_answer=settings.guard_max_repeated_answer,
+            max_agreement_rise=settings.guard_max_agreement_rise,
+        )
+
     def observe(self, observation: Observation) -> Verdict | None:
         """Add one question; a full window is read and cleared (then a :class:`Verdict`, else None)."""
         self.pending.append(observation)
