@@ -13,18 +13,11 @@ salts, and prints where the gate opens and the gate row's share of the tokens.
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 from pathlib import Path
 
+from elm_memory.graph.stream_turn import is_probe
 from elm_memory.training.stream_gate import AmortizationGate, GateReading
-
-
-def picked(question: str, salt: int, share: float) -> bool:
-    if share >= 1.0:
-        return True
-    digest = hashlib.sha256(f"{salt}:{question}".encode()).hexdigest()
-    return int(digest[:12], 16) / float(16**12) < share
 
 
 def replay(records: list[dict], share: float, salt: int, test: str, tolerance: float) -> dict:
@@ -37,7 +30,7 @@ def replay(records: list[dict], share: float, salt: int, test: str, tolerance: f
         extra = r["extra"]["amortized"]
         rows, tokens = extra["rows"], extra["tokens"]
         total += tokens["self_consistency"]
-        if not picked(r["question"], salt, share):
+        if not is_probe(r["question"], salt, share):  # picked as probes are, the salt as the seed
             continue
         gate_tokens += tokens["stream_greedy"]
         total += tokens["stream_greedy"]
