@@ -150,8 +150,8 @@ class StreamEval:
         self.objectives = [a.name for a in self.specs]
         if len(set(self.objectives)) != len(self.objectives):
             raise ConfigError(f"{name}: stream arms need distinct names, got {self.objectives}")
-        self.streams = {a.name: a.stream_config(cfg.stream) for a in self.specs}
-        self._configs = {name: cfg.model_copy(update={"stream": stream}) for name, stream in self.streams.items()}
+        # each arm's whole config: the run's, with the arm's stream section
+        self._configs = {a.name: cfg.model_copy(update={"stream": a.stream_config(cfg.stream)}) for a in self.specs}
         self._arms: dict[str, StreamMemory] | None = None
         self._pending: dict[str, Any] | None = None
 
@@ -240,7 +240,7 @@ class StreamEval:
             "format": drawn["format"][0].answer,
             "init_greedy": turn.rows[INIT].answer if INIT in turn.rows else answers[ZERO_SHOT],
         }
-        zero_shot_source = {obj: self.streams[obj].learn_from == "zero_shot" for obj in arms}
+        zero_shot_source = {obj: self._configs[obj].stream.learn_from == "zero_shot" for obj in arms}
         for obj in arms:
             rows[f"stream_greedy[{obj}]"] = answers[obj]
             rows[f"stream_vote[{obj}]"] = plurality_vote(sampled[obj], answers[obj], with_greedy=True)
