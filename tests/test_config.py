@@ -100,3 +100,25 @@ def test_parse_override():
     assert parse_override("retrieval.min_similarity=null") == {"retrieval": {"min_similarity": None}}
     with pytest.raises(ConfigError):
         parse_override("training.steps")
+
+
+def test_stream_settings_a_user_sets_are_few_and_the_tuned_ones_sit_in_stream_tuning():
+    from elm_memory.config import StreamConfig
+
+    assert set(StreamConfig.model_fields) == {
+        "mode", "kind", "serving", "learning_rate", "probe_share", "keep_versions", "tuning"
+    }  # fmt: skip
+    cfg = ELMConfig.load(overrides=parse_override("stream.tuning.guard_window=4"))
+    assert cfg.stream.tuning.guard_window == 4
+
+
+def test_a_stream_setting_that_moved_into_tuning_still_loads_with_a_warning_naming_its_new_place():
+    with pytest.warns(DeprecationWarning, match=r"stream\.tuning\.guard_window, stream\.tuning\.learn_from"):
+        cfg = ELMConfig.load(overrides={"stream": {"guard_window": 4, "learn_from": "zero_shot"}})
+    assert cfg.stream.tuning.guard_window == 4
+    assert (cfg.stream.tuning.learn_from, cfg.stream.tuning.objective) == ("zero_shot", "sft")  # follows, as before
+    with pytest.warns(DeprecationWarning):  # the new spelling wins where both are given
+        both = ELMConfig.load(overrides={"stream": {"guard_window": 4, "tuning": {"guard_window": 6}}})
+    assert both.stream.tuning.guard_window == 6
+    with pytest.raises(ConfigError, match="did you mean 'guard_window'"):
+        ELMConfig.load(overrides={"stream": {"tuning": {"guard_windw": 4}}})

@@ -57,6 +57,15 @@ def test_elm_set_still_works_with_a_warning_naming_the_new_spelling(monkeypatch)
         assert config_from_env(default_preset="cpu-tiny").training.steps == 4
 
 
+def test_a_stream_variable_of_the_old_spelling_still_sets_its_tuning_setting_with_a_warning(monkeypatch):
+    monkeypatch.setenv("ELM_STREAM__TUNING__GATE_ALPHA", "0.01")
+    assert config_from_env(default_preset="cpu-tiny").stream.tuning.gate_alpha == 0.01
+    monkeypatch.setenv("ELM_STREAM__GUARD_WINDOW", "5")
+    with pytest.warns(DeprecationWarning, match=r"stream\.tuning\.guard_window"):
+        cfg = config_from_env(default_preset="cpu-tiny")
+    assert (cfg.stream.tuning.guard_window, cfg.stream.tuning.gate_alpha) == (5, 0.01)
+
+
 @pytest.mark.parametrize(
     "variable, value, message",
     [

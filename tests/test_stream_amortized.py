@@ -217,13 +217,13 @@ def test_probes_are_a_share_of_questions_picked_by_their_hash():
 
 def test_amortized_serving_learns_from_zero_shot_samples_by_sft_unless_told_otherwise():
     cfg = ELMConfig.load(preset="cpu-demo", overrides={"stream": {"mode": "stream", "serving": "amortized"}})
-    assert (cfg.stream.learn_from, cfg.stream.objective) == ("zero_shot", "sft")
-    voting = ELMConfig.load(preset="cpu-demo", overrides={"stream": {"mode": "stream"}}).stream
+    assert (cfg.stream.tuning.learn_from, cfg.stream.tuning.objective) == ("zero_shot", "sft")
+    voting = ELMConfig.load(preset="cpu-demo", overrides={"stream": {"mode": "stream"}}).stream.tuning
     assert (voting.learn_from, voting.objective) == ("own", "grpo")  # the vote keeps the paper's
-    with pytest.raises(ConfigError, match="stream.learn_from=zero_shot"):
-        ELMConfig.load(overrides={"stream": {"serving": "amortized", "learn_from": "own"}})
-    with pytest.raises(ConfigError, match="stream.objective=sft"):
-        ELMConfig.load(overrides={"stream": {"serving": "amortized", "objective": "grpo"}})
+    with pytest.raises(ConfigError, match="stream.tuning.learn_from=zero_shot"):
+        ELMConfig.load(overrides={"stream": {"serving": "amortized", "tuning": {"learn_from": "own"}}})
+    with pytest.raises(ConfigError, match="stream.tuning.objective=sft"):
+        ELMConfig.load(overrides={"stream": {"serving": "amortized", "tuning": {"objective": "grpo"}}})
     cfg = ELMConfig.load(preset="cpu-amortized")  # the preset sets what it needs, on cpu-demo's values
     assert cfg.stream.serving == "amortized" and cfg.stream.kind == "lora"
     assert cfg.verifier.name == "consistency" and cfg.generation.max_new_tokens == 384
@@ -531,7 +531,11 @@ def test_elm_amortized_records_every_row_with_its_tokens_and_reports_them(tiny_l
             "learner": {"mode": "off"},
             "verifier": {"name": "consistency", "consistency_samples": 2},
             "generation": {"max_new_tokens": 24},
-            "stream": {"mode": "stream", "serving": "amortized", "objective": "sft", "learn_from": "zero_shot"},
+            "stream": {
+                "mode": "stream",
+                "serving": "amortized",
+                "tuning": {"objective": "sft", "learn_from": "zero_shot"},
+            },
         },
     )
     problems = load_problems("synth-arith", limit=2, seed=17)

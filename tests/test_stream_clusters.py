@@ -1,4 +1,4 @@
-"""One stream memory per cluster of the questions' retrieval keys (``stream.clusters``): clusters found online,
+"""One stream memory per cluster of the questions' retrieval keys (``stream.tuning.clusters``): clusters found online,
 kept on disk and shared between learners, listed and deleted with their namespace."""
 
 from __future__ import annotations
@@ -84,10 +84,10 @@ def test_cluster_names_and_deletion(tmp_path):
 
 
 def test_clusters_need_a_store_for_their_keys():
-    overrides = {"verifier": {"name": "consistency"}, "stream": {"mode": "stream", "clusters": 4}}
-    with pytest.raises(ConfigError, match="stream.clusters=4 .* store.kind=none"):
+    overrides = {"verifier": {"name": "consistency"}, "stream": {"mode": "stream", "tuning": {"clusters": 4}}}
+    with pytest.raises(ConfigError, match="stream.tuning.clusters=4 .* store.kind=none"):
         ELMConfig.load(preset="cpu-tiny", overrides={**overrides, "store": {"kind": "none"}})
-    assert ELMConfig.load(preset="cpu-tiny", overrides=overrides).stream.clusters == 4
+    assert ELMConfig.load(preset="cpu-tiny", overrides=overrides).stream.tuning.clusters == 4
 
 
 def test_the_graph_answers_each_kind_of_question_with_its_clusters_stream_memory(smol, tmp_path):

@@ -1,5 +1,5 @@
-"""``stream.learn_from: zero_shot``: the stream memory learns from zero-shot's greedy answer and the samples drawn
-without it, labelled by self-consistency's vote, while the guard watches the memory's own answers (SmolLM2-135M,
+"""``stream.tuning.learn_from: zero_shot``: the stream memory learns from zero-shot's greedy answer and the samples
+drawn without it, labelled by self-consistency's vote, while the guard watches the memory's own answers (SmolLM2-135M,
 real weights; a scripted backend answers one way with the memory and another without it)."""
 
 from __future__ import annotations
@@ -37,16 +37,16 @@ class MemorySensitive:
 
 
 def test_learning_from_zero_shot_needs_the_sft_objective_which_it_takes_unless_told_otherwise():
-    with pytest.raises(ConfigError, match="stream.objective=sft"):
-        ELMConfig.load(overrides={"stream": {"learn_from": "zero_shot", "objective": "grpo"}})
-    cfg = ELMConfig.load(overrides={"stream": {"learn_from": "zero_shot"}})
-    assert (cfg.stream.learn_from, cfg.stream.objective) == ("zero_shot", "sft")
+    with pytest.raises(ConfigError, match="stream.tuning.objective=sft"):
+        ELMConfig.load(overrides={"stream": {"tuning": {"learn_from": "zero_shot", "objective": "grpo"}}})
+    cfg = ELMConfig.load(overrides={"stream": {"tuning": {"learn_from": "zero_shot"}}})
+    assert (cfg.stream.tuning.learn_from, cfg.stream.tuning.objective) == ("zero_shot", "sft")
 
 
 def test_the_guard_watches_the_answers_the_memory_served_not_the_rows_it_learned_from(smol, tmp_path):
     cfg = ELMConfig.load(
         preset="cpu-tiny",
-        overrides={"verifier": {"name": "consistency"}, "stream": {"mode": "stream", "objective": "sft"}},
+        overrides={"verifier": {"name": "consistency"}, "stream": {"mode": "stream", "tuning": {"objective": "sft"}}},
     )
     stream = StreamMemory(cfg, smol, tmp_path)
     ids = smol.tokenizer(WITHOUT, add_special_tokens=False)["input_ids"]
@@ -101,7 +101,11 @@ def test_elm_stream_learning_from_zero_shot_trains_on_self_consistencys_vote(
     from elm_memory.eval.online import run_stream
     from elm_memory.eval.records import RecordLog
 
-    stream = evidence_config.stream.model_copy(update={"objective": "sft", "learn_from": learn_from})
+    stream = evidence_config.stream.model_copy(
+        update={
+            "tuning": evidence_config.stream.tuning.model_copy(update={"objective": "sft", "learn_from": learn_from})
+        }
+    )
     cfg = evidence_config.model_copy(update={"stream": stream})
     problems = load_problems("synth-arith", limit=1, seed=17)
     runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=MemorySensitive(tiny_loaded))
@@ -132,9 +136,13 @@ def test_a_stream_evaluation_learning_from_zero_shot_refuses_a_grpo_arm(evidence
     from elm_memory.eval.methods.base import EvalRuntime
     from elm_memory.eval.methods.stream_method import elm_stream_objectives
 
-    stream = evidence_config.stream.model_copy(update={"objective": "sft", "learn_from": "zero_shot"})
+    stream = evidence_config.stream.model_copy(
+        update={
+            "tuning": evidence_config.stream.tuning.model_copy(update={"objective": "sft", "learn_from": "zero_shot"})
+        }
+    )
     runtime = EvalRuntime(evidence_config.model_copy(update={"stream": stream}), tmp_path, loaded=None, backend=None)
-    with pytest.raises(ConfigError, match=r"stream arm 'grpo'.*stream.objective=sft"):
+    with pytest.raises(ConfigError, match=r"stream arm 'grpo'.*stream.tuning.objective=sft"):
         elm_stream_objectives(runtime)
 
 
@@ -143,8 +151,8 @@ def test_an_arm_sets_how_it_learns_but_not_what_it_is(evidence_config):
 
     arm = Arm("fast", "sft", settings=(("learning_rate", 1e-3), ("learn_from", "zero_shot")))
     mine = arm.stream_config(evidence_config.stream)
-    assert (mine.lr, mine.learn_from, mine.objective) == (1e-3, "zero_shot", "sft")
-    assert mine.guard_window == evidence_config.stream.guard_window  # the rest is the run's
+    assert (mine.lr, mine.tuning.learn_from, mine.tuning.objective) == (1e-3, "zero_shot", "sft")
+    assert mine.tuning.guard_window == evidence_config.stream.tuning.guard_window  # the rest is the run's
     with pytest.raises(ConfigError, match="kind cannot differ between arms"):
         Arm("x", "sft", settings=(("kind", "lora"),))
     with pytest.raises(ConfigError, match="stream arm 'slow'"):
@@ -152,11 +160,11 @@ def test_an_arm_sets_how_it_learns_but_not_what_it_is(evidence_config):
     replaying = Arm("replay", "sft", settings=(("replay", 2), ("replay_buffer", 8))).stream_config(
         evidence_config.stream
     )
-    assert (replaying.replay, replaying.replay_buffer) == (2, 8)
-    with pytest.raises(ConfigError, match=r"stream arm 'pg'.*stream.replay=2"):  # replay needs sft, per arm too
+    assert (replaying.tuning.replay, replaying.tuning.replay_buffer) == (2, 8)
+    with pytest.raises(ConfigError, match=r"stream arm 'pg'.*stream.tuning.replay=2"):  # replay needs sft, per arm too
         Arm("pg", "grpo", settings=(("replay", 2),)).stream_config(evidence_config.stream)
     fresh = Arm("pg", "grpo", settings=(("replay", 2), ("replay_samples", 4))).stream_config(evidence_config.stream)
-    assert (fresh.objective, fresh.replay_samples) == ("grpo", 4)  # re-sampled replay is on-policy
+    assert (fresh.tuning.objective, fresh.tuning.replay_samples) == ("grpo", 4)  # re-sampled replay is on-policy
 
 
 @pytest.mark.model

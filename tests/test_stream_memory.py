@@ -399,7 +399,11 @@ def test_elm_stream_gold_arm_learns_from_the_dataset_answer_after_the_rows_were_
     from elm_memory.eval.records import RecordLog
 
     cfg = evidence_config.model_copy(
-        update={"stream": evidence_config.stream.model_copy(update={"min_label_share": 0.0})}
+        update={
+            "stream": evidence_config.stream.model_copy(
+                update={"tuning": evidence_config.stream.tuning.model_copy(update={"min_label_share": 0.0})}
+            )
+        }
     )
     problems = load_problems("synth-arith", limit=2, seed=17)
     runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
@@ -678,7 +682,9 @@ def test_a_second_resume_keeps_the_copy_the_first_one_made_and_its_optimizer(evi
     from elm_memory.eval.methods.base import EvalRuntime
     from elm_memory.eval.methods.stream_method import StreamEval
 
-    stream = evidence_config.stream.model_copy(update={"objective": "sft"})
+    stream = evidence_config.stream.model_copy(
+        update={"tuning": evidence_config.stream.tuning.model_copy(update={"objective": "sft"})}
+    )
     cfg = evidence_config.model_copy(update={"stream": stream})
 
     def process() -> tuple[StreamEval, StreamMemory]:

@@ -1,6 +1,6 @@
-"""A stream memory's bounded replay (``stream.replay``): which kept questions an update learns from again, how
+"""A stream memory's bounded replay (``stream.tuning.replay``): which kept questions an update learns from again, how
 the buffer is bounded, refused with GRPO on stored rows, kept in each version's file through resumes and
-rollbacks, and re-sampled under the serving version (``stream.replay_samples``)."""
+rollbacks, and re-sampled under the serving version (``stream.tuning.replay_samples``)."""
 
 from __future__ import annotations
 
@@ -80,9 +80,17 @@ def test_a_resampling_buffer_keeps_questions_without_their_rows_so_more_of_them_
 
 
 def test_replay_with_a_policy_gradient_is_refused_at_load():
-    with pytest.raises(ConfigError, match="stream.replay=2 with stream.replay_samples=0: .* or stream.objective=sft"):
-        ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"replay": 2, "objective": "grpo"}})
-    assert ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"replay": 2, "objective": "sft"}}).stream.replay == 2
+    with pytest.raises(
+        ConfigError,
+        match="stream.tuning.replay=2 with stream.tuning.replay_samples=0: .* or stream.tuning.objective=sft",
+    ):
+        ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"tuning": {"replay": 2, "objective": "grpo"}}})
+    assert (
+        ELMConfig.load(
+            preset="cpu-tiny", overrides={"stream": {"tuning": {"replay": 2, "objective": "sft"}}}
+        ).stream.tuning.replay
+        == 2
+    )
 
 
 def test_an_update_learns_again_from_kept_questions_and_the_version_file_keeps_them(smol, tmp_path):
@@ -134,7 +142,7 @@ def test_a_non_finite_update_leaves_the_buffer_as_it_was(smol, tmp_path, monkeyp
     assert update.skipped == "non_finite" and [q.question for q in stream.replay.items] == ["q1"]
 
 
-# -- re-sampling (stream.replay_samples) ------------------------------------------------------------------
+# -- re-sampling (stream.tuning.replay_samples) ------------------------------------------------------------------
 class _ScriptedBackend:
     """Answers the i-th row of each call with ``texts[i % len(texts)]``, and keeps the rows and params it got."""
 
@@ -212,12 +220,14 @@ def test_an_update_resamples_with_its_config_and_one_serving_copy_and_a_copy_tha
 
 
 def test_resampling_is_planned_at_load_and_needs_a_backend(tmp_path):
-    with pytest.raises(ConfigError, match="stream.replay_samples=2 re-samples .* stream.replay=0"):
-        ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"replay_samples": 2}})
-    with pytest.raises(ConfigError, match="stream.replay_samples=2 or more"):
-        ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"replay": 1, "replay_samples": 1, "objective": "grpo"}})
+    with pytest.raises(ConfigError, match="stream.tuning.replay_samples=2 re-samples .* stream.tuning.replay=0"):
+        ELMConfig.load(preset="cpu-tiny", overrides={"stream": {"tuning": {"replay_samples": 2}}})
+    with pytest.raises(ConfigError, match="stream.tuning.replay_samples=2 or more"):
+        ELMConfig.load(
+            preset="cpu-tiny", overrides={"stream": {"tuning": {"replay": 1, "replay_samples": 1, "objective": "grpo"}}}
+        )
     grpo = _config(objective="grpo", replay=1, replay_samples=4)
-    assert grpo.stream.replay_samples == 4
+    assert grpo.stream.tuning.replay_samples == 4
     with pytest.raises(ConfigError, match="give the stream memory a backend"):
         StreamMemory(grpo, None, tmp_path, namespace="ns")  # refused before the model is touched
 

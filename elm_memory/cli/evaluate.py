@@ -41,7 +41,8 @@ def demo(
             "--amortized",
             help="Run the amortized stream memory (elm_amortized, preset cpu-amortized unless --preset) instead: "
             "per question every row's answer and tokens, ELM's mode and the gate's state. The gate opens only after "
-            "stream.gate_min_questions (16) probed questions and enough evidence for stream.gate_test, so on a "
+            "stream.tuning.gate_min_questions (16) probed questions and enough evidence for stream.tuning.gate_test, "
+            "so on a "
             "short stream it stays in warm-up and ELM spends more tokens than self-consistency; they fall only on "
             "longer streams "
             "(docs/stream-memory.md).",
@@ -83,7 +84,7 @@ def demo(
         methods = ["elm_amortized"]
         walkthrough = None if json_out else AmortizedWalkthrough(len(problems), echo)
         result = _run_stream(problems, methods, cfg, out, dataset, 17, json_out, True, on_record=walkthrough)
-        table = amortized_summary(result.records, min_questions=cfg.stream.gate_min_questions)
+        table = amortized_summary(result.records, min_questions=cfg.stream.tuning.gate_min_questions)
         full = "every row per part, the planned sign tests, the labels' quality, the gate's decisions"
     else:
         methods = ["zero_shot", "elm_input"]

@@ -154,7 +154,7 @@ def delete(
         from elm_memory.store.stream_files import stream_root
 
         root = stream_root(load_config(config, preset, set_, store, url).store.path)
-        removed = delete_streams(root, namespace)  # its clusters' stream memories too (stream.clusters > 1)
+        removed = delete_streams(root, namespace)  # its clusters' stream memories too (stream.tuning.clusters > 1)
         typer.echo(json.dumps({"deleted_versions": removed}) if json_out else f"deleted {len(removed)} versions")
         return
     if all_ and (memory_ids or namespace is None):

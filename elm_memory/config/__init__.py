@@ -35,7 +35,7 @@ from elm_memory.config.method import (
     VerifierConfig,
 )
 from elm_memory.config.section import ConfigSection
-from elm_memory.config.stream import FORMAT_INSTRUCTION, StreamConfig
+from elm_memory.config.stream import FORMAT_INSTRUCTION, StreamConfig, StreamTuning
 
 __all__ = [
     "FORMAT_INSTRUCTION",
@@ -51,6 +51,7 @@ __all__ = [
     "RetrievalConfig",
     "StoreConfig",
     "StreamConfig",
+    "StreamTuning",
     "TrainingConfig",
     "VerifierConfig",
     "available_presets",

@@ -90,10 +90,11 @@ class ELMConfig(ConfigSection):
                 f"stream.mode={self.stream.mode} votes on, and learns from, the consistency verifier's samples; "
                 f"verifier.name={self.verifier.name} draws none: set verifier.name=consistency"
             )
-        if self.stream.mode != "per_question" and self.stream.clusters > 1 and self.store.kind == "none":
+        if self.stream.mode != "per_question" and self.stream.tuning.clusters > 1 and self.store.kind == "none":
             raise ValueError(
-                f"stream.clusters={self.stream.clusters} groups questions by their retrieval keys; store.kind=none "
-                "builds no retriever: set a store.kind or stream.clusters=1"
+                f"stream.tuning.clusters={self.stream.tuning.clusters} groups questions by their retrieval keys; "
+                "store.kind=none "
+                "builds no retriever: set a store.kind or stream.tuning.clusters=1"
             )
         return self
 

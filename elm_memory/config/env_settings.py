@@ -73,6 +73,8 @@ def _checked(model: type[BaseModel], parts: list[str], name: str) -> list[str]:
             raise ConfigError(f"{name}: an empty key; spell a field as ELM_<SECTION>__<KEY>, {example}")
         if section is None:
             break
+        if key in getattr(section, "MOVED_KEYS", ()):  # an old spelling: loading moves it, with a warning
+            return parts
         if key not in section.model_fields:
             if i == 0:
                 raise ConfigError(f"{name}: {unknown_choice('config section', key, sorted(section.model_fields))}")

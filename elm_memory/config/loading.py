@@ -19,6 +19,7 @@ import yaml
 from pydantic import BaseModel, ValidationError
 
 from elm_memory.config.section import unknown_choice, unknown_key
+from elm_memory.config.stream import current_spelling
 from elm_memory.errors import ConfigError
 
 
@@ -29,6 +30,11 @@ class Layer:
 
     source: str
     values: dict[str, Any]
+
+    def __post_init__(self) -> None:  # a key that moved is read in its new place, with a warning naming the source
+        stream = self.values.get("stream") if isinstance(self.values, dict) else None
+        if isinstance(stream, dict):
+            object.__setattr__(self, "values", {**self.values, "stream": current_spelling(stream, self.source)})
 
 
 def available_presets() -> list[str]:

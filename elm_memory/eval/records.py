@@ -80,14 +80,15 @@ def check_manifest(
     ``manifest["code_versions"]`` (:func:`~elm_memory.environment.code_version`), so mixed code shows.
     ``defaults`` maps a field to its default value (e.g. ``"config"`` to the default config's dump):
     a key the old manifest lacks reads as its default, so a run written before a setting existed
-    resumes under a newer version as long as the setting keeps its default.
+    resumes under a newer version as long as the setting keeps its default; a setting that moved is read in its
+    new place.
     """
     path = out_dir / "run.json"
     if path.exists():
         old = json.loads(path.read_text(encoding="utf-8"))
         for f, default in (defaults or {}).items():
             if isinstance(old.get(f), dict):
-                old[f] = _with_defaults(old[f], default)
+                old[f] = _with_defaults(_current_keys(old[f]), default)
         for f in fields:
             if old.get(f) != manifest.get(f):
                 where = _first_difference(old.get(f), manifest.get(f), f)
@@ -128,6 +129,14 @@ def config_defaults() -> dict[str, dict[str, Any]]:
     from elm_memory.config import ELMConfig
 
     return {"config": ELMConfig().model_dump(mode="json")}
+
+
+def _current_keys(config: dict[str, Any]) -> dict[str, Any]:
+    """A config dump written before ``stream``'s tuned settings moved into ``stream.tuning``, as it reads now."""
+    from elm_memory.config.stream import moved_into_tuning
+
+    stream = config.get("stream")
+    return {**config, "stream": moved_into_tuning(stream)} if isinstance(stream, dict) else config
 
 
 def _with_defaults(old: dict[str, Any], default: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,7 @@ PLANNED = (
     ("stream_vote[{arm}]", "self_consistency"),
     ("stream_greedy[{arm}]", "init_greedy"),
     ("stream_greedy[{arm}]", "format"),
-    ("stream_zs_vote[{arm}]", "self_consistency"),  # stream.learn_from: zero_shot only
+    ("stream_zs_vote[{arm}]", "self_consistency"),  # stream.tuning.learn_from: zero_shot only
 )
 
 

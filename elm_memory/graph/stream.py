@@ -15,7 +15,7 @@ the state's ``stream`` key:
 - ``learn_memory`` updates the stream memory from the turn's spent rows (and, in ``both`` mode, submits the
   per-question job).
 
-With ``stream.clusters`` > 1 the question's retrieval key picks (or opens) a cluster of the namespace, and that
+With ``stream.tuning.clusters`` > 1 the question's retrieval key picks (or opens) a cluster of the namespace, and that
 cluster's stream memory answers and learns (:mod:`elm_memory.retrieval.stream_clusters`).
 """
 
@@ -107,22 +107,23 @@ class StreamNodes(ELMNodes):
         }
 
     def _stream_namespace(self, question: str, namespace: str, learn: bool) -> tuple[str, dict[str, Any] | None]:
-        """The stream memory that answers ``question``: the namespace's, or with ``stream.clusters`` > 1 its
+        """The stream memory that answers ``question``: the namespace's, or with ``stream.tuning.clusters`` > 1 its
         cluster's (the question's retrieval key joins, or opens, a cluster; only read when nothing learns)."""
         cfg = self.services.config
-        if cfg.stream.clusters == 1:
+        if cfg.stream.tuning.clusters == 1:
             return namespace, None
         retriever = self.services.retriever
         if retriever is None:
             raise ConfigError(
-                f"stream.clusters={cfg.stream.clusters} groups questions by their retrieval keys, but these "
-                "services have no retriever: set a store.kind, or stream.clusters=1"
+                f"stream.tuning.clusters={cfg.stream.tuning.clusters} groups questions by their retrieval keys, "
+                "but these "
+                "services have no retriever: set a store.kind, or stream.tuning.clusters=1"
             )
         clusters = StreamClusters(
             stream_root(cfg.store.path),
             namespace,
-            max_clusters=cfg.stream.clusters,
-            min_similarity=cfg.stream.cluster_min_similarity,
+            max_clusters=cfg.stream.tuning.clusters,
+            min_similarity=cfg.stream.tuning.cluster_min_similarity,
         )
         index, similarity = clusters.assign(retriever.query_key(question), update=learn)
         return cluster_namespace(namespace, index), {"index": index, "similarity": similarity}
@@ -187,7 +188,7 @@ def _timed(name: str, t0: float) -> dict[str, Any]:
 
 def stream_memories(config: Any, loaded: Any, backend: Any = None) -> Any:
     """A per-process provider of stream memories, one per namespace (built on first use); ``backend`` draws
-    replay's fresh samples (``stream.replay_samples``)."""
+    replay's fresh samples (``stream.tuning.replay_samples``)."""
     import threading
 
     from elm_memory.store.stream_files import stream_root

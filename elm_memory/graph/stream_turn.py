@@ -151,7 +151,7 @@ class StreamTurn:
         requests: list[GenerateRequest] = [(inputs, params)]
         if vote_rows:
             samples, sample_params = answer_budget_samples(sampler, self.question, prompt, params)
-            self.samples_under_memory = self.serving == "vote" and config.stream.learn_from == "own"
+            self.samples_under_memory = self.serving == "vote" and config.stream.tuning.learn_from == "own"
             if self.samples_under_memory:
                 samples = stream.serve(samples, at)
             self.samples_spent = self.probe
@@ -243,7 +243,7 @@ class StreamTurn:
         drawn = [Generated(s.token_ids, s.answer, sampled=True) for s in self.samples if s.spent]
         if self.serving == "vote":
             assert zero is not None
-            if config.stream.learn_from == "own":
+            if config.stream.tuning.learn_from == "own":
                 generations = [Generated(mine.token_ids, mine.answer, sampled=False), *drawn]
                 label, served = self.answer, None
             else:  # zero-shot's rows and their vote (self-consistency's); the guard watches the memory's answer

@@ -1,4 +1,4 @@
-"""Which of a namespace's stream memories a question goes to, with ``stream.clusters`` > 1: one stream memory per
+"""Which of a namespace's stream memories a question goes to, with ``stream.tuning.clusters`` > 1: one stream memory per
 cluster of the questions' retrieval keys, so unlike questions do not pull one memory two ways (retrieval by key,
 of a stream memory instead of a per-question one).
 

@@ -1,10 +1,11 @@
 """Where a stream memory is trained: one latent memory per namespace (a soft prompt, or a LoRA with
 ``stream.kind: lora``) that answered questions update, from the generations the answer path already drew (no
-decode of its own unless ``stream.replay_samples`` re-samples replay): the memory's greedy answer and samples, or
-with ``stream.learn_from: zero_shot`` zero-shot's, labelled by their vote. One update is ``grpo`` (Dr.GRPO on the
-samples, reward 1 where a sample equals the label; skipped when all rewards are equal) or ``sft`` (the mean
-log-likelihood of the rows that agree with the label), each question weighted by its vote's margin, then clipping
-and one AdamW step, the base model frozen. A non-finite loss or result leaves the serving version as it was.
+decode of its own unless ``stream.tuning.replay_samples`` re-samples replay): the memory's greedy answer and
+samples, or with ``stream.tuning.learn_from: zero_shot`` zero-shot's, labelled by their vote. One update is
+``grpo`` (Dr.GRPO on the samples, reward 1 where a sample equals the label; skipped when all rewards are equal) or
+``sft`` (the mean log-likelihood of the rows that agree with the label), each question weighted by its vote's
+margin, then clipping and one AdamW step, the base model frozen. A non-finite loss or result leaves the serving
+version as it was.
 
 Every applied update is a new version (:class:`~elm_memory.store.stream_files.StreamFiles`) written under a file
 lock after re-reading the newest, so two learners of one namespace serialise. The collapse guard
@@ -70,19 +71,20 @@ class StreamMemory:
     ):
         self.config = config
         self.cfg = config.stream
-        self.backend = backend  # draws replay's fresh samples (``stream.replay_samples``)
-        if self.cfg.replay_samples and backend is None:
+        self.backend = backend  # draws replay's fresh samples (``stream.tuning.replay_samples``)
+        if self.cfg.tuning.replay_samples and backend is None:
             raise ConfigError(
-                f"stream.replay_samples={self.cfg.replay_samples} draws fresh samples for each replayed question: "
-                "give the stream memory a backend (StreamMemory(..., backend=...)), or set stream.replay_samples=0"
+                f"stream.tuning.replay_samples={self.cfg.tuning.replay_samples} draws fresh samples for each replayed "
+                "question: give the stream memory a backend (StreamMemory(..., backend=...)), or set "
+                "stream.tuning.replay_samples=0"
             )
         self.kind = SOFT_PROMPT if self.cfg.kind == "soft_prompt" else LORA
         self.loaded = loaded
         self.namespace = namespace or config.namespace
         self.files = StreamFiles(root, self.namespace)
-        self.guard = CollapseGuard.from_settings(self.cfg)
+        self.guard = CollapseGuard.from_settings(self.cfg.tuning)
         self.temperature = config.verifier.consistency_temperature  # what the answer path's samples used
-        self.pooled: list[PooledQuestion] = []  # waiting for a batch (stream.update_every > 1), this process only
+        self.pooled: list[PooledQuestion] = []  # waiting for a batch (tuning.update_every > 1), this process only
         self.init = self.initial_tensors()  # rebuilt, not stored: the same text (or seed) gives the same tensors
         with self.files.lock():
             if self.files.current_version() is None:
@@ -92,7 +94,7 @@ class StreamMemory:
     def _start(self) -> None:
         """Write version 0, the untrained memory with a fresh guard and gate (a new namespace, or a deleted stream
         memory)."""
-        self.guard = CollapseGuard.from_settings(self.cfg)
+        self.guard = CollapseGuard.from_settings(self.cfg.tuning)
         self.gate = self._gate_of(None)
         self.replay = ReplayBuffer.for_config(self.cfg)
         self.params = _parameters(self.init)
@@ -101,7 +103,7 @@ class StreamMemory:
         self._write(0, entry=None, optim={})
 
     def _gate_of(self, state: dict[str, Any] | None) -> AmortizationGate:
-        return AmortizationGate.from_settings(state, self.cfg)
+        return AmortizationGate.from_settings(state, self.cfg.tuning)
 
     def read_gate_state(self) -> str:
         """``warmup`` | ``serving`` | ``probation`` on disk now (a cheap read, no lock: what a turn plans with)."""
@@ -243,11 +245,11 @@ class StreamMemory:
         meta = {
             "version": version,
             "namespace": self.namespace,
-            "objective": self.cfg.objective,
+            "objective": self.cfg.tuning.objective,
             "recipe": self.cfg.model_dump(mode="json"),
             "entry": entry,
             "guard": self.guard.state(),
-            **({"replay": self.replay.to_json()} if self.cfg.replay else {}),
+            **({"replay": self.replay.to_json()} if self.cfg.tuning.replay else {}),
         }
         tensors = {"adapter": self.adapter()} if self.kind == LORA else {"soft_prompt": self.soft_prompt}
         memory = LatentMemory.create(
@@ -281,8 +283,8 @@ class StreamMemory:
     ) -> StreamUpdate:
         """Read the question's answers into the guard (and ``gate_reading`` into the gate), then update the memory
         once from ``generations`` (under the lock). ``served_answers``: what the memory itself answered (greedy
-        first, then its samples), when ``generations`` are not its own (``stream.learn_from: zero_shot``): the guard
-        watches the memory. ``margin``: the label's vote margin, the question's weight in the update."""
+        first, then its samples), when ``generations`` are not its own (``stream.tuning.learn_from: zero_shot``): the
+        guard watches the memory. ``margin``: the label's vote margin, the question's weight in the update."""
         t0 = time.perf_counter()
         with self.files.lock():
             deleted = self.refresh()
@@ -348,31 +350,31 @@ class StreamMemory:
         if label is None:
             update.skipped = "no_label"
             return
-        if share < self.cfg.min_label_share:
+        if share < self.cfg.tuning.min_label_share:
             update.skipped = "weak_label"
             return
-        rows, weights = learnable_rows(rewards, [g.sampled for g in generations], self.cfg.objective)
+        rows, weights = learnable_rows(rewards, [g.sampled for g in generations], self.cfg.tuning.objective)
         if not rows:
-            update.skipped = "uniform_rewards" if self.cfg.objective == "grpo" else "no_agreeing"
+            update.skipped = "uniform_rewards" if self.cfg.tuning.objective == "grpo" else "no_agreeing"
             return
         completions = [list(generations[i].token_ids) for i in rows]
         self.pooled.append(PooledQuestion(question, prompt_ids, at, completions, weights, label, share, margin))
-        if len(self.pooled) < self.cfg.update_every:
-            update.skipped = f"pooled ({len(self.pooled)} of {self.cfg.update_every})"
+        if len(self.pooled) < self.cfg.tuning.update_every:
+            update.skipped = f"pooled ({len(self.pooled)} of {self.cfg.tuning.update_every})"
             return
         batch, self.pooled = self.pooled, []
         self._step(update, batch)
 
     def _step(self, update: StreamUpdate, batch: list[PooledQuestion]) -> None:
-        """One optimizer step over the batch's generations and ``stream.replay`` kept questions (each question's
+        """One optimizer step over the batch's generations and ``stream.tuning.replay`` kept questions (each question's
         loss weighted 1 / their number)."""
         before = self._optimizer_state()
         old = {n: p.detach().clone() for n, p in self.params.items()}
         # seeded by the version and the update's question: reproducible, and a failed draw is not redrawn forever
         seed = (self.config.training.seed or 0) + self.version + int(question_hash(batch[-1].question)[:8], 16)
-        replayed = self.replay.draw(self.cfg.replay, seed=seed, exclude=batch)
+        replayed = self.replay.draw(self.cfg.tuning.replay, seed=seed, exclude=batch)
         drawn = None
-        if replayed and self.cfg.replay_samples:
+        if replayed and self.cfg.tuning.replay_samples:
             replayed, drawn = resample_kept(replayed, self.config, self.backend, self.server, seed)
         items = batch + replayed
         # each question weighs its vote's margin: within the step by its share of the loss, and the step itself by
@@ -385,7 +387,7 @@ class StreamMemory:
                 self._backward(b.prompt_ids, b.at, b.completions, b.weights, m / total)
                 for b, m in zip(items, margins, strict=True)
             )
-            norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.max_grad_norm))
+            norm = float(torch.nn.utils.clip_grad_norm_(list(self.params.values()), self.cfg.tuning.max_grad_norm))
             for group in self.optim.param_groups:
                 group["lr"] = self.cfg.lr * total / len(items)
             self.optim.step()
@@ -403,7 +405,7 @@ class StreamMemory:
         entry = {
             "version": version,
             **batch[-1].history_entry(),
-            "objective": self.cfg.objective,
+            "objective": self.cfg.tuning.objective,
             "trained_from": self.version,
         }
         if len(batch) > 1:  # the batch's other questions too; "label" stays the last one's, so counting is the same
@@ -412,7 +414,7 @@ class StreamMemory:
             entry["replayed"] = [question_hash(b.question) for b in replayed]
         if drawn is not None:  # every re-sampled question, those dropped (no row to learn from) too
             entry["resampled"] = drawn
-        if self.cfg.replay:
+        if self.cfg.tuning.replay:
             self.replay.add(batch)
         self.history.append(entry)
         self._write(version, entry=entry, optim=self._optimizer_state())
@@ -438,7 +440,7 @@ class StreamMemory:
             prompt,
             completions,
             weights,
-            objective=self.cfg.objective,
+            objective=self.cfg.tuning.objective,
             temperature=self.temperature,
             scale=scale,
         )

@@ -41,6 +41,7 @@ from typing import Any
 
 from elm_memory.answers import equivalent
 from elm_memory.answers.vote import vote_counts
+from elm_memory.config import StreamTuning
 
 WARMUP, SERVING, PROBATION = "warmup", "serving", "probation"
 STATES = (WARMUP, SERVING, PROBATION)
@@ -296,8 +297,8 @@ class AmortizationGate:
         return gate
 
     @classmethod
-    def from_settings(cls, data: dict[str, Any] | None, settings: Any) -> AmortizationGate:
-        """:meth:`from_json` with the test a ``StreamConfig`` names (its ``gate_*`` settings)."""
+    def from_settings(cls, data: dict[str, Any] | None, settings: StreamTuning) -> AmortizationGate:
+        """:meth:`from_json` with the test ``stream.tuning`` names (its ``gate_*`` settings)."""
         return cls.from_json(
             data,
             margin=settings.gate_margin,

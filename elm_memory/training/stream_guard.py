@@ -27,6 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from elm_memory.answers import equivalent, majority_vote
+from elm_memory.config import StreamTuning
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ class CollapseGuard:
         self.baseline_agreement: float | None = None
 
     @classmethod
-    def from_settings(cls, settings: Any) -> CollapseGuard:
-        """A fresh guard with the thresholds a ``StreamConfig`` names (its ``guard_*`` settings)."""
+    def from_settings(cls, settings: StreamTuning) -> CollapseGuard:
+        """A fresh guard with the thresholds ``stream.tuning`` names (its ``guard_*`` settings)."""
         return cls(
             window=settings.guard_window,
             max_unboxed_increase=settings.guard_max_unboxed_increase,

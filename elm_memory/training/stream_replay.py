@@ -1,17 +1,17 @@
 """A stream memory's bounded replay: the usable generations of earlier questions, kept with the version that
-learned from them, so each later update can learn from some of them again (``stream.replay``).
+learned from them, so each later update can learn from some of them again (``stream.tuning.replay``).
 
-Without replay an update sees one question (or ``stream.update_every`` of them), so what the memory learned
+Without replay an update sees one question (or ``stream.tuning.update_every`` of them), so what the memory learned
 from early questions is overwritten only by later ones; replaying a few kept questions is the standard guard
 against that drift in online learning. What is replayed is stored text, not a new decode: the rows the update
 already learned from (those that agreed with their label), with their label. That is sound for ``sft``, whose
 loss is the rows' log-likelihood under the current memory whoever drew them; a policy gradient's advantages
 belong to the samples of the version being trained, so replay of stored rows is refused with ``grpo`` at load.
 
-With ``stream.replay_samples: n`` a replayed question is **re-sampled** instead: n fresh seeded samples drawn
+With ``stream.tuning.replay_samples: n`` a replayed question is **re-sampled** instead: n fresh seeded samples drawn
 under the version being trained (the answer path's temperature and sample budget), scored against the kept label.
 That costs a decode per update (counted in the update's time) and makes replay on-policy, so GRPO may use it too
-(with n >= 2: one sample has no advantage). The kept label already passed ``stream.min_label_share`` when the
+(with n >= 2: one sample has no advantage). The kept label already passed ``stream.tuning.min_label_share`` when the
 question was learned, so a re-sample is not held to it again. A re-sample that fails (an out-of-memory decode)
 costs the update its replay, never its own question: the version's history says why.
 
@@ -50,7 +50,7 @@ MAX_REPLAY_BYTES = MAX_HEADER_BYTES // 2
 
 @dataclass
 class PooledQuestion:
-    """One question's usable generations: waiting for ``stream.update_every`` questions, or kept for replay."""
+    """One question's usable generations: waiting for ``stream.tuning.update_every`` questions, or kept for replay."""
 
     question: str
     prompt_ids: Sequence[int]
@@ -124,7 +124,7 @@ class ReplayBuffer:
     def for_config(cls, stream: StreamConfig, data: Sequence[Mapping[str, Any]] | None = None) -> ReplayBuffer:
         """The buffer ``stream`` asks for, holding ``data`` (a version file's stored buffer)."""
         items = [PooledQuestion.from_json(d) for d in data or []]
-        return cls(stream.replay_buffer, items, keep_rows=not stream.replay_samples)
+        return cls(stream.tuning.replay_buffer, items, keep_rows=not stream.tuning.replay_samples)
 
     def _keep(self, items: list[PooledQuestion]) -> None:
         """The newest ``capacity`` of ``items`` whose stored form fits ``max_bytes``."""
@@ -232,9 +232,9 @@ def resample_kept(
             serve=server(),
             backend=backend,
             params=params,
-            n=config.stream.replay_samples,
+            n=config.stream.tuning.replay_samples,
             seed=seed,
-            objective=config.stream.objective,
+            objective=config.stream.tuning.objective,
         )
     except Exception as exc:  # the question's own rows are in hand: learn from them, say what replay lost
         failed = f"{type(exc).__name__}: {exc}"[:200]

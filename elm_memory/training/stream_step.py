@@ -42,11 +42,11 @@ class StreamUpdate:
 
 
 def initial_stream_tensors(config: Any, loaded: Any, kind: str) -> dict[str, torch.Tensor]:
-    """The untrained stream memory's tensors by name: a soft prompt (``stream.init``: the format instruction's token
-    embeddings tiled to k, or random), or a LoRA with B = 0 (the base model exactly)."""
+    """The untrained stream memory's tensors by name: a soft prompt (``stream.tuning.init``: the format instruction's
+    token embeddings tiled to k, or random), or a LoRA with B = 0 (the base model exactly)."""
     if kind == SOFT_PROMPT:
-        ids = loaded.tokenizer(config.stream.format_instruction, add_special_tokens=False)["input_ids"]
-        mode = "question" if config.stream.init == "instruction" else "random"
+        ids = loaded.tokenizer(config.stream.tuning.format_instruction, add_special_tokens=False)["input_ids"]
+        mode = "question" if config.stream.tuning.init == "instruction" else "random"
         embeddings = loaded.model.get_input_embeddings()
         return {"soft_prompt": init_soft_prompt(embeddings, ids, config.memory.num_tokens, mode, config.training.seed)}
     m = config.memory

@@ -41,8 +41,8 @@ class AmortizedEval:
                 f"{name} measures stream.serving=amortized, but the config serves {cfg.stream.serving!r}: set "
                 "stream.serving=amortized (the cpu-amortized preset does)"
             )
-        if cfg.stream.clusters > 1:
-            raise ConfigError(f"{name} evaluates one stream memory; set stream.clusters=1 for the evaluation")
+        if cfg.stream.tuning.clusters > 1:
+            raise ConfigError(f"{name} evaluates one stream memory; set stream.tuning.clusters=1 for the evaluation")
         self.name = name
         self.runtime = runtime
         self._stream: StreamMemory | None = None

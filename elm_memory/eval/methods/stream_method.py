@@ -20,7 +20,7 @@ same rule from their own rows.
 Every row's answer, the tokens of the main rows, the versions used and each update are in the record's ``extra``
 (read by :mod:`elm_memory.eval.stream_report`), so anyone can recount what decided each answer.
 
-``elm_stream`` trains ``stream.objective``; ``elm_stream_objectives`` trains a ``grpo`` and an ``sft`` arm side
+``elm_stream`` trains ``stream.tuning.objective``; ``elm_stream_objectives`` trains a ``grpo`` and an ``sft`` arm side
 by side on the same questions (the rows they share are decoded once). ``elm_stream_gold`` trains a ``grpo`` arm on
 the vote beside a ``grpo_gold`` arm whose label is the dataset's answer: an **upper bound** (what the same update
 does with a correct label), reported apart and never a method a user runs without ground truth. The gold label
@@ -56,14 +56,14 @@ def format_question(question: str, instruction: str) -> str:
 
 
 class ZeroShotFormat(ZeroShot):
-    """Greedy zero-shot with ``stream.format_instruction`` appended to the question: does one sentence do
+    """Greedy zero-shot with ``stream.tuning.format_instruction`` appended to the question: does one sentence do
     what a trained stream memory does?"""
 
     name = "zero_shot_format"
 
     def _prompt(self, question: str) -> PromptInput:
         k = self.runtime.config.memory.num_tokens
-        text = format_question(question, self.runtime.config.stream.format_instruction)
+        text = format_question(question, self.runtime.config.stream.tuning.format_instruction)
         return self.runtime.prompts.answer_prompt(text, memory_tokens=k).zero_shot()
 
     def resume(self, records: list[dict[str, Any]]) -> int:
@@ -90,7 +90,8 @@ ARM_SETTINGS = (
 class Arm:
     """One trained stream memory of an evaluation: its row name, objective, where its label comes from
     (``vote``: the vote of the rows it learns from, the product's rule; ``gold``: the dataset's answer), and
-    ``settings``: ``stream`` fields of its own (:data:`ARM_SETTINGS`), the run's config for the rest."""
+    ``settings``: ``stream`` and ``stream.tuning`` fields of its own (:data:`ARM_SETTINGS`), the run's config for
+    the rest."""
 
     name: str
     objective: str
@@ -110,11 +111,14 @@ class Arm:
             )
 
     def stream_config(self, base: StreamConfig) -> StreamConfig:
-        """The run's ``stream`` section with this arm's objective and settings (validated as a whole)."""
+        """The run's ``stream`` section with this arm's objective and settings (validated as a whole): each setting
+        where it lives, ``learning_rate`` in ``stream``, the rest in ``stream.tuning``."""
+        own = dict(self.settings)
+        top = {k: own.pop(k) for k in list(own) if k in StreamConfig.model_fields}
+        data = base.model_dump()
+        data["tuning"] = {**data["tuning"], **own, "objective": self.objective}
         try:
-            return StreamConfig.model_validate(
-                {**base.model_dump(), **dict(self.settings), "objective": self.objective}
-            )
+            return StreamConfig.model_validate({**data, **top})
         except ValidationError as exc:
             raise ConfigError(f"stream arm {self.name!r}: {exc.errors()[0]['msg']}") from None
 
@@ -137,14 +141,15 @@ class StreamEval:
                 f"{name} measures stream.serving=vote, but the config serves {cfg.stream.serving!r}: run elm_amortized "
                 "for the amortized stream memory, or set stream.serving=vote"
             )
-        if cfg.stream.clusters > 1:  # the graph's option; every row here reads one memory per arm
+        if cfg.stream.tuning.clusters > 1:  # the graph's option; every row here reads one memory per arm
             raise ConfigError(
-                f"{name} evaluates one stream memory per arm; stream.clusters={cfg.stream.clusters} is served by "
-                "the graph only: set stream.clusters=1 for the evaluation"
+                f"{name} evaluates one stream memory per arm; stream.tuning.clusters={cfg.stream.tuning.clusters} is "
+                "served by "
+                "the graph only: set stream.tuning.clusters=1 for the evaluation"
             )
         self.name = name
         self.runtime = runtime
-        self.specs = arms or [Arm(obj, obj) for obj in objectives or [cfg.stream.objective]]
+        self.specs = arms or [Arm(obj, obj) for obj in objectives or [cfg.stream.tuning.objective]]
         if self.specs[0].label != "vote":
             raise ConfigError(f"{name}: the first arm answers, so its label must be the vote")
         self.objectives = [a.name for a in self.specs]
@@ -194,7 +199,9 @@ class StreamEval:
         t0 = time.perf_counter()
         prompt = rt.prompts.answer_prompt(question, memory_tokens=k)
         params = answer_params(cfg, prompt, rt.backend.info.max_context)
-        formatted = rt.prompts.answer_prompt(format_question(question, cfg.stream.format_instruction), memory_tokens=k)
+        formatted = rt.prompts.answer_prompt(
+            format_question(question, cfg.stream.tuning.format_instruction), memory_tokens=k
+        )
         format_params = answer_params(cfg, formatted, rt.backend.info.max_context)
         sampler = self.sampler
         arms, first = self.arms, self.objectives[0]
@@ -240,7 +247,7 @@ class StreamEval:
             "format": drawn["format"][0].answer,
             "init_greedy": turn.rows[INIT].answer if INIT in turn.rows else answers[ZERO_SHOT],
         }
-        zero_shot_source = {obj: self._configs[obj].stream.learn_from == "zero_shot" for obj in arms}
+        zero_shot_source = {obj: self._configs[obj].stream.tuning.learn_from == "zero_shot" for obj in arms}
         for obj in arms:
             rows[f"stream_greedy[{obj}]"] = answers[obj]
             rows[f"stream_vote[{obj}]"] = plurality_vote(sampled[obj], answers[obj], with_greedy=True)
