@@ -26,6 +26,7 @@ def replay(records: list[dict], share: float, salt: int, test: str, tolerance: f
     they were, the question here is how soon it opens."""
     gate = AmortizationGate(test=test, tolerance=tolerance)
     opened, gate_tokens, total = None, 0, 0
+    peak, peak_at = gate.open_stat, None
     for i, r in enumerate(records):
         extra = r["extra"]["amortized"]
         rows, tokens = extra["rows"], extra["tokens"]
@@ -37,7 +38,15 @@ def replay(records: list[dict], share: float, salt: int, test: str, tolerance: f
         reading = GateReading.of(rows["stream_greedy"], rows["zero_shot"], extra["samples"])
         if gate.observe(reading, 0) is not None and opened is None:
             opened = i + 1
-    return {"opened_at": opened, "gate_token_share": round(gate_tokens / total, 4)}
+        if opened is None and gate.open_stat > peak:
+            peak, peak_at = gate.open_stat, i + 1
+    return {
+        "opened_at": opened,
+        "gate_token_share": round(gate_tokens / total, 4),
+        "peak_statistic": round(peak, 4),  # before any opening: how near it came (it opens at log(1 / alpha))
+        "peak_at": peak_at,
+        "threshold": round(gate.threshold, 4),
+    }
 
 
 def main() -> None:
@@ -67,6 +76,7 @@ def main() -> None:
             "opened": sum(o is not None for o in opened),
             "salts": len(runs),
             "gate_token_share": round(sum(r["gate_token_share"] for r in runs) / len(runs), 4),
+            **({k: runs[0][k] for k in ("peak_statistic", "peak_at", "threshold")} if len(runs) == 1 else {}),
         }
     print(json.dumps(out, indent=1))
 
