@@ -90,9 +90,7 @@ class StreamConfig(ConfigSection):
             return data
         data = current_spelling(data, "stream")
         if data.get("serving") == "amortized":
-            tuning = data.get("tuning", {})
-            if isinstance(tuning, StreamTuning):
-                tuning = tuning.model_dump(exclude_unset=True)
+            tuning = _as_set(data.get("tuning", {}))
             if isinstance(tuning, dict):
                 data = {**data, "tuning": {"learn_from": "zero_shot", **tuning}}
         return data
@@ -148,7 +146,13 @@ def moved_into_tuning(stream: dict[str, Any]) -> dict[str, Any]:
     flat = {k: v for k, v in stream.items() if k in TUNING_KEYS}
     if not flat:
         return stream
-    tuning = stream.get("tuning", {})
-    if isinstance(tuning, StreamTuning):
-        tuning = tuning.model_dump(exclude_unset=True)
-    return {**{k: v for k, v in stream.items() if k not in flat}, "tuning": {**flat, **tuning}}
+    return {
+        **{k: v for k, v in stream.items() if k not in flat},
+        "tuning": {**flat, **_as_set(stream.get("tuning", {}))},
+    }
+
+
+def _as_set(tuning: Any) -> Any:
+    """A ``tuning`` given as a :class:`StreamTuning` as the mapping of what was set in it (so derived defaults still
+    apply); anything else as it is."""
+    return tuning.model_dump(exclude_unset=True) if isinstance(tuning, StreamTuning) else tuning
