@@ -203,6 +203,16 @@ def test_every_vendored_set_passes_the_checks():
         assert load_problems(name)
 
 
+def test_math500_easy_keeps_levels_one_to_three_of_math500_in_file_order():
+    easy = load_problems("math500-easy")
+    text = resources.files("elm_memory.eval").joinpath("data", "math500.jsonl").read_text(encoding="utf-8")
+    levels = {row["id"]: row["level"] for row in map(json.loads, text.splitlines())}
+    assert len(easy) == 238
+    assert {levels[p.id] for p in easy} == {1, 2, 3}
+    assert [p.id for p in easy] == [pid for pid in levels if levels[pid] <= 3]
+    assert [p.id for p in load_problems("math500-easy", limit=5, seed=3)] != [p.id for p in easy[:5]]
+
+
 def test_a_vendored_file_that_differs_from_its_checksum_is_refused(tmp_path, monkeypatch):
     data = tmp_path / "eval" / "data"  # the files stay in elm_memory/eval/data; data.datasets reads them there
     data.mkdir(parents=True)

@@ -25,7 +25,11 @@ from elm_memory.cli.options import (
 @handle_errors
 def demo(
     dataset: Annotated[
-        str, typer.Option(help="Vendored dataset: synth-arith (toy stream, default), gsm8k, math500, amc23, aime24.")
+        str,
+        typer.Option(
+            help="Vendored dataset: synth-arith (toy stream, default), gsm8k, math500, "
+            "math500-easy (levels 1-3), amc23, aime24."
+        ),
     ] = "synth-arith",
     limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 8,
     out: Annotated[
@@ -118,7 +122,10 @@ MethodOpt = Annotated[
 
 DatasetOpt = Annotated[
     str,
-    typer.Option(help="gsm8k, math500, amc23, aime24, synth-arith (toy), or a JSONL file with question/answer."),
+    typer.Option(
+        help="gsm8k, math500, math500-easy (MATH500 levels 1-3), amc23, aime24, synth-arith (toy), "
+        "or a JSONL file with question/answer."
+    ),
 ]
 NoPlotsOpt = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")]
 
