@@ -215,3 +215,70 @@ def test_a_question_two_seeds_share_counts_once_in_the_pooled_stream_tests(tmp_p
     test = compare_seeds([a, b]).stream["parts"]["test"]
     [zero] = [t for t in test["tests"] if t["row"] == "stream_greedy[sft]" and t["baseline"] == "zero_shot"]
     assert test["answers"] == 2 and (zero["wins"], zero["losses"]) == (1, 0)
+
+
+def make_amortized_run(
+    root: Path, seed: int, ids: list[str], zero: list[str], sc: list[str], served: list[str]
+) -> Path:
+    """An `elm stream -m elm_amortized` run: gold is "1" everywhere; ``served`` is what ELM amortized answered (the
+    vote, 50 tokens a row, while the gate was shut)."""
+    out = root / f"amortized{seed}"
+    out.mkdir()
+    (out / "run.json").write_text(
+        json.dumps({"dataset": "synth-arith", "seed": seed, "question_ids": ids, "config": CONFIG})
+    )
+    lines = []
+    for i, qid in enumerate(ids):
+        rows = {"zero_shot": zero[i], "self_consistency": sc[i], "stream_greedy": zero[i], "elm_amortized": served[i]}
+        tokens = {"zero_shot": 50, "self_consistency": 250, "stream_greedy": 50, "elm_amortized": 300}
+        amortized = {
+            "rows": rows,
+            "tokens": tokens,
+            "turn": {"mode": "self_consistency"},
+            "samples": [sc[i]] * 4,
+            "vote_share": 1.0,
+            "init_is_zero_shot": True,
+            "gate_extra_tokens": 50,
+        }
+        lines.append(
+            {
+                "method": "elm_amortized",
+                "index": i,
+                "question_id": qid,
+                "gold": "1",
+                "answer": served[i],
+                "correct": served[i] == "1",
+                "route": "self_consistency",
+                "extra": {"amortized": amortized},
+                "timings": {"answer": 1.0, "learn": 0.0},
+                "pool_size": 1,
+                "pool_bytes": 0,
+                "warnings": [],
+            }
+        )
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return out
+
+
+def test_amortized_runs_are_pooled_over_each_runs_second_half_with_a_shared_question_counted_once(tmp_path):
+    # test halves: seed 1 asks b and "shared", seed 2 asks d and "shared"; self-consistency wins "shared" in both
+    a = make_amortized_run(
+        tmp_path, 1, ["a", "x", "b", "shared"], ["1", "1", "1", "2"], ["1", "1", "1", "1"], ["1"] * 4
+    )
+    b = make_amortized_run(
+        tmp_path, 2, ["c", "y", "d", "shared"], ["2", "1", "2", "2"], ["2", "1", "1", "1"], ["1"] * 4
+    )
+    c = compare_seeds([a, b])
+    assert c.amortized is not None and c.amortized["warmup"] == [2, 2]
+    test = c.amortized["parts"]["test"]
+    assert test["answers"] == 4
+    assert test["accuracy"]["zero_shot"] == pytest.approx(1 / 4) and test["accuracy"]["self_consistency"] == 1.0
+    [elm] = [t for t in test["tests"] if t["row"] == "elm_amortized" and t["baseline"] == "zero_shot"]
+    assert (elm["wins"], elm["losses"]) == (2, 0)  # d, and "shared" once for its two answers
+    assert test["gate_extra_share"] == pytest.approx(50 / 300) and test["token_share"] == pytest.approx(300 / 250)
+    table = markdown_seeds(c)
+    assert "Amortized stream memory" in table and c.to_json()["amortized"] == c.amortized
+    plain = compare_seeds(
+        [make_run(tmp_path, 17, [True], [(True, True)]), make_run(tmp_path, 42, [True], [(True, True)])]
+    )
+    assert plain.amortized is None and "amortized" not in plain.to_json()

@@ -9,7 +9,8 @@ some runs recorded (added to the library after an older run) are listed, not ref
 Per method it reports each seed's accuracy, the mean and the spread (sample standard deviation,
 min and max), the difference to the ``zero_shot`` method of the same run, and the gains and
 losses against the method's own zero-shot candidate (ELM's), summed over seeds. Stream-memory runs
-(``elm_stream``) also get their rows pooled over the runs' test halves, with the planned sign tests.
+(``elm_stream``, ``elm_amortized``) also get their rows pooled over the runs' test halves, with the planned sign
+tests over distinct questions.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 from elm_memory.environment import mixed_code_warning
 from elm_memory.errors import ConfigError
+from elm_memory.eval import amortized_report
 from elm_memory.eval.metrics import summarize_online
 from elm_memory.eval.paired import markdown_paired, paired_summaries
 from elm_memory.eval.records import RecordLog
@@ -50,6 +52,7 @@ class SeedComparison:
     head_to_head: list[dict[str, Any]] = field(default_factory=list)  # pooled over runs, by distinct question
     paired: list[dict[str, Any]] = field(default_factory=list)  # eval.paired, pooled over runs
     stream: dict[str, Any] | None = None  # eval.stream_report, pooled over runs' test halves
+    amortized: dict[str, Any] | None = None  # eval.amortized_report, pooled likewise
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -63,6 +66,7 @@ class SeedComparison:
             "head_to_head": self.head_to_head,
             "paired": self.paired,
             **({"stream": self.stream} if self.stream is not None else {}),
+            **({"amortized": self.amortized} if self.amortized is not None else {}),
         }
 
 
@@ -137,6 +141,7 @@ def compare_seeds(paths: Sequence[str | Path], *, partial: bool = False, first: 
         head_to_head=head_to_head([r.records for r in runs]),
         paired=paired_summaries([r.records for r in runs], methods, runs[0].config),  # one config: checked above
         stream=_pooled_stream(runs),
+        amortized=_pooled_amortized(runs),
     )
 
 
@@ -146,6 +151,15 @@ def _pooled_stream(runs: Sequence[SeedRun]) -> dict[str, Any] | None:
     if not all(stream_records(r.records) for r in runs):
         return None
     return summarize_stream([r.records for r in runs], warmup=[warmup_of(r.records) for r in runs])
+
+
+def _pooled_amortized(runs: Sequence[SeedRun]) -> dict[str, Any] | None:
+    """``elm_amortized`` runs: the same, with tokens per question, the gate and the labels."""
+    if not all(amortized_report.amortized_records(r.records) for r in runs):
+        return None
+    return amortized_report.summarize_amortized(
+        [r.records for r in runs], [amortized_report.warmup_of(r.records) for r in runs]
+    )
 
 
 def _flatten(config: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -222,6 +236,8 @@ def markdown_seeds(comparison: SeedComparison) -> str:
             table += "\n" + markdown_paired(p)
     if comparison.stream is not None:
         table += "\n" + markdown_stream(comparison.stream)
+    if comparison.amortized is not None:
+        table += "\n" + amortized_report.markdown_amortized(comparison.amortized)
     if warning := mixed_code_warning([c for r in comparison.runs for c in r.code_versions]):
         table += f"\nWarning: these runs' {warning}\n"
     return table
