@@ -1,5 +1,5 @@
-"""Issue #65: what reading the gate on only a share of warm-up questions would do, replayed on a finished
-``elm_amortized`` run's records (no decode).
+"""Issue #65: what reading the gate on only a share of warm-up questions (``stream.tuning.gate_read_share``) would
+do, replayed on a finished ``elm_amortized`` run's records (no decode).
 
 In warm-up every question draws the memory's greedy answer beside the vote, only for the gate: on the first pilot that
 row was 16.6% of ELM amortized's tokens, against #65's 10% target. Drawing it on a share of questions (picked by a
@@ -31,7 +31,7 @@ def replay(records: list[dict], share: float, salt: int, test: str, tolerance: f
         extra = r["extra"]["amortized"]
         rows, tokens = extra["rows"], extra["tokens"]
         total += tokens["self_consistency"]
-        if not is_probe(r["question"], salt, share):  # picked as probes are, the salt as the seed
+        if not is_probe(r["question"], salt, share):  # picked as the turn picks them, the salt as the seed
             continue
         gate_tokens += tokens["stream_greedy"]
         total += tokens["stream_greedy"]

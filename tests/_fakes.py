@@ -141,15 +141,17 @@ def weights_checksum(model) -> str:
 
 
 def stream_graph_config(tmp_path, **stream):
-    """cpu-tiny with a stream memory in the graph: store under ``tmp_path``, no learner, 3 consistency samples."""
-    from elm_memory.config import ELMConfig
+    """cpu-tiny with a stream memory in the graph: store under ``tmp_path``, no learner, 3 consistency samples.
+    ``stream``: its settings, a ``stream.tuning`` one by its name alone."""
+    from elm_memory.config import ELMConfig, StreamConfig
 
+    tuning = {k: stream.pop(k) for k in list(stream) if k not in StreamConfig.model_fields}
     return ELMConfig.load(
         preset="cpu-tiny",
         overrides={
             "store": {"path": str(tmp_path / "store")},
             "learner": {"mode": "off"},
             "verifier": {"name": "consistency", "consistency_samples": 3},
-            "stream": {"mode": "stream", **stream},
+            "stream": {"mode": "stream", **stream, "tuning": tuning},
         },
     )

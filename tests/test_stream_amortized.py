@@ -229,6 +229,15 @@ def test_amortized_serving_learns_from_zero_shot_samples_by_sft_unless_told_othe
     assert cfg.verifier.name == "consistency" and cfg.generation.max_new_tokens == 384
 
 
+def test_the_gates_read_share_is_a_share_and_has_no_old_flat_spelling():
+    assert ELMConfig.load(preset="cpu-amortized").stream.tuning.gate_read_share == 1.0  # every question, as before
+    for bad in (0, 1.5):
+        with pytest.raises(ConfigError, match="gate_read_share"):
+            ELMConfig.load(overrides={"stream": {"tuning": {"gate_read_share": bad}}})
+    with pytest.raises(ConfigError, match="gate_read_share"):  # added inside stream.tuning: no flat key to move
+        ELMConfig.load(overrides={"stream": {"gate_read_share": 0.5}})
+
+
 # -- the graph's turn on scripted streams ---------------------------------------------------------
 class Script:
     """Answers ``memory`` for a row under the stream memory, ``zero`` for a greedy row without it, and ``samples``
@@ -398,6 +407,47 @@ def test_the_evaluations_extra_rows_change_no_decision(smol, tmp_path):
             outcomes.append((turn.answer, turn.mode, turn.tokens, turn.probe, len(turn.samples)))
     assert outcomes[0][:4] == outcomes[1][:4]
     assert (outcomes[0][4], outcomes[1][4]) == (0, 3)  # the samples were drawn for the measurement only
+
+
+def test_a_closed_gate_draws_the_memorys_row_only_on_its_read_share_and_the_rest_still_teach(smol, tmp_path):
+    """``gate_read_share``: an unread question costs the vote's rows alone, gives the gate and the guard nothing,
+    and still teaches the memory; measured, it draws the memory's row for the evaluation and decides the same."""
+    from elm_memory.graph.nodes import answer_params
+    from elm_memory.graph.stream_turn import STREAM, StreamTurn
+    from elm_memory.verifiers.consistency import ConsistencyVerifier
+
+    script = Script(smol, memory="\\boxed{7}", zero="\\boxed{5}")
+    cfg = _amortized(tmp_path, gate_read_share=0.5, guard_window=2)
+    questions = [f"What is {i} + 9?" for i in range(40)]
+    unread = [q for q in questions if not is_probe(q, cfg.training.seed, 0.5)]
+    read = [q for q in questions if is_probe(q, cfg.training.seed, 0.5)]
+    assert unread and read
+    vote_tokens = 3 * _tokens(script, "\\boxed{5}") + _tokens(script, "\\boxed{6}")  # zero-shot and the samples
+    with _elm(smol, cfg, script) as elm:
+        stream = elm.services().stream_memory("default")
+        script.calls.clear()
+        skipped = elm.answer(unread[0])
+        assert script.calls == [1, 3]  # zero-shot's row, then the samples: no memory row
+        assert skipped.answer == "5" and skipped.stream_turn["tokens"] == vote_tokens
+        assert skipped.stream_update["gate"] is None and skipped.stream_update["applied"]  # taught, not read
+        assert stream.guard.pending == [] and stream.gate.readings == 0
+        counted = elm.answer(read[0])
+        assert counted.stream_turn["tokens"] == vote_tokens + _tokens(script, "\\boxed{7}")
+        assert counted.stream_update["gate"]["outcome"] == "loss" and len(stream.guard.pending) == 1
+        svc = elm.services()
+        sampler = ConsistencyVerifier.from_config(cfg, script)
+        prompt = svc.prompts.answer_prompt(unread[1], memory_tokens=cfg.memory.num_tokens)
+        params = answer_params(cfg, prompt, script.info.max_context)
+        turns = []
+        for measure in (False, True):
+            turn = StreamTurn.plan(cfg, stream, unread[1], "default", measure=measure)
+            requests, greedy = turn.requests(cfg, stream, prompt, params, sampler)
+            turn.read(script_generate(script, requests), greedy)
+            turns.append(turn)
+    plain, measured = turns
+    assert (plain.answer, plain.mode, plain.tokens) == (measured.answer, measured.mode, measured.tokens)
+    assert STREAM not in plain.rows and not measured.rows[STREAM].spent  # drawn for the evaluation alone
+    assert measured.row_tokens()["stream_greedy"] == _tokens(script, "\\boxed{7}")
 
 
 def script_generate(script, requests):

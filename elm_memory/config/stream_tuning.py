@@ -185,6 +185,17 @@ class StreamTuning(ConfigSection):
         ge=1,
         description="`amortized`: probed questions read before the gate may open (after it closes, again).",
     )
+    gate_read_share: float = Field(
+        default=1.0,
+        gt=0.0,
+        le=1.0,
+        description=(
+            "`amortized`, gate closed (warm-up, probation): the share of questions, picked by a hash of the question, "
+            "that also draw the memory's greedy answer for the gate and the collapse guard; the vote alone answers "
+            "and teaches on the rest. That row is one decode in k + 2: a share below 1 cuts its cost and the "
+            "gate's readings alike."
+        ),
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -218,5 +229,6 @@ class StreamTuning(ConfigSection):
         return self
 
 
-#: The settings that moved from ``stream.*`` into ``stream.tuning.*``: a flat key still loads, with a warning.
-TUNING_KEYS = tuple(StreamTuning.model_fields)
+#: The settings that moved from ``stream.*`` into ``stream.tuning.*``: a flat key still loads, with a warning
+#: (those added since never had a flat spelling).
+TUNING_KEYS = tuple(k for k in StreamTuning.model_fields if k != "gate_read_share")

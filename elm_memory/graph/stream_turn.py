@@ -9,7 +9,8 @@ Rows (all at the answer's budget; the samples are the ``consistency`` verifier's
   answer and the samples (and the retrieved memory's).
 - ``stream.serving: amortized``, gate closed (warm-up, probation): zero-shot's greedy answer, the samples (without
   the memory) and the memory's greedy answer; the answer is self-consistency's vote (zero-shot + samples). The
-  memory's answer costs one row more and is what the gate reads.
+  memory's answer costs one row more and is what the gate and the collapse guard read; with
+  ``stream.tuning.gate_read_share`` below 1 only that share of questions (picked by a hash, as probes are) draws it.
 - ``amortized``, gate open: the memory's greedy answer answers alone. A share ``stream.probe_share`` of questions,
   picked by a hash of the question (the same question is always, or never, a probe), also draws zero-shot's
   answer and the samples: the gate reads them and the memory learns from them. A memory answer with no
@@ -93,6 +94,7 @@ class StreamTurn:
     probe: bool
     version: int
     measure: bool = False
+    gate_read: bool = True  # the memory's greedy answer is drawn for the gate (False: a closed gate skips this one)
     rows: dict[str, Row] = dataclasses.field(default_factory=dict)
     samples: list[Row] = dataclasses.field(default_factory=list)
     samples_spent: bool = False
@@ -108,6 +110,8 @@ class StreamTurn:
         s = config.stream
         gate = stream.read_gate_state() if s.serving == "amortized" else "off"
         probe = s.serving == "vote" or gate != SERVING or is_probe(question, config.training.seed, s.probe_share)
+        closed = s.serving == "amortized" and gate != SERVING
+        read = not closed or is_probe(question, config.training.seed, s.tuning.gate_read_share)
         return cls(
             question=question,
             namespace=namespace,
@@ -116,6 +120,7 @@ class StreamTurn:
             probe=probe,
             version=stream.version,
             measure=measure,
+            gate_read=read,
         )
 
     @property
@@ -134,8 +139,11 @@ class StreamTurn:
     ) -> tuple[list[GenerateRequest], list[tuple[str, bool]]]:
         """The first decode call's requests, and the greedy rows' (name, spent) in order; the samples come last."""
         zero, at = prompt.zero_shot(), prompt.memory_at
-        greedy: list[tuple[str, bool]] = [(STREAM, True)]
-        inputs = stream.serve([zero], at)
+        greedy: list[tuple[str, bool]] = []
+        inputs: list[PromptInput] = []
+        if self.gate_read or self.measure:
+            greedy.append((STREAM, self.gate_read))
+            inputs += stream.serve([zero], at)
         vote_rows = self.probe or self.measure
         if vote_rows:
             greedy.append((ZERO_SHOT, self.probe))
@@ -201,7 +209,7 @@ class StreamTurn:
         return plurality_vote(self.sample_answers, zero.answer if zero else None, with_greedy=True)
 
     def _decide(self) -> None:
-        mine = self.rows[STREAM]
+        mine = self.rows.get(STREAM) or self.rows[ZERO_SHOT]  # a closed gate's turn may not draw the memory's
         if self.serving == "vote":
             retrieved = [self.rows[RETRIEVED]] if RETRIEVED in self.rows else []
             votes = self.sample_answers + [r.answer for r in retrieved]
@@ -228,7 +236,9 @@ class StreamTurn:
     def row_tokens(self) -> dict[str, int]:
         """Each method's tokens on this question, from the rows drawn: zero-shot, self-consistency (zero-shot and
         the samples), the memory's greedy answer, and this turn's answer."""
-        out = {"elm": self.tokens, "stream_greedy": self.rows[STREAM].tokens}
+        out = {"elm": self.tokens}
+        if STREAM in self.rows:
+            out["stream_greedy"] = self.rows[STREAM].tokens
         if ZERO_SHOT in self.rows:
             out["zero_shot"] = self.rows[ZERO_SHOT].tokens
             if self.samples and not self.samples_under_memory:
@@ -239,10 +249,10 @@ class StreamTurn:
     def learn(self, config: ELMConfig, stream: StreamMemory, prompt: Any) -> StreamUpdate | None:
         """Update the stream memory from this turn's spent rows (None: the turn drew nothing to learn from, a
         non-probe question with the gate open)."""
-        mine, zero = self.rows[STREAM], self.rows.get(ZERO_SHOT)
+        mine, zero = self.rows.get(STREAM), self.rows.get(ZERO_SHOT)
         drawn = [Generated(s.token_ids, s.answer, sampled=True) for s in self.samples if s.spent]
         if self.serving == "vote":
-            assert zero is not None
+            assert zero is not None and mine is not None
             if config.stream.tuning.learn_from == "own":
                 generations = [Generated(mine.token_ids, mine.answer, sampled=False), *drawn]
                 label, served = self.answer, None
@@ -254,10 +264,11 @@ class StreamTurn:
             if not drawn or zero is None or not zero.spent:
                 return None
             generations = [Generated(zero.token_ids, zero.answer, sampled=False), *drawn]
-            label, served = self.self_consistency(), [mine.answer]
+            read = mine if self.gate_read else None  # drawn for the measurement alone: nothing reads it
+            label, served = self.self_consistency(), [read.answer] if read is not None else []
             margin = vote_margin([zero.answer, *self.sample_answers])
             # the gate reads probes only: the fallback's questions are the ones the memory failed on
-            reading = GateReading.of(mine.answer, zero.answer, self.sample_answers) if self.probe else None
+            reading = GateReading.of(read.answer, zero.answer, self.sample_answers) if self.probe and read else None
         return stream.learn(
             self.question,
             prompt.token_ids,

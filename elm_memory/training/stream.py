@@ -283,8 +283,8 @@ class StreamMemory:
     ) -> StreamUpdate:
         """Read the question's answers into the guard (and ``gate_reading`` into the gate), then update the memory
         once from ``generations`` (under the lock). ``served_answers``: what the memory itself answered (greedy
-        first, then its samples), when ``generations`` are not its own (``stream.tuning.learn_from: zero_shot``): the
-        guard watches the memory. ``margin``: the label's vote margin, the question's weight in the update."""
+        first, then its samples; none: it drew none), when ``generations`` are not its own (``learn_from: zero_shot``):
+        the guard watches the memory. ``margin``: the label's vote margin, the question's weight in the update."""
         t0 = time.perf_counter()
         with self.files.lock():
             deleted = self.refresh()

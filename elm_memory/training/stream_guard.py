@@ -99,7 +99,10 @@ class CollapseGuard:
         )
 
     def observe(self, observation: Observation) -> Verdict | None:
-        """Add one question; a full window is read and cleared (then a :class:`Verdict`, else None)."""
+        """Add one question; a full window is read and cleared (then a :class:`Verdict`, else None). A question on
+        which the memory drew no answer (amortized, one the gate does not read) adds nothing."""
+        if not observation.memory_answers:
+            return None
         self.pending.append(observation)
         if len(self.pending) < self.window:
             return None

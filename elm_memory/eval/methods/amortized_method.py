@@ -141,7 +141,8 @@ def _gate_extra_tokens(turn: StreamTurn) -> int:
     """Tokens the turn spent only for the gate: the memory's greedy answer while the vote answers, zero-shot's
     greedy answer on a probe while the memory answers (the samples teach the memory too)."""
     if turn.mode == "self_consistency":
-        return turn.rows[STREAM].tokens
+        mine = turn.rows[STREAM]
+        return mine.tokens if mine.spent else 0  # unspent: drawn for the measurement alone (gate_read_share < 1)
     if turn.mode == "memory_probe":
         return turn.rows[ZERO_SHOT].tokens
     return 0
