@@ -303,7 +303,9 @@ def test_the_gate_opens_on_a_stream_where_the_memory_agrees_with_the_vote_and_it
         assert [r.stream_turn["gate"] for r in results] == [WARMUP] * 4
         decision = results[-1].stream_update["gate_decision"]
         assert decision["state"] == SERVING and decision["wins"] == 4
-        question = next(f"What is {i} * 3?" for i in range(100) if not is_probe(f"What is {i} * 3?", 0, 0.01))
+        question = next(
+            f"What is {i} * 3?" for i in range(100) if not is_probe(f"What is {i} * 3?", cfg.training.seed, 0.01)
+        )
         script.calls.clear()
         alone = elm.answer(question)
         stream = elm.services().stream_memory("default")
@@ -372,7 +374,9 @@ def test_an_unboxed_memory_answer_falls_back_to_the_vote(smol, tmp_path):
         for i in range(4):
             elm.answer(f"What is {i} + 5?")
         script.memory = "I think it is five"
-        question = next(f"What is {i} * 3?" for i in range(100) if not is_probe(f"What is {i} * 3?", 0, 0.01))
+        question = next(
+            f"What is {i} * 3?" for i in range(100) if not is_probe(f"What is {i} * 3?", cfg.training.seed, 0.01)
+        )
         script.calls.clear()
         result = elm.answer(question)
     # self-consistency: zero-shot's 6 and the samples 5, 5, 6, a tie that goes to the greedy answer
