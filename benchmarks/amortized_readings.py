@@ -1,0 +1,75 @@
+"""Issue #65: the readings of a finished ``elm_amortized`` run that ``elm report`` does not print, recounted from its
+records (no decode): the turns' modes, when the gate changed state, the updates and rollbacks, the gate's readings,
+the serving probes, and self-consistency's lead over zero-shot per half. The readouts' ``readings.txt``.
+
+    python -m benchmarks.amortized_readings benchmarks/results/amortized_evidence/synth-arith_89
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from elm_memory.answers import equivalent
+
+
+def _right(record: dict[str, Any], row: str) -> bool:
+    answer = record["extra"]["amortized"]["rows"].get(row)
+    return answer is not None and bool(equivalent(str(answer), str(record["gold"])))
+
+
+def readings(records: list[dict[str, Any]]) -> list[str]:
+    """The lines of ``readings.txt`` for one run's ``elm_amortized`` records, in stream order."""
+    extras = [r["extra"]["amortized"] for r in records]
+    half = len(records) // 2
+    modes = Counter(e["turn"]["mode"] for e in extras)
+    test_modes = Counter(e["turn"]["mode"] for e in extras[half:])
+    out = [f"questions {len(records)} modes {dict(modes)} test modes {dict(test_modes)}"]
+    states = [(r["index"] + 1, e.get("gate_after")) for r, e in zip(records, extras, strict=True)]
+    changes = [(q, s) for i, (q, s) in enumerate(states) if i == 0 or s != states[i - 1][1]]
+    out.append(f"gate states (question, state after): {changes}")
+    updates = [e.get("update") or {} for e in extras]
+    skipped = Counter(u.get("skipped") for u in updates if not u.get("applied"))
+    out.append(f"updates applied {sum(bool(u.get('applied')) for u in updates)} skipped {skipped}")
+    rollbacks = [
+        (r["index"] + 1, u["guard"]["reasons"], u["guard"]["rollback_to"])
+        for r, u in zip(records, updates, strict=True)
+        if (u.get("guard") or {}).get("reasons")
+    ]
+    out.append(f"rollbacks {rollbacks}")
+    decisions = [
+        (r["index"] + 1, u["gate_decision"]) for r, u in zip(records, updates, strict=True) if u.get("gate_decision")
+    ]
+    out.append(f"gate decisions {decisions}")
+    out.append(f"gate outcomes {dict(Counter((u.get('gate') or {}).get('outcome') for u in updates))}")
+    serving = [r for r, e in zip(records, extras, strict=True) if e["turn"]["mode"] != "self_consistency"]
+    probes = [r for r in serving if r["extra"]["amortized"]["turn"].get("probe")]
+    if serving:
+        out.append(f"serving questions {len(serving)} probes {len(probes)}")
+        for row in ("stream_greedy", "zero_shot", "self_consistency"):
+            out.append(f" probe {row} {sum(_right(r, row) for r in probes)} / {len(probes)}")
+    for part, chosen in (("test", records[half:]), ("all", records)):
+        zero = sum(_right(r, "zero_shot") for r in chosen)
+        vote = sum(_right(r, "self_consistency") for r in chosen)
+        lead = round(100 * (vote - zero) / len(chosen), 1)
+        out.append(f"{part} ZS {zero} SC {vote} of {len(chosen)} SC-ZS points {lead}")
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("run", type=Path, help="an elm_amortized run directory (records.jsonl)")
+    args = ap.parse_args()
+    lines = (args.run / "records.jsonl").read_text(encoding="utf-8").splitlines()
+    records = sorted(
+        (r for r in map(json.loads, filter(str.strip, lines)) if r["method"] == "elm_amortized"),
+        key=lambda r: r["index"],
+    )
+    print("\n".join(readings(records)))
+
+
+if __name__ == "__main__":
+    main()
