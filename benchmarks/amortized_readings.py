@@ -59,16 +59,18 @@ def readings(records: list[dict[str, Any]]) -> list[str]:
     return out
 
 
+def load(run: Path) -> list[dict[str, Any]]:
+    """A run directory's ``elm_amortized`` records, in stream order."""
+    lines = (run / "records.jsonl").read_text(encoding="utf-8").splitlines()
+    mine = (r for r in map(json.loads, filter(str.strip, lines)) if r["method"] == "elm_amortized")
+    return sorted(mine, key=lambda r: r["index"])
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("run", type=Path, help="an elm_amortized run directory (records.jsonl)")
     args = ap.parse_args()
-    lines = (args.run / "records.jsonl").read_text(encoding="utf-8").splitlines()
-    records = sorted(
-        (r for r in map(json.loads, filter(str.strip, lines)) if r["method"] == "elm_amortized"),
-        key=lambda r: r["index"],
-    )
-    print("\n".join(readings(records)))
+    print("\n".join(readings(load(args.run))))
 
 
 if __name__ == "__main__":

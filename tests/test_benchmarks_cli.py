@@ -107,3 +107,12 @@ def test_answer_rows_ratios_take_each_engines_better_round_and_null_an_absent_en
     assert s["ratio_1row_llama"] is None and s["ratio_2row_llama"] is None  # llama.cpp absent: null
     assert s["ratios"]["1row_lora"] == {"int4": 2.0}
     assert s["ms_per_step"]["1row_soft_prompt"] == {"plain": 50.0, "int4": 25.0}
+
+
+def test_amortized_readings_recount_a_committed_readout():
+    from benchmarks.amortized_readings import load, readings
+
+    run = ROOT / "benchmarks" / "results" / "amortized_evidence" / "synth-arith_89"
+    records = load(run)
+    assert len(records) == 200
+    assert "\n".join(readings(records)) + "\n" == (run / "readings.txt").read_text(encoding="utf-8")
