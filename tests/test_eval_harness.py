@@ -466,16 +466,19 @@ def test_a_run_written_before_a_setting_existed_resumes_while_the_setting_keeps_
 
 def test_a_run_written_before_the_stream_settings_moved_into_tuning_resumes_under_the_new_spelling(tmp_path):
     from elm_memory.config import ELMConfig
+    from elm_memory.config.stream_tuning import TUNING_KEYS
     from elm_memory.eval.records import check_manifest, config_defaults
 
     now = ELMConfig.load(preset="cpu-amortized", overrides={"stream": {"tuning": {"gate_test": "non_inferiority"}}})
     old_config = now.model_dump(mode="json")
     tuned = old_config["stream"].pop("tuning")
-    old_config["stream"].update(tuned)  # as run.json spelled it before stream.tuning
+    # as run.json spelled it before stream.tuning; settings added since were never flat and are absent
+    old_config["stream"].update({k: v for k, v in tuned.items() if k in TUNING_KEYS})
     (tmp_path / "run.json").write_text(json.dumps({"dataset": "d", "config": old_config, "methods": []}))
     manifest = {"dataset": "d", "config": now.model_dump(mode="json"), "methods": ["elm_amortized"]}
     merged = check_manifest(tmp_path, manifest, ("dataset", "config"), config_defaults())
     assert merged["config"]["stream"]["tuning"]["gate_test"] == "non_inferiority"
+    assert merged["config"]["stream"]["tuning"]["gate_read_share"] == 1.0  # absent from the old run: its default
     other = ELMConfig.load(preset="cpu-amortized").model_dump(mode="json")  # another gate test: another run
     with pytest.raises(ConfigError, match=r"config\.stream\.tuning\.gate_test"):
         (tmp_path / "run.json").write_text(json.dumps({"dataset": "d", "config": old_config, "methods": []}))
