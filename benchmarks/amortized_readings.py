@@ -8,20 +8,20 @@ the serving probes, and self-consistency's lead over zero-shot per half. The rea
 from __future__ import annotations
 
 import argparse
-import json
 from collections import Counter
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from elm_memory.answers import equivalent
+from elm_memory.eval.amortized_report import amortized_records, row_right
+from elm_memory.eval.records import RecordLog
 
 
-def _right(record: dict[str, Any], row: str) -> bool:
-    answer = record["extra"]["amortized"]["rows"].get(row)
-    return answer is not None and bool(equivalent(str(answer), str(record["gold"])))
+def _count(records: Sequence[Mapping[str, Any]], row: str) -> int:
+    return int(sum(row_right(r, row) for r in records))
 
 
-def readings(records: list[dict[str, Any]]) -> list[str]:
+def readings(records: Sequence[Mapping[str, Any]]) -> list[str]:
     """The lines of ``readings.txt`` for one run's ``elm_amortized`` records, in stream order."""
     extras = [r["extra"]["amortized"] for r in records]
     half = len(records) // 2
@@ -50,20 +50,17 @@ def readings(records: list[dict[str, Any]]) -> list[str]:
     if serving:
         out.append(f"serving questions {len(serving)} probes {len(probes)}")
         for row in ("stream_greedy", "zero_shot", "self_consistency"):
-            out.append(f" probe {row} {sum(_right(r, row) for r in probes)} / {len(probes)}")
+            out.append(f" probe {row} {_count(probes, row)} / {len(probes)}")
     for part, chosen in (("test", records[half:]), ("all", records)):
-        zero = sum(_right(r, "zero_shot") for r in chosen)
-        vote = sum(_right(r, "self_consistency") for r in chosen)
+        zero, vote = _count(chosen, "zero_shot"), _count(chosen, "self_consistency")
         lead = round(100 * (vote - zero) / len(chosen), 1)
         out.append(f"{part} ZS {zero} SC {vote} of {len(chosen)} SC-ZS points {lead}")
     return out
 
 
-def load(run: Path) -> list[dict[str, Any]]:
+def load(run: Path) -> list[Mapping[str, Any]]:
     """A run directory's ``elm_amortized`` records, in stream order."""
-    lines = (run / "records.jsonl").read_text(encoding="utf-8").splitlines()
-    mine = (r for r in map(json.loads, filter(str.strip, lines)) if r["method"] == "elm_amortized")
-    return sorted(mine, key=lambda r: r["index"])
+    return amortized_records(RecordLog(run / "records.jsonl").read())
 
 
 def main() -> None:

@@ -48,7 +48,7 @@ def summarize_amortized(runs: Sequence[Sequence[Mapping[str, Any]]], warmups: Se
         chosen = [[r for r in run if part == "all" or r["index"] >= w] for run, w in zip(mine, warmups, strict=True)]
         flat = [r for run in chosen for r in run]
         n = len(flat)
-        accuracy = {row: _mean([_right(r, row) for r in flat]) for row in ROWS}
+        accuracy = {row: _mean([row_right(r, row) for r in flat]) for row in ROWS}
         tokens = {row: _mean([_tokens(r, row) for r in flat]) for row in ROWS}
         tests = []
         for row, base in PLANNED:
@@ -152,7 +152,7 @@ def plot_amortized(records: Sequence[Mapping[str, Any]], out_dir: str | Path, *,
     test = [r for r in mine if r["index"] >= warmup] or mine
     init_is_zero_shot = all(r["extra"]["amortized"].get("init_is_zero_shot") for r in test)
     for row in ROWS:
-        acc, tok = _mean([_right(r, row) for r in test]), _mean([_tokens(r, row) for r in test])
+        acc, tok = _mean([row_right(r, row) for r in test]), _mean([_tokens(r, row) for r in test])
         if acc is None or tok is None:
             continue
         if row == "init_greedy" and init_is_zero_shot:  # a LoRA's init is zero-shot: a ring, not a hidden point
@@ -164,7 +164,7 @@ def plot_amortized(records: Sequence[Mapping[str, Any]], out_dir: str | Path, *,
     for start in range(0, len(mine), block):
         part = mine[start : start + block]
         xs.append(_mean([_tokens(r, "elm_amortized") for r in part]))
-        ys.append(_mean([_right(r, "elm_amortized") for r in part]))
+        ys.append(_mean([row_right(r, "elm_amortized") for r in part]))
     left.plot(xs, ys, "-", color="grey", linewidth=0.8, label=f"elm_amortized, blocks of {block} (in order)")
     left.set_xlabel("tokens generated per question")
     left.set_ylabel("accuracy")
@@ -190,7 +190,8 @@ def _label(r: Mapping[str, Any]) -> str | None:
     return r["extra"]["amortized"]["rows"]["self_consistency"]
 
 
-def _right(r: Mapping[str, Any], row: str) -> float:
+def row_right(r: Mapping[str, Any], row: str) -> float:
+    """1.0 when the record's ``row`` answer is the gold answer (the verifier's equivalence), else 0.0."""
     return float(bool(equivalent(r["extra"]["amortized"]["rows"].get(row), r["gold"])))
 
 
@@ -206,7 +207,7 @@ def _signs(runs: Sequence[Sequence[Mapping[str, Any]]], row: str, base: str) -> 
     net: dict[str, float] = {}
     for run in runs:
         for r in run:
-            net[r["question_id"]] = net.get(r["question_id"], 0.0) + _right(r, row) - _right(r, base)
+            net[r["question_id"]] = net.get(r["question_id"], 0.0) + row_right(r, row) - row_right(r, base)
     return sum(v > 0 for v in net.values()), sum(v < 0 for v in net.values())
 
 
