@@ -82,6 +82,20 @@ def test_bad_config_is_a_typed_one_line_error(kwargs, message):
     assert message in str(err.value) and "\n" not in str(err.value)
 
 
+def test_an_assignment_is_checked_as_loading_is_and_a_refused_one_changes_nothing():
+    cfg = ELMConfig(verifier={"name": "consistency"}, stream={"mode": "stream"})
+    cfg.stream.serving = "amortized"  # learn_from left unset follows serving, as when loaded
+    assert (cfg.stream.tuning.learn_from, cfg.stream.tuning.objective) == ("zero_shot", "sft")
+    own = ELMConfig(verifier={"name": "consistency"}, stream={"mode": "stream", "tuning": {"learn_from": "own"}})
+    with pytest.raises(ConfigError, match=r"StreamConfig\.serving = 'amortized' is refused: .*learn_from=zero_shot"):
+        own.stream.serving = "amortized"
+    assert (own.stream.serving, own.stream.tuning.learn_from) == ("vote", "own")
+    with pytest.raises(ConfigError, match=r"max_new_tokens = 'many' is refused: .*integer"):
+        own.generation.max_new_tokens = "many"
+    assert own.generation.max_new_tokens == ELMConfig().generation.max_new_tokens
+    assert "max_new_tokens" not in own.generation.model_fields_set
+
+
 def test_bad_config_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         ELMConfig.load(tmp_path / "missing.yaml")

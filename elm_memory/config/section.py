@@ -6,7 +6,9 @@ import difflib
 from collections.abc import Callable, Sequence
 from typing import Any, Protocol
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, ValidationError
+
+from elm_memory.errors import ConfigError
 
 
 class NamedParts(Protocol):
@@ -34,6 +36,21 @@ class ConfigSection(BaseModel):
     validated as loading is."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        """A rejected assignment raises :class:`ConfigError` and leaves the section as it was (pydantic keeps the new
+        value when a check across fields fails after it was set)."""
+        before, fields_set = dict(self.__dict__), set(self.__pydantic_fields_set__)
+        try:
+            super().__setattr__(name, value)
+        except ValidationError as exc:
+            self.__dict__.clear()
+            self.__dict__.update(before)
+            object.__setattr__(self, "__pydantic_fields_set__", fields_set)
+            reasons = "; ".join(
+                str(e["ctx"]["error"]) if "error" in e.get("ctx", {}) else e["msg"] for e in exc.errors()
+            )
+            raise ConfigError(f"{type(self).__name__}.{name} = {value!r} is refused: {reasons}") from None
 
 
 def switch_word(value: Any) -> Any:

@@ -90,9 +90,12 @@ class StreamConfig(ConfigSection):
             return data
         data = current_spelling(data, "stream")
         if data.get("serving") == "amortized":
-            tuning = _as_set(data.get("tuning", {}))
+            given = data.get("tuning", {})
+            tuning = _as_set(given)
             if isinstance(tuning, dict):
-                data = {**data, "tuning": {"learn_from": "zero_shot", **tuning}}
+                settled = {"learn_from": "zero_shot", **tuning}
+                # an assignment (``cfg.stream.serving = ...``) validates no other field: keep tuning a model
+                data = {**data, "tuning": StreamTuning(**settled) if isinstance(given, StreamTuning) else settled}
         return data
 
     @model_validator(mode="after")
