@@ -18,7 +18,7 @@ from typing import Any, Literal, get_args, get_origin
 import yaml
 from pydantic import BaseModel, ValidationError
 
-from elm_memory.config.section import unknown_choice, unknown_key
+from elm_memory.config.section import check_message, unknown_choice, unknown_key
 from elm_memory.config.stream import current_spelling
 from elm_memory.errors import ConfigError
 
@@ -95,10 +95,8 @@ def summarise_validation_error(exc: ValidationError, model: type[BaseModel] | No
         choices = _literal_choices(model, err["loc"]) if err["type"] == "literal_error" else None
         if choices is not None:
             message = unknown_choice(where.replace(".", " ").replace("_", " "), err["input"], choices)
-        elif err["type"] in ("value_error", "assertion_error") and "error" in err.get("ctx", {}):
-            message = str(err["ctx"]["error"])
         else:
-            message = err["msg"]
+            message = check_message(err)
         parts.append(f"{where}: {message}" if where else message)
     return "invalid config: " + "; ".join(parts)
 

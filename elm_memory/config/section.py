@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import difflib
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Protocol
 
 from pydantic import BaseModel, ConfigDict, ValidationError
@@ -47,10 +47,16 @@ class ConfigSection(BaseModel):
             self.__dict__.clear()
             self.__dict__.update(before)
             object.__setattr__(self, "__pydantic_fields_set__", fields_set)
-            reasons = "; ".join(
-                str(e["ctx"]["error"]) if "error" in e.get("ctx", {}) else e["msg"] for e in exc.errors()
-            )
+            reasons = "; ".join(check_message(e) for e in exc.errors())
             raise ConfigError(f"{type(self).__name__}.{name} = {value!r} is refused: {reasons}") from None
+
+
+def check_message(error: Mapping[str, Any]) -> str:
+    """One pydantic error's message: a check's own words (without pydantic's ``Value error,`` prefix), else
+    pydantic's."""
+    if error["type"] in ("value_error", "assertion_error") and "error" in error.get("ctx", {}):
+        return str(error["ctx"]["error"])
+    return str(error["msg"])
 
 
 def switch_word(value: Any) -> Any:
