@@ -116,3 +116,50 @@ def test_amortized_readings_recount_a_committed_readout():
     records = load(run)
     assert len(records) == 200
     assert "\n".join(readings(records)) + "\n" == (run / "readings.txt").read_text(encoding="utf-8")
+
+
+def _pooled(**values):
+    base = {"wins": 10, "losses": 2, "p": 0.04, "token_share": 0.3, "gain_recovered": 0.8, "gate_extra_share": 0.05}
+    base.update(zero_shot=0.40, self_consistency=0.50, elm_amortized=0.48, seeds=[89, 97], answers=200)
+    base.update(values)
+    base.update(gain=base["elm_amortized"] - base["zero_shot"], vote_lead=base["self_consistency"] - base["zero_shot"])
+    return base
+
+
+def test_amortized_targets_hold_each_stream_to_the_plans_thresholds():
+    from benchmarks.amortized_targets import markdown, verdict
+
+    met = verdict({"a": _pooled(), "b": _pooled(elm_amortized=0.42, gain_recovered=0.2, p=0.5)})
+    first, floor, gate = met["targets"]
+    assert first["streams"] == {"a": True, "b": False} and first["met"]  # one stream is enough for the first
+    assert floor["met"] and gate["met"] and not met["third_stream_planned"]  # a's vote leads by 10 points
+    assert "**yes**" in markdown(met)
+    # each threshold alone fails the first target; the floor and the gate fail on any one stream
+    for miss in (
+        {"elm_amortized": 0.449},
+        {"p": 0.05},
+        {"token_share": 0.41},
+        {"gain_recovered": 0.59},
+        {"gain_recovered": None},
+    ):
+        assert not verdict({"a": _pooled(**miss)})["targets"][0]["met"], miss
+    behind = verdict({"a": _pooled(), "b": _pooled(wins=3, losses=4, self_consistency=0.45)})
+    assert not behind["targets"][1]["met"] and behind["targets"][1]["streams"]["a"]
+    assert not verdict({"a": _pooled(gate_extra_share=0.16)})["targets"][2]["met"]
+    assert verdict({"a": _pooled(self_consistency=0.479)})["third_stream_planned"]  # 7.9 points < 8
+
+
+def test_amortized_targets_read_runs_through_elm_compare(tmp_path):
+    from test_seeds import make_amortized_run
+
+    from benchmarks.amortized_targets import stream_readings, verdict
+
+    # test halves: zero-shot right on 1 of 4, the vote and ELM amortized (serving the vote) on 4 of 4
+    a = make_amortized_run(tmp_path, 1, ["a", "x", "b", "c"], ["1", "1", "1", "2"], ["1"] * 4, ["1"] * 4)
+    b = make_amortized_run(tmp_path, 2, ["d", "y", "e", "f"], ["2", "1", "2", "2"], ["1"] * 4, ["1"] * 4)
+    s = stream_readings([a, b])
+    assert (s["answers"], s["wins"], s["losses"], s["seeds"]) == (4, 3, 0, [1, 2])
+    assert s["gain"] == pytest.approx(0.75) and s["gain_recovered"] == pytest.approx(1.0)
+    result = verdict({"synth-arith": s})
+    # p = 0.25 with 3 wins, and 300 tokens against the vote's 250: the first target fails; the gate's 50 of 300 too
+    assert [t["met"] for t in result["targets"]] == [False, True, False]
