@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
+import functools
 import json
 import os
 import platform
@@ -358,7 +359,7 @@ def main() -> None:
         for rows in row_counts:
             batch = prompts[:rows]
             for name, runner in runners.items():
-                cell = _cell(lambda n, runner=runner, batch=batch: runner(batch, n), args.tokens, args.short)
+                cell = _cell(functools.partial(runner, batch), args.tokens, args.short)
                 cell.update(candidate=name, rows=rows, round=round_ + 1)
                 cells.append(cell)
                 if args.out is not None:  # a run cut short (shared cores, a deadline) keeps its cells

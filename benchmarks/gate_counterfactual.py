@@ -114,7 +114,7 @@ def main() -> None:
             )
         utility = [replay_utility(records, u, obs) for u in (0.5,) for obs in (1, 2, 3, 5)]
         report[f"{run_dir}:min_utility"] = utility
-        reuse = {}
+        reuse: dict[str, int] = {}
         for r in records:
             if r.get("memory_id") and r.get("route") != "zero_shot":
                 reuse[r["memory_id"]] = reuse.get(r["memory_id"], 0) + 1

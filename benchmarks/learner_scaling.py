@@ -174,7 +174,7 @@ def _overhead(args: argparse.Namespace, cfg: Any, ledger: Path, store_url: str, 
     elm = _in_process_elm(args, store_url, blobs)
     _warm_pool(cfg, ledger)
     learner = build_learner("ray", None, ledger, scope="bench", config=cfg, batch_size=1, worker_factory=ELM)
-    pairs = []
+    pairs: list[dict[str, Any]] = []
     try:
         learner.submit("Warm-up overhead: what is 2 + 2?", namespace="overhead")  # the dispatcher starts
         learner.wait(timeout=900)

@@ -43,7 +43,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import numpy as np
 
@@ -52,7 +52,15 @@ from elm_memory.store.chroma import DEFAULT_HNSW, KIND_HNSW, ChromaMemoryStore  
 
 ROOT = Path(__file__).resolve().parents[1]
 
-PROFILES = {
+
+class Profile(TypedDict):
+    model: str
+    hidden: int
+    layers: int
+    head_dim: int
+
+
+PROFILES: dict[str, Profile] = {
     "packaged": {"model": "Qwen2.5-Coder-0.5B", "hidden": 896, "layers": 24, "head_dim": 64},
     "7b": {"model": "Qwen2.5-Math-7B", "hidden": 3584, "layers": 28, "head_dim": 128},
 }
@@ -372,7 +380,8 @@ def namespace_isolation(work: Path, profile: str, kind: str, size: int, n_querie
     chroma_dir = str(work / "namespaces" / "chroma")
     settings = Settings(anonymized_telemetry=False, is_persistent=True, persist_directory=chroma_dir)
     chromadb.AdminClient(settings).create_database("ns0")
-    db_client = chromadb.PersistentClient(path=chroma_dir, settings=settings, database="ns0")
+    # Any, as the library's client is: chromadb types `configuration` as a TypedDict the plain dict does not name
+    db_client: Any = chromadb.PersistentClient(path=chroma_dir, settings=settings, database="ns0")
     db_col = db_client.create_collection(
         "bench-ns0", configuration={"hnsw": store.hnsw_settings(kind)}, embedding_function=None
     )
