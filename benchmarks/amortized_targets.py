@@ -32,6 +32,7 @@ TOKEN_SHARE = 0.40  # of self-consistency's tokens per question
 GAIN_RECOVERED = 0.60  # of self-consistency's lead over zero-shot
 GATE_SHARE = 0.10  # the gate's extra decodes, of ELM amortized's tokens
 THIRD_STREAM_LEAD = 0.08  # self-consistency over zero-shot, below which a third stream is planned
+PLOTTED = ("zero_shot", "self_consistency", "stream_greedy", "elm_amortized")
 _EPS = 1e-9  # accuracies are ratios of counts: 0.05 may land a hair under itself
 
 
@@ -58,6 +59,7 @@ def stream_readings(runs: Sequence[str | Path]) -> dict[str, Any]:
         "token_share": test["token_share"],
         "gain_recovered": test["gain_recovered"],
         "gate_extra_share": test["gate_extra_share"],
+        "rows": {row: {"accuracy": acc[row], "tokens": test["tokens"][row]} for row in PLOTTED},
     }
 
 
@@ -123,6 +125,35 @@ def markdown(result: Mapping[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def plot(result: Mapping[str, Any], path: Path) -> Path:
+    """Accuracy against tokens per question, one panel per stream, one point per row (pooled test halves)."""
+    from matplotlib.figure import Figure  # no pyplot: no global figure state, no display needed
+
+    streams = result["streams"]
+    points = [p for s in streams.values() for p in s["rows"].values() if None not in (p["accuracy"], p["tokens"])]
+    low = min(100 * p["accuracy"] for p in points)
+    high = max(100 * p["accuracy"] for p in points)
+    fig = Figure(figsize=(5.0 * len(streams), 4.2), layout="constrained")
+    for ax, (name, s) in zip(fig.subplots(1, len(streams), squeeze=False)[0], streams.items(), strict=True):
+        labelled: list[tuple[float, float]] = []
+        for row, point in s["rows"].items():
+            if point["accuracy"] is None or point["tokens"] is None:
+                continue
+            acc, tokens = 100 * point["accuracy"], point["tokens"]
+            ax.plot([tokens], [acc], "o", markersize=8, label=row)
+            if not any(abs(tokens - t) < 80 and abs(acc - a) < 1 for t, a in labelled):  # once per cluster
+                ax.annotate(f"{acc:.1f}", (tokens, acc), textcoords="offset points", xytext=(6, 4), fontsize=7)
+                labelled.append((tokens, acc))
+        ax.set_ylim(max(0.0, low - 5), min(100.0, high + 5))  # one scale for every stream: a gap reads the same
+        ax.set_xlabel("tokens generated per question")
+        ax.set_ylabel("accuracy (%)")
+        seeds = ", ".join(map(str, s["seeds"]))
+        ax.set_title(f"{name}, seeds {seeds}: test halves ({s['answers']} answers)", fontsize=9)
+        ax.legend(fontsize=7, loc="best")
+    fig.savefig(path, dpi=110)
+    return path
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument(
@@ -134,6 +165,7 @@ def main() -> None:
         help="a stream's name, then its finished elm_amortized run directories (two seeds or more)",
     )
     ap.add_argument("--json", type=Path, help="also write the readings and the verdict here")
+    ap.add_argument("--plot", type=Path, help="also draw accuracy against tokens per question here (.png)")
     args = ap.parse_args()
     streams = {}
     for name, *runs in args.stream:
@@ -146,6 +178,8 @@ def main() -> None:
     result = verdict(streams)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    if args.plot is not None:
+        plot(result, args.plot)
     print(markdown(result), end="")
 
 

@@ -152,7 +152,7 @@ def test_amortized_targets_hold_each_stream_to_the_plans_thresholds():
 def test_amortized_targets_read_runs_through_elm_compare(tmp_path):
     from test_seeds import make_amortized_run
 
-    from benchmarks.amortized_targets import stream_readings, verdict
+    from benchmarks.amortized_targets import plot, stream_readings, verdict
 
     # test halves: zero-shot right on 1 of 4, the vote and ELM amortized (serving the vote) on 4 of 4
     a = make_amortized_run(tmp_path, 1, ["a", "x", "b", "c"], ["1", "1", "1", "2"], ["1"] * 4, ["1"] * 4)
@@ -163,3 +163,6 @@ def test_amortized_targets_read_runs_through_elm_compare(tmp_path):
     result = verdict({"synth-arith": s})
     # p = 0.25 with 3 wins, and 300 tokens against the vote's 250: the first target fails; the gate's 50 of 300 too
     assert [t["met"] for t in result["targets"]] == [False, True, False]
+    assert s["rows"]["self_consistency"] == {"accuracy": 1.0, "tokens": 250.0}
+    png = plot(result, tmp_path / "accuracy_tokens.png")
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
