@@ -1,10 +1,11 @@
 #!/usr/bin/env bash
 # Copies one finished evidence run into its folder here and writes what READOUT.md reads from it, with the
 # commands users run (nothing is recomputed by hand). Run from the repository root:
-#   bash benchmarks/results/amortized_evidence/readout.sh RUN_DIR DATASET SEED [PYTHON]
+#   bash benchmarks/results/amortized_evidence/readout.sh RUN_DIR DATASET SEED [PYTHON] [OUT_DIR]
+# (OUT_DIR: a pilot's folder elsewhere in benchmarks/results; default: this folder's DATASET_SEED)
 set -euo pipefail
 run=${1:?run directory}; dataset=${2:?dataset}; seed=${3:?seed}; py=${4:-.venv/bin/python}
-out=benchmarks/results/amortized_evidence/${dataset}_${seed}
+out=${5:-benchmarks/results/amortized_evidence/${dataset}_${seed}}
 [[ -s $run/records.jsonl ]] || { echo "no records in $run" >&2; exit 1; }
 mkdir -p "$out"
 for f in records.jsonl run.json results.md summary.json comparisons.json accuracy_over_stream.png amortized.png; do
