@@ -63,7 +63,7 @@ from elm_memory.errors import (
     MemoryFormatError,
     StoreError,
 )
-from elm_memory.memory import MAX_HEADER_BYTES, LatentMemory, TrainingStats
+from elm_memory.memory import MAX_FILE_BYTES, MAX_HEADER_BYTES, LatentMemory, TrainingStats
 from elm_memory.memory.ids import MAX_NAMESPACE_CHARS, validate_namespace
 from elm_memory.store.chroma import ChromaMemoryStore
 
@@ -772,7 +772,7 @@ def test_memory_load_refuses_renamed_pickles_and_oversized_files(tmp_path: Path)
         assert refused, name
     big = tmp_path / "big.safetensors"
     with big.open("wb") as fh:
-        fh.truncate(65 * 1024 * 1024)  # sparse: over the 64 MiB cap without writing it
+        fh.truncate(MAX_FILE_BYTES + 1)  # sparse: over the cap without writing it
     with outcome("memory files", MemoryFormatError) as refused:
         LatentMemory.load(big)
     assert refused and "bytes (at most" in str(refused[0])

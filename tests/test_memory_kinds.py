@@ -534,3 +534,24 @@ def test_offline_greedy_answers_apply_adapter_memories(smol, tiny_backend):
         question=OTHER, namespace="default", model=smol.info, adapter=question_prefix(smol, _ids(smol, OTHER), 6)
     )
     assert greedy_answers(cfg, prompts, tiny_backend, problems, prefix)[0][1]  # it runs and answers
+
+
+def test_a_lora_memory_of_the_packaged_1_5b_saves_and_loads_back(tmp_path):
+    """Rank 16 on all seven projections of Qwen2.5-1.5B's 28 layers is 74 MB: over the old 64 MiB cap, which
+    refused the stream memory's first version on the packaged 1.5B."""
+    hidden, kv, inner, rank = 1536, 256, 8960, 16
+    shapes = {"q_proj": (hidden, hidden), "k_proj": (hidden, kv), "v_proj": (hidden, kv), "o_proj": (hidden, hidden),
+              "gate_proj": (hidden, inner), "up_proj": (hidden, inner), "down_proj": (inner, hidden)}  # fmt: skip
+    weights = {}
+    for layer in range(28):
+        for short, (fan_in, fan_out) in shapes.items():
+            part = "self_attn" if short.endswith(("q_proj", "k_proj", "v_proj", "o_proj")) else "mlp"
+            weights[f"model.layers.{layer}.{part}.{short}"] = (torch.zeros(rank, fan_in), torch.zeros(fan_out, rank))
+    info = ModelInfo(name="qwen2.5-coder-1.5b", path="/nowhere", model_type="qwen2", hidden_size=hidden,
+                     num_layers=28, num_attention_heads=12, num_key_value_heads=2, head_dim=128, vocab_size=151936,
+                     max_context=32768, dtype="float32", device="cpu", fingerprint="f" * 16)  # fmt: skip
+    memory = LatentMemory.create(question="q", namespace="default", model=info, adapter=LoraAdapter(weights, 32.0))
+    path = memory.save(tmp_path / "v.safetensors")
+    assert path.stat().st_size > 64 * 1024 * 1024
+    back = LatentMemory.load(path)
+    assert back.kind == "lora" and back.num_parameters == memory.num_parameters == 18_464_768

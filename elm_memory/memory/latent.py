@@ -41,9 +41,9 @@ _META_KEY = "elm_memory"
 #: must not cost memory, index rows or collections out of proportion to that.
 MAX_QUESTION_CHARS = 200_000  # far more than fits any supported model's context
 MAX_HEADER_BYTES = 8 * 1024 * 1024  # JSON header: tensor table + metadata (question escaped twice)
-#: e.g. 512 tokens x 8192 hidden in float32 is 16 MiB; a rank-16 LoRA of the default 0.5B model on all seven
-#: projections is 35 MB (8.8M float32 values), of a 7B model ~160 MB: such memories need a raised cap
-MAX_FILE_BYTES = 64 * 1024 * 1024
+#: e.g. 512 tokens x 8192 hidden in float32 is 16 MiB; a rank-16 LoRA on all seven projections is 35 MB for the
+#: default 0.5B model (8.8M float32 values), 74 MB for the packaged 1.5B and about 160 MB for a 7B model
+MAX_FILE_BYTES = 256 * 1024 * 1024
 MAX_KEY_KINDS = 16  # each kind is an index collection per namespace
 _KIND_RE = re.compile(r"[A-Za-z0-9_.-]{1,64}")
 MAX_MERGED = 10_000  # ids in a merged memory's provenance
