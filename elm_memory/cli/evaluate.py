@@ -27,8 +27,8 @@ def demo(
     dataset: Annotated[
         str,
         typer.Option(
-            help="Vendored dataset: synth-arith (toy stream, default), gsm8k, math500, "
-            "math500-easy (levels 1-3), amc23, aime24."
+            help="Vendored dataset: synth-arith (toy stream, default), synth-multistep (harder toy stream), "
+            "gsm8k, math500, math500-easy (levels 1-3), amc23, aime24."
         ),
     ] = "synth-arith",
     limit: Annotated[int, typer.Option(min=1, help="Number of questions in the stream.")] = 8,
@@ -124,7 +124,7 @@ DatasetOpt = Annotated[
     str,
     typer.Option(
         help="gsm8k, math500, math500-easy (MATH500 levels 1-3), amc23, aime24, synth-arith (toy), "
-        "or a JSONL file with question/answer."
+        "synth-multistep (harder toy), or a JSONL file with question/answer."
     ),
 ]
 NoPlotsOpt = Annotated[bool, typer.Option("--no-plots", help="Skip the PNG plots.")]

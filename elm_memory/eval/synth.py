@@ -411,12 +411,12 @@ FAMILY_NAMES = tuple(f.name for f in FAMILIES)
 _BASE_VERB = {"sold": "sell", "lent": "lend", "welcomed": "welcome", "collected": "collect"}
 
 
-def _schedule(n: int, seed: int) -> list[int]:
+def _schedule(n: int, seed: int, families: int, name: str) -> list[int]:
     """Family index of each position: blocks that hold every family once, each block shuffled."""
-    rng = random.Random(f"synth-arith-schedule:{seed}")
+    rng = random.Random(f"{name}-schedule:{seed}")
     order: list[int] = []
     while len(order) < n:
-        block = list(range(len(FAMILIES)))
+        block = list(range(families))
         rng.shuffle(block)
         order.extend(block)
     return order[:n]
@@ -440,16 +440,23 @@ def make_problem(family: Family, rng: random.Random, pid: str) -> SynthProblem:
 def generate(n: int, seed: int = GENERATOR_SEED) -> list[SynthProblem]:
     """``n`` problems, the same for the same ``(n, seed)``; no question twice. Problem ``i`` depends on
     ``seed``, ``i`` and (only when it would repeat an earlier question) the problems before it, never on ``n``."""
+    return generate_stream(FAMILIES, n, seed, name="synth-arith", id_prefix=ID_PREFIX)
+
+
+def generate_stream(
+    families: tuple[Family, ...], n: int, seed: int, *, name: str, id_prefix: str
+) -> list[SynthProblem]:
+    """:func:`generate` for any family set; ``name`` seeds the schedule and each problem's draws."""
     if n < 1:
         raise ValueError("n must be at least 1")
     width = max(4, len(str(n - 1)))
     out: list[SynthProblem] = []
     seen: set[str] = set()
-    for i, fam in enumerate(_schedule(n, seed)):
-        rng = random.Random(f"synth-arith:{seed}:{i}")
-        problem = make_problem(FAMILIES[fam], rng, f"{ID_PREFIX}-{i:0{width}d}")
+    for i, fam in enumerate(_schedule(n, seed, len(families), name)):
+        rng = random.Random(f"{name}:{seed}:{i}")
+        problem = make_problem(families[fam], rng, f"{id_prefix}-{i:0{width}d}")
         while problem.question in seen:  # no question twice in a stream: draw again from the same rng
-            problem = make_problem(FAMILIES[fam], rng, problem.id)
+            problem = make_problem(families[fam], rng, problem.id)
         seen.add(problem.question)
         out.append(problem)
     return out
@@ -463,6 +470,20 @@ def vendored_path() -> Path:
     return Path(__file__).with_name("data") / "synth_arith.jsonl"
 
 
+def write_stream(text: str, out: Path, vendored: Path) -> None:
+    """Write ``text`` to ``out``; when ``out`` is the vendored file, keep its ``data/SHA256SUMS`` entry in step."""
+    out.write_text(text, encoding="utf-8")
+    print(f"wrote {text.count(chr(10))} problems to {out}")
+    if out.resolve() == vendored.resolve():
+        import hashlib
+
+        sums = out.with_name("SHA256SUMS")
+        lines = [ln for ln in sums.read_text(encoding="utf-8").splitlines() if not ln.endswith(f"  {out.name}")]
+        lines.append(f"{hashlib.sha256(text.encode('utf-8')).hexdigest()}  {out.name}")
+        sums.write_text("\n".join(lines) + "\n", encoding="utf-8")
+        print(f"updated {sums}")
+
+
 def main(argv: list[str] | None = None) -> None:
     """Regenerate the vendored file and its ``data/SHA256SUMS`` entry, or write any ``--n``/``--seed`` set."""
     import argparse
@@ -472,17 +493,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--seed", type=int, default=GENERATOR_SEED)
     parser.add_argument("--out", type=Path, default=vendored_path())
     args = parser.parse_args(argv)
-    text = to_jsonl(generate(args.n, args.seed))
-    args.out.write_text(text, encoding="utf-8")
-    print(f"wrote {args.n} problems to {args.out}")
-    if args.out.resolve() == vendored_path().resolve():  # keep the pinned checksum in step
-        import hashlib
-
-        sums = args.out.with_name("SHA256SUMS")
-        lines = [ln for ln in sums.read_text(encoding="utf-8").splitlines() if not ln.endswith(f"  {args.out.name}")]
-        lines.append(f"{hashlib.sha256(text.encode('utf-8')).hexdigest()}  {args.out.name}")
-        sums.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        print(f"updated {sums}")
+    write_stream(to_jsonl(generate(args.n, args.seed)), args.out, vendored_path())
 
 
 if __name__ == "__main__":
