@@ -166,3 +166,26 @@ def test_amortized_targets_read_runs_through_elm_compare(tmp_path):
     assert s["rows"]["self_consistency"] == {"accuracy": 1.0, "tokens": 250.0}
     png = plot(result, tmp_path / "accuracy_tokens.png")
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_paired_runs_counts_each_row_on_the_questions_both_runs_answered(tmp_path, capsys):
+    from test_seeds import make_amortized_run
+
+    from benchmarks.paired_runs import main, paired_runs
+
+    # A (seed 1) and B (seed 2) share b, c, d; e is B's alone. The vote: A right on b only, B on c and d.
+    a = make_amortized_run(tmp_path, 1, ["a", "b", "c", "d"], ["1", "1", "2", "2"], ["1", "1", "2", "2"], ["1"] * 4)
+    b = make_amortized_run(tmp_path, 2, ["d", "c", "b", "e"], ["2", "2", "1", "1"], ["1", "1", "2", "1"], ["1"] * 4)
+    result = paired_runs(a, b)
+    assert result["questions"] == 3
+    vote = result["rows"]["self_consistency"]
+    assert (vote["right_a"], vote["right_b"], vote["b_only"], vote["a_only"]) == (1, 2, 2, 1)
+    assert vote["p"] == pytest.approx(1.0) and vote["tokens_b"] == 250.0
+    assert result["rows"]["zero_shot"]["b_only"] == result["rows"]["zero_shot"]["a_only"] == 0
+    assert paired_runs(a, b, first=1)["rows"]["self_consistency"]["a_only"] == 1  # b, A's first shared question
+    assert result["seconds_a"] == {"answer": 1.0, "learn": 0.0}
+    main([str(a), str(b)])
+    assert "| self_consistency | 1 (33.3%) | 2 (66.7%) | 2 / 1 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as refused:
+        main([str(a), str(tmp_path)])
+    assert refused.value.code == 2 and "no records.jsonl" in capsys.readouterr().err
