@@ -6,6 +6,7 @@ different model."""
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 
@@ -49,6 +50,17 @@ def _learn(smol, kind: str, question: str = QUESTION, **memory) -> tuple[LatentM
     scripted = ScriptedRollouts(_Real(smol), ROLLOUTS)
     memory_ = learn_memory(question, config=cfg, loaded=smol, backend=scripted, prompts=prompts)
     return memory_, scripted
+
+
+_LEARNED: dict[str, LatentMemory] = {}
+
+
+def _learned(smol, kind: str) -> LatentMemory:
+    """A memory of ``kind`` learned with ``_learn``'s defaults, once per module: the tests that only read such a
+    memory share it, each through its own copy, so none sees another's changes (each learning costs seconds)."""
+    if kind not in _LEARNED:
+        _LEARNED[kind] = _learn(smol, kind)[0]
+    return copy.deepcopy(_LEARNED[kind])
 
 
 class _Real:
@@ -191,7 +203,7 @@ def test_grpo_trains_a_lora_memory_and_never_the_model(smol):
 
 @pytest.mark.model
 def test_a_lora_memory_is_never_a_soft_prompt(smol):
-    memory, _ = _learn(smol, "lora")
+    memory = _learned(smol, "lora")
     with pytest.raises(MemoryKindError):
         memory.soft_prompt  # noqa: B018
     prompt = PromptBuilder(smol.tokenizer, _config("lora").prompt, smol.info.max_context).answer_prompt(
@@ -306,7 +318,7 @@ def test_soft_prompt_files_are_byte_identical_to_format_1():
 @pytest.mark.model
 @pytest.mark.parametrize("kind", ["lora", pytest.param("prefix", marks=(pytest.mark.slow, pytest.mark.extended))])
 def test_adapter_memories_round_trip_and_keep_their_kind(smol, tmp_path, kind):
-    memory, _ = _learn(smol, kind)
+    memory = _learned(smol, kind)
     path = memory.save(tmp_path / "m.safetensors")
     back = LatentMemory.load(path)
     assert back.kind == kind and back.to_bytes() == memory.to_bytes()
@@ -337,7 +349,7 @@ def _rewrite(memory: LatentMemory, *, tensors=None, meta=None) -> bytes:
 def test_corrupt_or_mismatched_adapter_files_are_refused(smol):
     import dataclasses
 
-    lora, _ = _learn(smol, "lora")
+    lora = _learned(smol, "lora")
     name = next(n for n in lora.params if n.endswith("q_proj.B"))
     bad_b = lora.params[name].clone()
     bad_b[0, 0] = float("nan")
@@ -357,7 +369,7 @@ def test_corrupt_or_mismatched_adapter_files_are_refused(smol):
     with pytest.raises(IncompatibleMemoryError):
         lora.check_compatible(other)
 
-    prefix, _ = _learn(smol, "prefix")
+    prefix = _learned(smol, "prefix")
     with pytest.raises(MemoryFormatError, match="prefix.<l>.key"):
         LatentMemory.from_bytes(_rewrite(prefix, tensors={"prefix.29.value": None}))
     with pytest.raises(MemoryFormatError, match="tokens"):
@@ -380,7 +392,7 @@ def test_each_kind_grows_the_pool_and_retrieval_keeps_to_its_kind(smol, tmp_path
     builder = key_builders.get(key)()
     made = {}
     for kind in ("soft_prompt", "lora", "prefix"):
-        memory, _ = _learn(smol, kind)
+        memory = _learned(smol, kind)
         Retriever(store, builder, smol, memory_kind=kind).index_memory(memory)
         made[kind] = memory
         assert store.count("default", kind=key) == len(made)  # the pool grows
@@ -407,7 +419,7 @@ def test_soft_prompt_mean_keys_refuse_adapter_memories(smol, tmp_path):
     from elm_memory.retrieval.retriever import Retriever
     from elm_memory.store.chroma import ChromaMemoryStore
 
-    memory, _ = _learn(smol, "lora")
+    memory = _learned(smol, "lora")
     retriever = Retriever(ChromaMemoryStore(tmp_path / "s", model=smol.info), SoftPromptMeanKeyBuilder(), smol)
     with pytest.raises(ConfigError, match="soft_prompt_mean"):
         retriever.index_memory(memory)
@@ -446,7 +458,7 @@ def test_prefix_memories_are_not_exported_or_served_by_vllm(smol, tmp_path):
     from elm_memory.backends.vllm.lora import check_kind
     from elm_memory.memory.peft import export_adapter
 
-    memory, _ = _learn(smol, "prefix")
+    memory = _learned(smol, "prefix")
     with pytest.raises(AdapterError, match="prefix"):
         export_adapter(memory, tmp_path / "a", position="prefix", base_model="x")
     with pytest.raises(ConfigError, match="prefix"):

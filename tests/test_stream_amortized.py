@@ -105,6 +105,8 @@ def test_non_inferiority_keeps_a_memory_behind_by_more_than_its_tolerance_shut()
     assert gate.open_stat < 0.0 and gate.state == WARMUP
 
 
+@pytest.mark.slow
+@pytest.mark.extended
 def test_non_inferiority_holds_its_alpha_at_the_boundary_however_often_it_is_read():
     import random
 
@@ -327,7 +329,11 @@ def test_the_gate_opens_on_a_stream_where_the_memory_agrees_with_the_vote_and_it
     ("test", "reason"),
     [
         ("non_inferiority", "at least as often as zero-shot, less 0.45"),
-        ("sample_share", "the samples give the memory's answer at least as often as zero-shot's, less 0.45"),
+        pytest.param(
+            "sample_share",
+            "the samples give the memory's answer at least as often as zero-shot's, less 0.45",
+            marks=(pytest.mark.slow, pytest.mark.extended),
+        ),
     ],
 )
 def test_the_configured_non_inferiority_gate_reads_the_turns_and_says_why_it_opened(smol, tmp_path, test, reason):

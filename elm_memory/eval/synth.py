@@ -470,30 +470,29 @@ def vendored_path() -> Path:
     return Path(__file__).with_name("data") / "synth_arith.jsonl"
 
 
-def write_stream(text: str, out: Path, vendored: Path) -> None:
-    """Write ``text`` to ``out``; when ``out`` is the vendored file, keep its ``data/SHA256SUMS`` entry in step."""
-    out.write_text(text, encoding="utf-8")
-    print(f"wrote {text.count(chr(10))} problems to {out}")
-    if out.resolve() == vendored.resolve():
-        import hashlib
+def generator_cli(prog: str, make: Callable[[int, int], list[SynthProblem]], n: int, seed: int, vendored: Path,
+                  argv: list[str] | None) -> None:  # fmt: skip
+    """Write ``make(--n, --seed)`` to ``--out``; to the vendored file, with its ``SHA256SUMS`` line in step."""
+    import argparse
+    import hashlib
 
-        sums = out.with_name("SHA256SUMS")
-        lines = [ln for ln in sums.read_text(encoding="utf-8").splitlines() if not ln.endswith(f"  {out.name}")]
-        lines.append(f"{hashlib.sha256(text.encode('utf-8')).hexdigest()}  {out.name}")
+    parser = argparse.ArgumentParser(prog=prog, description="Write a generated set (default: the vendored file).")
+    parser.add_argument("--n", type=int, default=n)
+    parser.add_argument("--seed", type=int, default=seed)
+    parser.add_argument("--out", type=Path, default=vendored)
+    args = parser.parse_args(argv)
+    text, pinned = to_jsonl(make(args.n, args.seed)), args.out.resolve() == vendored.resolve()
+    args.out.write_text(text, encoding="utf-8")
+    if pinned:
+        sums = args.out.with_name("SHA256SUMS")
+        lines = [ln for ln in sums.read_text(encoding="utf-8").splitlines() if not ln.endswith(f"  {args.out.name}")]
+        lines.append(f"{hashlib.sha256(text.encode('utf-8')).hexdigest()}  {args.out.name}")
         sums.write_text("\n".join(lines) + "\n", encoding="utf-8")
-        print(f"updated {sums}")
+    print(f"wrote {args.n} problems to {args.out}" + (" and its SHA256SUMS line" if pinned else ""))
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Regenerate the vendored file and its ``data/SHA256SUMS`` entry, or write any ``--n``/``--seed`` set."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m elm_memory.eval.synth", description=main.__doc__)
-    parser.add_argument("--n", type=int, default=N_PROBLEMS)
-    parser.add_argument("--seed", type=int, default=GENERATOR_SEED)
-    parser.add_argument("--out", type=Path, default=vendored_path())
-    args = parser.parse_args(argv)
-    write_stream(to_jsonl(generate(args.n, args.seed)), args.out, vendored_path())
+    generator_cli("python -m elm_memory.eval.synth", generate, N_PROBLEMS, GENERATOR_SEED, vendored_path(), argv)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-from elm_memory.eval.synth import Family, Params, SynthProblem, generate_stream, to_jsonl, write_stream
+from elm_memory.eval.synth import Family, Params, SynthProblem, generate_stream, generator_cli
 
 GENERATOR_VERSION = "1"
 N_PROBLEMS = 1200
@@ -395,15 +395,8 @@ def vendored_path() -> Path:
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Regenerate the vendored file and its ``data/SHA256SUMS`` entry, or write any ``--n``/``--seed`` set."""
-    import argparse
-
-    parser = argparse.ArgumentParser(prog="python -m elm_memory.eval.synth_multistep", description=main.__doc__)
-    parser.add_argument("--n", type=int, default=N_PROBLEMS)
-    parser.add_argument("--seed", type=int, default=GENERATOR_SEED)
-    parser.add_argument("--out", type=Path, default=vendored_path())
-    args = parser.parse_args(argv)
-    write_stream(to_jsonl(generate(args.n, args.seed)), args.out, vendored_path())
+    prog = "python -m elm_memory.eval.synth_multistep"
+    generator_cli(prog, generate, N_PROBLEMS, GENERATOR_SEED, vendored_path(), argv)
 
 
 if __name__ == "__main__":
