@@ -1,7 +1,6 @@
 """Benchmark questions: the vendored files (MATH500, AMC23, AIME24, GSM8K test; see
 ``data/PROVENANCE.md``), the toy streams ``synth-arith`` (``synth.py``) and ``synth-multistep``
-(``synth_multistep.py``), or any JSONL with
-``question`` and ``answer`` fields.
+(``synth_multistep.py``), or any JSONL with ``question`` and ``answer`` fields.
 
 Gold answers are carried only so the runner can score; no method ever receives them.
 
