@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from elm_memory.errors import ConfigError
-from elm_memory.eval.amortized_report import amortized_records, row_right
+from elm_memory.eval.amortized_report import amortized_records, mean_row_tokens, row_right
 from elm_memory.eval.records import RecordLog
 from elm_memory.eval.significance import sign_test
 
@@ -55,8 +55,8 @@ def paired_runs(run_a: str | Path, run_b: str | Path, *, first: int | None = Non
             "b_only": wins,
             "a_only": losses,
             "p": sign_test(wins, losses),
-            "tokens_a": _mean_tokens([x for x, _ in pairs], row),
-            "tokens_b": _mean_tokens([y for _, y in pairs], row),
+            "tokens_a": mean_row_tokens([x for x, _ in pairs], row),
+            "tokens_b": mean_row_tokens([y for _, y in pairs], row),
         }
     return {
         "run_a": str(run_a),
@@ -66,12 +66,6 @@ def paired_runs(run_a: str | Path, run_b: str | Path, *, first: int | None = Non
         "seconds_a": _seconds([x for x, _ in pairs]),
         "seconds_b": _seconds([y for _, y in pairs]),
     }
-
-
-def _mean_tokens(records: Sequence[Mapping[str, Any]], row: str) -> float | None:
-    values = [r["extra"]["amortized"]["tokens"].get(row) for r in records]
-    present = [float(v) for v in values if v is not None]
-    return sum(present) / len(present) if present else None
 
 
 def _seconds(records: Sequence[Mapping[str, Any]]) -> dict[str, float]:

@@ -49,7 +49,7 @@ def summarize_amortized(runs: Sequence[Sequence[Mapping[str, Any]]], warmups: Se
         flat = [r for run in chosen for r in run]
         n = len(flat)
         accuracy = {row: _mean([row_right(r, row) for r in flat]) for row in ROWS}
-        tokens = {row: _mean([_tokens(r, row) for r in flat]) for row in ROWS}
+        tokens = {row: mean_row_tokens(flat, row) for row in ROWS}
         tests = []
         for row, base in PLANNED:
             wins, losses = _signs(chosen, row, base)
@@ -152,7 +152,7 @@ def plot_amortized(records: Sequence[Mapping[str, Any]], out_dir: str | Path, *,
     test = [r for r in mine if r["index"] >= warmup] or mine
     init_is_zero_shot = all(r["extra"]["amortized"].get("init_is_zero_shot") for r in test)
     for row in ROWS:
-        acc, tok = _mean([row_right(r, row) for r in test]), _mean([_tokens(r, row) for r in test])
+        acc, tok = _mean([row_right(r, row) for r in test]), mean_row_tokens(test, row)
         if acc is None or tok is None:
             continue
         if row == "init_greedy" and init_is_zero_shot:  # a LoRA's init is zero-shot: a ring, not a hidden point
@@ -163,7 +163,7 @@ def plot_amortized(records: Sequence[Mapping[str, Any]], out_dir: str | Path, *,
     xs, ys = [], []
     for start in range(0, len(mine), block):
         part = mine[start : start + block]
-        xs.append(_mean([_tokens(r, "elm_amortized") for r in part]))
+        xs.append(mean_row_tokens(part, "elm_amortized"))
         ys.append(_mean([row_right(r, "elm_amortized") for r in part]))
     left.plot(xs, ys, "-", color="grey", linewidth=0.8, label=f"elm_amortized, blocks of {block} (in order)")
     left.set_xlabel("tokens generated per question")
@@ -193,6 +193,11 @@ def _label(r: Mapping[str, Any]) -> str | None:
 def row_right(r: Mapping[str, Any], row: str) -> float:
     """1.0 when the record's ``row`` answer is the gold answer (the verifier's equivalence), else 0.0."""
     return float(bool(equivalent(r["extra"]["amortized"]["rows"].get(row), r["gold"])))
+
+
+def mean_row_tokens(records: Sequence[Mapping[str, Any]], row: str) -> float | None:
+    """Mean tokens per question of ``row`` over the records that counted it (None where none did)."""
+    return _mean([_tokens(r, row) for r in records])
 
 
 def _tokens(r: Mapping[str, Any], row: str) -> float | None:
