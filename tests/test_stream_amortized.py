@@ -618,6 +618,64 @@ def test_elm_amortized_records_every_row_with_its_tokens_and_reports_them(tiny_l
     assert "Amortized stream memory" in (tmp_path / "results.md").read_text()
 
 
+def _evaluation(smol, cfg, script, out):
+    from elm_memory.eval.methods.amortized_method import AmortizedEval
+    from elm_memory.eval.methods.base import EvalRuntime
+
+    return AmortizedEval(EvalRuntime(cfg, out, loaded=smol, backend=script))
+
+
+def _record(method, question, index):
+    output = method.answer(question, index)
+    method.learn(question, f"q{index}", output)
+    return {"index": index, "question": question, "extra": output.extra}
+
+
+def test_a_resumed_evaluation_reads_a_question_stopped_mid_update_once(smol, tmp_path, monkeypatch):
+    # stopped while learning question 2: the gate had read it, its update and record were never written; the resumed
+    # run answers it again, so the gate must be back where question 1's record left it, or it reads question 2 twice
+    from elm_memory.training.stream import StreamMemory
+
+    cfg, script = _amortized(tmp_path), Script(smol)
+    first = _evaluation(smol, cfg, script, tmp_path)
+    records = [_record(first, "What is 2 + 3?", 0)]
+    assert records[0]["extra"]["amortized"]["gate_state"]["total_readings"] == 1
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(StreamMemory, "_update", stopped)
+        with pytest.raises(KeyboardInterrupt):
+            _record(first, "What is 4 + 1?", 1)
+    assert first.stream.files.read_gate()["total_readings"] == 2  # read, not recorded
+    version = first.stream.version
+
+    again = _evaluation(smol, cfg, script, tmp_path)
+    again.resume(records)
+    gate = again.stream.files.read_gate()
+    assert gate == records[0]["extra"]["amortized"]["gate_state"] and again.stream.gate.total_readings == 1
+    assert again.stream.version == version  # no update was written: the version is the recorded one
+    assert again.stream.history[-1]["gate_restored"]["readings"] == [2, 1]
+    records.append(_record(again, "What is 4 + 1?", 1))
+    assert again.stream.files.read_gate()["total_readings"] == 2  # question 2 read once
+    again.resume(records)  # nothing unrecorded: nothing restored
+    assert "gate_restored" not in again.stream.history[-1]
+
+
+def test_a_resume_from_records_without_the_gates_state_says_when_the_gate_holds_more(smol, tmp_path, caplog):
+    cfg, script = _amortized(tmp_path), Script(smol)
+    first = _evaluation(smol, cfg, script, tmp_path)
+    records = [_record(first, "What is 2 + 3?", 0)]
+    _record(first, "What is 4 + 1?", 1)  # read and learned, its record lost
+    for r in records:
+        del r["extra"]["amortized"]["gate_state"]  # written before records held it
+    again = _evaluation(smol, cfg, script, tmp_path)
+    with caplog.at_level("WARNING", logger="elm_memory.eval.methods.amortized_method"):
+        again.resume(records)
+    assert "the gate holds 2 readings but the records 1" in caplog.text
+
+
 def test_two_learners_of_one_namespace_share_the_gate(smol, tmp_path):
     from elm_memory.training.stream import StreamMemory
     from elm_memory.training.stream_samples import Generated

@@ -190,6 +190,24 @@ class StreamFiles:
         self.dir.mkdir(parents=True, exist_ok=True)
         write_bytes_atomic(self.dir / GATE_FILE, json.dumps(state, indent=1).encode())
 
+    def restore_gate(self, state: dict[str, Any], *, reason: str, at_version: int) -> dict[str, Any] | None:
+        """Write ``state`` as the gate's and log why in the history (call under :meth:`lock`); the history entry, or
+        None when the gate on disk is ``state`` already."""
+        stored = self.read_gate() or {}
+        if stored == state:
+            return None
+        entry = {
+            "gate_restored": {
+                "state": [stored.get("state"), state.get("state")],
+                "readings": [stored.get("total_readings", 0), state.get("total_readings", 0)],
+            },
+            "at_version": at_version,
+            "reasons": [reason],
+        }
+        self.write_gate(state)
+        self.append_history([entry])
+        return entry
+
     def delete(self) -> list[int]:
         """Delete the pointer, then every version, the log and the gate (the lock file stays). Call under
         :meth:`lock`."""

@@ -38,7 +38,7 @@ from elm_memory.models.loading import LoadedModel
 from elm_memory.store.stream_files import StreamFiles, gate_summary, updates_and_rollbacks
 from elm_memory.training.stream_gate import PROBATION, AmortizationGate, GateReading
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
-from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample_kept
+from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample_kept, update_entry
 from elm_memory.training.stream_samples import Generated, learnable_rows, own_vote, under_soft_prompt
 from elm_memory.training.stream_step import (
     StreamUpdate,
@@ -46,6 +46,7 @@ from elm_memory.training.stream_step import (
     backward_rows,
     initial_stream_tensors,
     optimizer_moments,
+    relative_distance,
     set_optimizer_moments,
 )
 
@@ -85,7 +86,8 @@ class StreamMemory:
         self.guard = CollapseGuard.from_settings(self.cfg.tuning)
         self.temperature = config.verifier.consistency_temperature  # what the answer path's samples used
         self.pooled: list[PooledQuestion] = []  # waiting for a batch (tuning.update_every > 1), this process only
-        self.init = self.initial_tensors()  # rebuilt, not stored: the same text (or seed) gives the same tensors
+        # rebuilt, not stored: the same text (or seed) gives the same tensors
+        self.init = initial_stream_tensors(config, loaded, self.kind)
         with self.files.lock():
             if self.files.current_version() is None:
                 self._start()
@@ -111,10 +113,6 @@ class StreamMemory:
         return str(stored.get("state", self.gate.state)) if stored else self.gate.state
 
     # -- state -----------------------------------------------------------------------
-    def initial_tensors(self) -> dict[str, torch.Tensor]:
-        """The untrained memory's tensors by name: a soft prompt, or a LoRA with B = 0 (the base model)."""
-        return initial_stream_tensors(self.config, self.loaded, self.kind)
-
     @property
     def init_is_base_model(self) -> bool:
         """Whether the untrained memory answers exactly as the base model (a LoRA from B = 0)."""
@@ -209,9 +207,7 @@ class StreamMemory:
 
     def moved(self) -> float:
         """||memory - init|| / ||init|| over all its tensors."""
-        diff = sum(float((p.detach() - self.init[n]).pow(2).sum()) for n, p in self.params.items())
-        base = sum(float(t.pow(2).sum()) for t in self.init.values())
-        return (diff**0.5) / max(base**0.5, 1e-12)
+        return relative_distance(self.params, self.init)
 
     def refresh(self) -> bool:
         """Serve the newest version on disk (another learner may have written it). True when the stream memory
@@ -331,6 +327,15 @@ class StreamMemory:
         self.files.write_gate(self.gate.to_json())
         return closed
 
+    def restore_gate(self, state: dict[str, Any], *, reason: str) -> bool:
+        """Put the gate back to ``state`` (a resumed evaluation: what its last record saw); True when it changed."""
+        with self.files.lock():
+            entry = self.files.restore_gate(state, reason=reason, at_version=self.version)
+            if entry is not None:
+                self.history.append(entry)
+                self.gate = self._gate_of(state)
+        return entry is not None
+
     def _rollback_versions(self) -> set[int]:
         return {h["version"] for h in self.history if h.get("rollback_to") is not None}
 
@@ -402,18 +407,7 @@ class StreamMemory:
             update.skipped = "non_finite"
             return
         version = self.version + 1
-        entry = {
-            "version": version,
-            **batch[-1].history_entry(),
-            "objective": self.cfg.tuning.objective,
-            "trained_from": self.version,
-        }
-        if len(batch) > 1:  # the batch's other questions too; "label" stays the last one's, so counting is the same
-            entry["batch"] = [b.history_entry() for b in batch]
-        if replayed:
-            entry["replayed"] = [question_hash(b.question) for b in replayed]
-        if drawn is not None:  # every re-sampled question, those dropped (no row to learn from) too
-            entry["resampled"] = drawn
+        entry = update_entry(version, self.version, self.cfg.tuning.objective, batch, replayed, drawn)
         if self.cfg.tuning.replay:
             self.replay.add(batch)
         self.history.append(entry)

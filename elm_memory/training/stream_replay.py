@@ -97,6 +97,27 @@ class PooledQuestion:
         )
 
 
+def update_entry(
+    version: int,
+    trained_from: int,
+    objective: str,
+    batch: Sequence[PooledQuestion],
+    replayed: Sequence[PooledQuestion],
+    resampled: Any = None,
+) -> dict[str, Any]:
+    """The history entry of the version one update wrote: the batch's last question (``label`` stays its, so counting
+    updates by labels is the same whatever the batch), the batch's others, the replayed questions by hash and every
+    re-sampled one (those dropped, with no row to learn from, too)."""
+    entry = {"version": version, **batch[-1].history_entry(), "objective": objective, "trained_from": trained_from}
+    if len(batch) > 1:
+        entry["batch"] = [b.history_entry() for b in batch]
+    if replayed:
+        entry["replayed"] = [question_hash(b.question) for b in replayed]
+    if resampled is not None:
+        entry["resampled"] = resampled
+    return entry
+
+
 class ReplayBuffer:
     """The newest ``capacity`` questions an update learned from; ``draw`` picks earlier ones to learn from again.
 

@@ -118,6 +118,13 @@ def set_optimizer_moments(
             optim.state[p] = {k: v.clone() for k, v in mine.items()}
 
 
+def relative_distance(params: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> float:
+    """||memory - init|| / ||init|| over all the memory's tensors."""
+    diff = sum(float((p.detach() - init[n]).pow(2).sum()) for n, p in params.items())
+    base = sum(float(t.pow(2).sum()) for t in init.values())
+    return (diff**0.5) / max(base**0.5, 1e-12)
+
+
 def _parameters(tensors: dict[str, torch.Tensor]) -> dict[str, torch.nn.Parameter]:
     """Trainable float32 copies of a memory's tensors, by name."""
     return {n: torch.nn.Parameter(t.detach().to(torch.float32).clone()) for n, t in tensors.items()}

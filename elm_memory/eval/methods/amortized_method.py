@@ -15,6 +15,7 @@ gate and the update; every row is recorded with its answer and tokens, so anyone
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from elm_memory.answers.vote import vote_counts
@@ -27,6 +28,8 @@ from elm_memory.training.stream import StreamMemory
 
 #: Where the evaluation keeps its stream memory: ``<run>/stream/amortized/<namespace folder>/``.
 AMORTIZED_DIR = "stream/amortized"
+
+logger = logging.getLogger(__name__)
 
 
 class AmortizedEval:
@@ -115,17 +118,35 @@ class AmortizedEval:
         extra = output.extra["amortized"]
         extra["update"] = update.to_dict() if update is not None else {"skipped": "not_probed", "version": turn.version}
         extra["gate_after"] = self.stream.read_gate_state()
+        extra["gate_state"] = self.stream.files.read_gate()  # what a resume puts back (resume below)
 
     def resume(self, records: list[dict[str, Any]]) -> None:
-        """A resumed run serves the version its last record ended with (an update written after the last record,
-        the process stopped between the two, is undone by a new version holding the recorded one)."""
+        """A resumed run continues from its last record: the version it ended with (an update written after the last
+        record, the process stopped between the two, is undone by a new version holding the recorded one) and the
+        gate's state then (a question the gate read before the stop is answered again, and would be read twice)."""
         if not records:
             return
         last = max(records, key=lambda r: r["index"])
-        recorded = ((last.get("extra") or {}).get("amortized") or {}).get("update", {}).get("version")
+        extra = (last.get("extra") or {}).get("amortized") or {}
+        recorded = extra.get("update", {}).get("version")
         stream = self.stream
         if recorded is not None and recorded != stream.version:
             stream.restore_version(int(recorded), reason="resume: the update after the last record was not recorded")
+        if extra.get("gate_state") is not None:
+            stream.restore_gate(extra["gate_state"], reason="resume: a reading after the last record was not recorded")
+            return
+        # records from before the gate's state was recorded: say when the gate holds a reading they do not
+        read = sum(bool(((r.get("extra") or {}).get("amortized") or {}).get("update", {}).get("gate")) for r in records)
+        held = (stream.files.read_gate() or {}).get("total_readings", 0)
+        if held > read:
+            logger.warning(
+                "%s: the gate holds %d readings but the records %d: a question read before the stop is read again "
+                "(its records predate the gate's state in them); python -m benchmarks.gate_share_replay RUN replays "
+                "the gate from the records alone",
+                self.name,
+                held,
+                read,
+            )
 
     def pool_stats(self) -> tuple[int, int]:
         from elm_memory.eval.methods.base import dir_bytes
