@@ -4,6 +4,7 @@ a version's file holds them and another process continues the same run)."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -118,7 +119,7 @@ def set_optimizer_moments(
             optim.state[p] = {k: v.clone() for k, v in mine.items()}
 
 
-def relative_distance(params: dict[str, torch.Tensor], init: dict[str, torch.Tensor]) -> float:
+def relative_distance(params: Mapping[str, torch.Tensor], init: Mapping[str, torch.Tensor]) -> float:
     """||memory - init|| / ||init|| over all the memory's tensors."""
     diff = sum(float((p.detach() - init[n]).pow(2).sum()) for n, p in params.items())
     base = sum(float(t.pow(2).sum()) for t in init.values())
