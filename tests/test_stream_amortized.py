@@ -657,6 +657,11 @@ def test_a_resumed_evaluation_reads_a_question_stopped_mid_update_once(smol, tmp
     assert gate == records[0]["extra"]["amortized"]["gate_state"] and again.stream.gate.total_readings == 1
     assert again.stream.version == version  # no update was written: the version is the recorded one
     assert again.stream.history[-1]["gate_restored"]["readings"] == [2, 1]
+    from elm_memory.cli.memory_views import stream_lines
+    from elm_memory.store.stream_files import list_streams
+
+    lines = stream_lines(list_streams(again.stream.files.dir.parent))
+    assert any("gate put back: warmup -> warmup, 2 -> 1 readings (resume:" in line for line in lines), lines
     records.append(_record(again, "What is 4 + 1?", 1))
     assert again.stream.files.read_gate()["total_readings"] == 2  # question 2 read once
     again.resume(records)  # nothing unrecorded: nothing restored

@@ -172,7 +172,7 @@ def _shorten(field: str, item: object) -> str:
 
 def stream_lines(found: list[dict[str, Any]]) -> list[str]:
     """``elm memories streams``' table: a header, a row per stream memory, and under an amortized one's row each
-    gate decision with why."""
+    gate decision with why and each time a resumed evaluation put the gate back."""
     lines = [
         f"{'namespace':<16} {'version':>7}  {'kind':<11} {'objective':<9} {'updates':>7}  {'kept':>9}  "
         f"{'gate':<10} {'rollbacks':<16}  path"
@@ -191,4 +191,7 @@ def stream_lines(found: list[dict[str, Any]]) -> list[str]:
                 f"in {d['readings']} readings; statistic {d['statistic']} >= {d['threshold']}; approved "
                 f"v{d['approved_version']})"
             )
+        for r in gate.get("restored", []):
+            (was, now), (read, kept) = r["state"], r["readings"]
+            lines.append(f"    gate put back: {was} -> {now}, {read} -> {kept} readings ({'; '.join(r['reasons'])})")
     return lines

@@ -314,7 +314,8 @@ def updates_and_rollbacks(history: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def gate_summary(gate: dict[str, Any] | None, history: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The gate's state and every decision it made, with why (None: no gate ran)."""
+    """The gate's state, every decision it made with why, and every time a resumed evaluation put it back (None: no
+    gate ran)."""
     if gate is None:
         return None
     return {
@@ -323,6 +324,7 @@ def gate_summary(gate: dict[str, Any] | None, history: list[dict[str, Any]]) -> 
         "readings": gate.get("total_readings", 0),
         "outcomes": gate.get("counts", {}),
         "decisions": [h["gate"] for h in history if "gate" in h],
+        "restored": [{**h["gate_restored"], "reasons": h.get("reasons", [])} for h in history if "gate_restored" in h],
     }
 
 
