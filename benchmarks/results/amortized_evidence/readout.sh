@@ -21,9 +21,10 @@ cp "$run/stream/amortized/summary.json" "$out/stream_summary.json"
 # a resume must not read a question twice in the gate (208d937): its readings against the records' (on stderr only)
 "$py" - "$ns/gate.json" "$run/records.jsonl" >&2 <<'PY'
 import json, sys
+from elm_memory.eval.methods.amortized_method import recorded_gate_readings
+from elm_memory.eval.records import RecordLog
 held = json.load(open(sys.argv[1])).get("total_readings", 0)
-amortized = [((json.loads(line).get("extra") or {}).get("amortized") or {}) for line in open(sys.argv[2]) if line.strip()]
-read = sum(bool(a.get("update", {}).get("gate")) for a in amortized)
+read = recorded_gate_readings(RecordLog(sys.argv[2]).read())
 print(f"gate readings {held}, records with a reading {read}: " + ("consistent" if held == read else "NOT CONSISTENT"))
 PY
 echo "wrote $out"

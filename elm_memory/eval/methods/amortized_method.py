@@ -136,8 +136,7 @@ class AmortizedEval:
             stream.restore_gate(extra["gate_state"], reason="resume: a reading after the last record was not recorded")
             return
         # records from before the gate's state was recorded: say when the gate holds a reading they do not
-        read = sum(bool(((r.get("extra") or {}).get("amortized") or {}).get("update", {}).get("gate")) for r in records)
-        held = (stream.files.read_gate() or {}).get("total_readings", 0)
+        read, held = recorded_gate_readings(records), (stream.files.read_gate() or {}).get("total_readings", 0)
         if held > read:
             logger.warning(
                 "%s: the gate holds %d readings but the records %d: a question read before the stop is read again "
@@ -156,6 +155,12 @@ class AmortizedEval:
     def close(self) -> None:
         if self._stream is not None:
             self._stream.write_summary(self.runtime.out_dir / AMORTIZED_DIR / "summary.json")
+
+
+def recorded_gate_readings(records: list[dict[str, Any]]) -> int:
+    """How many of ``records`` say the gate read their question (a gate whose ``total_readings`` differs from this
+    read a question the records do not account for)."""
+    return sum(bool(((r.get("extra") or {}).get("amortized") or {}).get("update", {}).get("gate")) for r in records)
 
 
 def _gate_extra_tokens(turn: StreamTurn) -> int:
