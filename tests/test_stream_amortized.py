@@ -668,6 +668,45 @@ def test_a_resumed_evaluation_reads_a_question_stopped_mid_update_once(smol, tmp
     assert "gate_restored" not in again.stream.history[-1]
 
 
+def test_a_graph_resumed_from_its_checkpoint_learns_a_turn_it_stopped_in_once(smol, tmp_path, monkeypatch):
+    # a graph with a checkpointer stopped inside learn_memory; resuming its thread re-runs that node, which must not
+    # read the gate twice (stopped mid-update: the gate had read the turn) nor learn twice (stopped after the update)
+    from langgraph.checkpoint.memory import InMemorySaver
+
+    from elm_memory.graph import build_elm_graph
+    from elm_memory.training.stream import StreamMemory
+
+    def stop(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    real_step = StreamMemory._step
+
+    def step_then_stop(self, *args, **kwargs):
+        real_step(self, *args, **kwargs)
+        raise KeyboardInterrupt
+
+    script = Script(smol, memory="\\boxed{5}", zero="\\boxed{5}")
+    with _elm(smol, _amortized(tmp_path), script) as elm:
+        graph = build_elm_graph(elm.services, checkpointer=InMemorySaver())
+        stream = elm.services().stream_memory("default")
+        for thread, stopped_in, question in [("a", "_update", "What is 2 + 3?"), ("b", "_step", "What is 1 + 4?")]:
+            run = {"configurable": {"thread_id": thread}}
+            readings, version = stream.gate.total_readings, stream.version
+            with monkeypatch.context() as m:
+                m.setattr(StreamMemory, stopped_in, stop if stopped_in == "_update" else step_then_stop)
+                with pytest.raises(KeyboardInterrupt):
+                    graph.invoke({"question": question}, run)
+            assert stream.files.read_gate()["total_readings"] == readings + 1
+            assert graph.get_state(run).next == ("learn_memory",)
+            update = graph.invoke(None, run)["stream_update"]  # the resumed thread re-runs learn_memory
+            assert stream.files.read_gate()["total_readings"] == readings + 1  # read once
+            if stopped_in == "_update":  # the update never ran: it runs now, the gate's reading shown, not read again
+                assert update["applied"] and update["gate"]["read_already"] and stream.version == version + 1
+            else:  # the version was written before the stop: nothing more to learn
+                assert update["skipped"] == "learned_already" and stream.version == version + 1
+    assert [h.get("turn") is not None for h in stream.history if "label" in h] == [True, True]
+
+
 def test_a_resume_from_records_without_the_gates_state_says_when_the_gate_holds_more(smol, tmp_path, caplog):
     cfg, script = _amortized(tmp_path), Script(smol)
     first = _evaluation(smol, cfg, script, tmp_path)

@@ -24,6 +24,7 @@ measurement's) beside each row's own count.
 from __future__ import annotations
 
 import dataclasses
+import uuid
 from typing import Any
 
 from elm_memory.answers import equivalent, extract_answer
@@ -102,6 +103,8 @@ class StreamTurn:
     mode: str | None = None
     answer: str | None = None
     response: str = ""
+    # the turn's own id: a graph resumed from its checkpoint re-runs the learn node, which must not learn twice
+    turn_id: str = dataclasses.field(default_factory=lambda: uuid.uuid4().hex[:16])
 
     # -- planning --------------------------------------------------------------------------
     @classmethod
@@ -280,6 +283,7 @@ class StreamTurn:
             served_answers=served,
             gate_reading=reading,
             margin=margin,
+            turn=self.turn_id,
         )
 
     # -- JSON --------------------------------------------------------------------------------

@@ -38,7 +38,7 @@ from elm_memory.models.loading import LoadedModel
 from elm_memory.store.stream_files import StreamFiles, gate_summary, updates_and_rollbacks
 from elm_memory.training.stream_gate import PROBATION, AmortizationGate, GateReading
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
-from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample_kept, update_entry
+from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample_kept, turn_learned, update_entry
 from elm_memory.training.stream_samples import Generated, learnable_rows, own_vote, under_soft_prompt
 from elm_memory.training.stream_step import (
     StreamUpdate,
@@ -276,22 +276,27 @@ class StreamMemory:
         served_answers: Sequence[str | None] | None = None,
         gate_reading: GateReading | None = None,
         margin: float = 1.0,
+        turn: str | None = None,
     ) -> StreamUpdate:
         """Read the question's answers into the guard (and ``gate_reading`` into the gate), then update the memory
         once from ``generations`` (under the lock). ``served_answers``: what the memory itself answered (greedy
         first, then its samples; none: it drew none), when ``generations`` are not its own (``learn_from: zero_shot``):
-        the guard watches the memory. ``margin``: the label's vote margin, the question's weight in the update."""
+        the guard watches the memory. ``margin``: the label's vote margin, the question's weight in the update.
+        ``turn``: the graph turn's id; a turn learned from already is skipped and one the gate read is not read again
+        (a graph resumed from its checkpoint re-runs the learn node it stopped in)."""
         t0 = time.perf_counter()
         with self.files.lock():
             deleted = self.refresh()
             update = StreamUpdate(version_used=version_used, version=self.version, label=label)
-            if deleted:  # drawn with a memory that no longer exists: not the new one's experience
-                update.skipped = "stream_deleted"
+            # deleted: drawn with a memory that no longer exists, not the new one's experience
+            learned = turn is not None and turn_learned(turn, self.history, self.pooled)
+            if deleted or learned:
+                update.skipped = "stream_deleted" if deleted else "learned_already"
                 update.seconds = round(time.perf_counter() - t0, 3)
                 return update
             closed = False
             if gate_reading is not None:
-                closed = self._read_gate(update, gate_reading, version_used, question)
+                closed = self._read_gate(update, gate_reading, version_used, question, turn)
             served = list(served_answers) if served_answers is not None else [g.answer for g in generations]
             verdict = self.guard.observe(Observation(version_used, served, zero_shot_answer, own_vote(served)))
             if verdict is not None:
@@ -305,14 +310,19 @@ class StreamMemory:
                 # drawn with a version that has been rolled back since: not the serving line's experience
                 update.skipped = "drawn_before_rollback"
             else:
-                self._update(update, question, prompt_ids, at, generations, margin)
+                self._update(update, question, prompt_ids, at, generations, margin, turn)
         update.seconds = round(time.perf_counter() - t0, 3)
         return update
 
-    def _read_gate(self, update: StreamUpdate, reading: GateReading, version_used: int, question: str) -> bool:
+    def _read_gate(
+        self, update: StreamUpdate, reading: GateReading, version_used: int, question: str, turn: str | None
+    ) -> bool:
         """One gate reading (under the lock); True when it closed the gate and the approved version serves again."""
         self.gate = self._gate_of(self.files.read_gate())  # another learner may have read a question since
-        decision = self.gate.observe(reading, version_used)
+        if turn is not None and turn in self.gate.read_turns:  # read before this turn's learning stopped
+            update.gate = {**self.gate.record(reading), "read_already": True}
+            return False
+        decision = self.gate.observe(reading, version_used, turn=turn)
         update.gate = self.gate.record(reading)
         closed = False
         if decision is not None:
@@ -347,6 +357,7 @@ class StreamMemory:
         at: int,
         generations: Sequence[Generated],
         margin: float = 1.0,
+        turn: str | None = None,
     ) -> None:
         label = update.label
         rewards = [1.0 if label is not None and equivalent(g.answer, label) else 0.0 for g in generations]
@@ -363,7 +374,7 @@ class StreamMemory:
             update.skipped = "uniform_rewards" if self.cfg.tuning.objective == "grpo" else "no_agreeing"
             return
         completions = [list(generations[i].token_ids) for i in rows]
-        self.pooled.append(PooledQuestion(question, prompt_ids, at, completions, weights, label, share, margin))
+        self.pooled.append(PooledQuestion(question, prompt_ids, at, completions, weights, label, share, margin, turn))
         if len(self.pooled) < self.cfg.tuning.update_every:
             update.skipped = f"pooled ({len(self.pooled)} of {self.cfg.tuning.update_every})"
             return
@@ -444,13 +455,7 @@ class StreamMemory:
         assert verdict.rollback_to is not None
         target, _ = self.files.read(verdict.rollback_to)
         version = self.version + 1
-        entry = {
-            "version": version,
-            "rollback_to": verdict.rollback_to,
-            "reasons": verdict.reasons,
-            "window": verdict.stats.to_dict(),
-            "question_hash": question_hash(question),
-        }
+        entry = verdict.rollback_entry(version, question_hash(question))
         self.history.append(entry)
         self._copy_in(target.params)
         self._new_optimizer()

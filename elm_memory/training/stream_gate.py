@@ -122,6 +122,10 @@ class GateDecision:
         return asdict(self)
 
 
+#: How many of the newest turns' ids the gate keeps (a resumed graph re-runs the one node it stopped in).
+RECENT_TURNS = 16
+
+
 @dataclass
 class AmortizationGate:
     """The gate's state and its two sequential statistics (see the module's docstring)."""
@@ -144,6 +148,8 @@ class AmortizationGate:
     approved_version: int | None = None  # the version serving when the gate last opened
     decisions: int = 0
     counts: dict[str, int] = field(default_factory=dict)  # outcomes over the whole stream
+    # the newest turns read: a graph resumed from its checkpoint re-runs a learn node the gate may have read already
+    read_turns: list[str] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not 0.5 < self.margin < 1.0:
@@ -179,8 +185,11 @@ class AmortizationGate:
         shares = [round(reading.memory_share, 4), round(reading.zero_shot_share, 4)]
         return {"outcome": self.outcome_of(reading), "vote": reading.vote, "shares": shares, "state": self.state}
 
-    def observe(self, reading: GateReading, version: int) -> GateDecision | None:
-        """Read one probed question (drawn with memory ``version``); the decision when the state changes."""
+    def observe(self, reading: GateReading, version: int, *, turn: str | None = None) -> GateDecision | None:
+        """Read one probed question (drawn with memory ``version``; ``turn``: its turn's id, remembered so that the
+        turn is read once); the decision when the state changes."""
+        if turn is not None:
+            self.read_turns = [*self.read_turns, turn][-RECENT_TURNS:]
         outcome = self.outcome_of(reading)
         if self.test == SAMPLE_SHARE:
             self._bet_share(reading.share_difference)  # the bets use the readings before this one

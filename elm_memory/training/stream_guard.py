@@ -64,6 +64,17 @@ class Verdict:
     def to_dict(self) -> dict[str, Any]:
         return {"stats": self.stats.to_dict(), "reasons": list(self.reasons), "rollback_to": self.rollback_to}
 
+    def rollback_entry(self, version: int, question_hash: str) -> dict[str, Any]:
+        """The history entry of ``version``, the rollback this verdict asks for (at the question hashed)."""
+        assert self.rollback_to is not None
+        return {
+            "version": version,
+            "rollback_to": self.rollback_to,
+            "reasons": self.reasons,
+            "window": self.stats.to_dict(),
+            "question_hash": question_hash,
+        }
+
 
 class CollapseGuard:
     """Collects observations; every ``window`` of them it reads them and says whether to roll back."""

@@ -46,6 +46,8 @@ HISTORY_QUESTION_CHARS = 400
 #: The most a buffer may add to a version file's metadata: half of what a memory file's header may hold (long
 #: answers make a question tens of kilobytes), so a kept version is always readable. The oldest go first.
 MAX_REPLAY_BYTES = MAX_HEADER_BYTES // 2
+#: How many of the newest history entries :func:`turn_learned` searches (a re-run follows its stop at once).
+RECENT_ENTRIES = 64
 
 
 @dataclass
@@ -60,6 +62,7 @@ class PooledQuestion:
     label: str
     share: float
     margin: float = 1.0  # the question's weight in an update: its vote's margin (1: unweighted)
+    turn: str | None = None  # the id of the turn that learned it (the graph's), kept in the version's history
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -81,6 +84,7 @@ class PooledQuestion:
             "label": self.label,
             "label_share": round(self.share, 4),
             "label_margin": round(self.margin, 4),
+            **({"turn": self.turn} if self.turn is not None else {}),
         }
 
     @classmethod
@@ -95,6 +99,17 @@ class PooledQuestion:
             share=float(data["share"]),
             margin=float(data.get("margin", 1.0)),
         )
+
+
+def turn_learned(turn: str, history: Sequence[Mapping[str, Any]], pooled: Sequence[PooledQuestion]) -> bool:
+    """Whether turn ``turn`` has been learned from already: a newest version's history names it, or it waits in the
+    pool (a graph resumed from its checkpoint re-runs the learn node it stopped in, perhaps after its update)."""
+    if any(p.turn == turn for p in pooled):
+        return True
+    for entry in history[-RECENT_ENTRIES:]:
+        if entry.get("turn") == turn or any(b.get("turn") == turn for b in entry.get("batch", ())):
+            return True
+    return False
 
 
 def update_entry(
