@@ -367,6 +367,24 @@ def test_offline_learning_prints_a_line_per_training_step(tiny_loaded, tiny_back
 
 
 @pytest.mark.model
+def test_an_online_run_in_a_log_says_its_time_left(tiny_loaded, tiny_backend, tmp_path, capsys, monkeypatch):
+    """In a log (nohup), an online run of hours says how far it is and how long is left, once per interval."""
+    from elm_memory.eval import progress
+    from elm_memory.eval.methods.base import EvalRuntime
+    from elm_memory.eval.online import run_stream
+
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: False)
+    cfg = tiny_config()
+    problems = load_problems("gsm8k", limit=3, seed=17)
+    runtime = EvalRuntime(cfg, tmp_path, loaded=tiny_loaded, backend=tiny_backend)
+    run_stream(problems, ["zero_shot"], cfg, tmp_path, dataset="gsm8k", seed=17, runtime=runtime, plots=False)
+    lines = [x for x in capsys.readouterr().err.splitlines() if x.startswith("[progress]")]
+    assert len(lines) == 1  # the first step's; the next come STREAM_LINE_SECONDS apart
+    assert lines[0].startswith("[progress] zero_shot · questions 1-3/3 · 1/3 steps · ")
+    assert lines[0].endswith(" left") and "unknown" not in lines[0]
+
+
+@pytest.mark.model
 @pytest.mark.slow
 @pytest.mark.extended
 def test_offline_protocol_and_transfer(tiny_loaded, tiny_backend, tmp_path):

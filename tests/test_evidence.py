@@ -422,6 +422,32 @@ def test_offline_progress_lines_in_a_log(capsys, monkeypatch):
     assert capsys.readouterr().err == ""
 
 
+def test_stream_progress_lines_come_by_the_clock_not_by_phase(capsys, monkeypatch):
+    """An online run's log has a line per question already: its progress lines come every `every` seconds only,
+    the first step's at once, with hours once the time left passes 90 minutes."""
+    from elm_memory.eval import progress
+
+    monkeypatch.setattr(progress.sys.stderr, "isatty", lambda: False)
+    clock = [1000.0]
+    monkeypatch.setattr(progress.time, "monotonic", lambda: clock[0])
+    with progress.ProgressBar(None, total=200, completed=50, lines=True, every=600.0, phase_lines=False) as bar:
+        bar.describe("elm_amortized · question 51/200")
+        assert capsys.readouterr().err == ""  # a new phase alone prints nothing
+        clock[0] += 90.0
+        bar.advance()
+        bar.describe("elm_amortized · question 52/200")
+        clock[0] += 90.0
+        bar.advance()  # 90 s after the last line: silent
+        clock[0] += 600.0
+        bar.advance()
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2
+    assert err[0].startswith("[progress] elm_amortized · question 51/200 · 51/200 steps · 1.5 min elapsed")
+    assert err[0].endswith("about 3.7 h left")  # 149 steps at 90 s
+    assert err[1].startswith("[progress] elm_amortized · question 52/200 · 53/200 steps · 13.0 min elapsed")
+    assert err[1].endswith("about 10.6 h left")  # 147 steps at 780 s / 3
+
+
 def test_compare_pools_the_sign_test_over_seeds_by_distinct_question(tmp_path):
     """Two seeds that share q1: elm_input wins it in both, so it counts once; q2 is lost in one seed."""
     from elm_memory.eval.records import RecordLog

@@ -182,7 +182,7 @@ def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_
         mem = f"memory {str(r['memory_id'])[:8]} sim {r['similarity']:.2f}" if r.get("memory_id") else "no memory"
         mark = "✓" if r["correct"] else "✗"
         typer.echo(
-            f"[{r['index'] + 1}] {r['method']:<14} {r['question_id']:<12} {r['answer']!s:>10} "
+            f"[{r['index'] + 1}/{len(problems)}] {r['method']:<14} {r['question_id']:<12} {r['answer']!s:>10} "
             f"(gold {r['gold']}) {mark}  {r['route']:<9} {mem}  answer {r['timings']['answer']:.0f}s "
             f"learn {r['timings']['learn']:.0f}s",
             err=True,

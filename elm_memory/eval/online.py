@@ -28,7 +28,7 @@ from elm_memory.data.datasets import Problem
 from elm_memory.environment import code_version
 from elm_memory.errors import ConfigError
 from elm_memory.eval.methods.base import EvalMethod, EvalRuntime, build_method, open_runtime
-from elm_memory.eval.progress import ProgressBar
+from elm_memory.eval.progress import STREAM_LINE_SECONDS, ProgressBar
 from elm_memory.eval.records import (
     RecordLog,
     check_manifest,
@@ -95,7 +95,11 @@ def run_stream(
         built: dict[str, EvalMethod] = {}
         interrupted = False
         try:
-            with ProgressBar(progress, total=len(problems) * len(methods), completed=len(done)) as bar:
+            total = len(problems) * len(methods)
+            # in a log, a line every STREAM_LINE_SECONDS with the time left, beside the records' own lines
+            with ProgressBar(
+                progress, total, len(done), lines=True, every=STREAM_LINE_SECONDS, phase_lines=False
+            ) as bar:
                 for m in methods:  # build all first: an error in any method shows before hours of work
                     built[m] = build_method(m, runtime)
                 # a resumed run: what the methods recorded they may share, and pools rolled back to their

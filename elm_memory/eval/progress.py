@@ -12,24 +12,38 @@ from typing import Any
 
 #: seconds between two plain progress lines (``lines`` mode)
 LINE_SECONDS = 30.0
+#: the same for an online run, whose log already has a line per question: these add the time left
+STREAM_LINE_SECONDS = 600.0
 
 
 class ProgressBar:
     """A rich progress bar with ETA on a terminal; silent otherwise. A context manager:
     ``with ProgressBar(None, total=n, completed=done) as bar: bar.describe(...); bar.advance()``."""
 
-    def __init__(self, enabled: bool | None, total: int, completed: int, *, lines: bool = False):
+    def __init__(
+        self,
+        enabled: bool | None,
+        total: int,
+        completed: int,
+        *,
+        lines: bool = False,
+        every: float | None = None,
+        phase_lines: bool = True,
+    ):
         """``enabled``: None decides by whether stderr is a terminal. ``lines``: where the bar would stay
         silent only because stderr is not a terminal (a log, nohup), print a plain progress line instead on
-        each new phase and at most every ``LINE_SECONDS`` (for runs whose phases take many minutes)."""
+        each new phase (unless ``phase_lines`` is False) and at most every ``every`` seconds (default
+        ``LINE_SECONDS``; for runs whose phases take many minutes)."""
         tty = sys.stderr.isatty()
         self.enabled = tty if enabled is None else enabled
         self.lines = bool(lines) and enabled is None and not tty
+        self.every = LINE_SECONDS if every is None else every
+        self.phase_lines = phase_lines
         self.total, self.completed = total, completed
         self._bar: Any = None
         self._task: Any = None
         self._started, self._start_count = time.monotonic(), completed
-        self._description, self._last_line = "starting", 0.0
+        self._description, self._last_line = "starting", float("-inf")  # the first step prints
 
     def __enter__(self) -> ProgressBar:
         if self.enabled:
@@ -60,13 +74,14 @@ class ProgressBar:
             self._bar.update(self._task, description=text)
         if self.lines and text != self._description:
             self._description = text
-            self._line()
+            if self.phase_lines:
+                self._line()
 
     def advance(self) -> None:
         self.completed += 1
         if self._bar is not None:
             self._bar.advance(self._task)
-        if self.lines and time.monotonic() - self._last_line >= LINE_SECONDS:
+        if self.lines and time.monotonic() - self._last_line >= self.every:
             self._line()
 
     def eta_seconds(self) -> float | None:
@@ -79,10 +94,10 @@ class ProgressBar:
     def _line(self) -> None:
         self._last_line = time.monotonic()
         eta = self.eta_seconds()
-        left = "unknown" if eta is None else f"{eta / 60:.1f} min"
-        elapsed = (self._last_line - self._started) / 60
+        left = "unknown" if eta is None else _duration(eta)
+        elapsed = _duration(self._last_line - self._started)
         print(
-            f"[progress] {self._description} · {self.completed}/{self.total} steps · {elapsed:.1f} min elapsed "
+            f"[progress] {self._description} · {self.completed}/{self.total} steps · {elapsed} elapsed "
             f"· about {left} left",
             file=sys.stderr,
             flush=True,
@@ -91,3 +106,8 @@ class ProgressBar:
     def __exit__(self, *exc: Any) -> None:
         if self._bar is not None:
             self._bar.stop()
+
+
+def _duration(seconds: float) -> str:
+    """Minutes up to 90 of them, hours beyond (a stream of a 1.5B model runs for hours)."""
+    return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
