@@ -261,3 +261,19 @@ def test_demo_amortized_shows_each_rows_tokens_the_mode_and_the_gate_on_cpu_tiny
     assert (out / "amortized.png").is_file()
     full = elm("report", str(out), "--no-plots")
     assert full.returncode == 0 and "Amortized stream memory" in full.stdout
+
+
+def test_a_stream_records_line_names_the_memory_its_answer_had():
+    """`elm stream`'s line per record: a retrieved memory, the stream memory's version and gate, or none."""
+    from elm_memory.cli.evaluate import _memory_used
+
+    retrieved = {"memory_id": "dda63bef0123", "similarity": 0.8561}
+    turn = {"mode": "memory", "gate": "serving", "version": 102, "tokens": 196}
+    assert _memory_used(retrieved) == "memory dda63bef sim 0.86"
+    assert _memory_used({"memory_id": None, "extra": {"amortized": {"turn": turn}}}) == (
+        "stream memory v102, gate serving, 196 tokens"
+    )
+    untrained = {"extra": {"amortized": {"turn": {**turn, "version": None, "gate": "warmup"}}}}
+    assert _memory_used(untrained) == "stream memory untrained, gate warmup, 196 tokens"
+    assert _memory_used({"memory_id": None, "extra": {"stream": {"kind": "lora"}}}) == "stream memory"
+    assert _memory_used({"memory_id": None, "extra": {}}) == "no memory"

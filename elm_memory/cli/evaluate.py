@@ -179,7 +179,7 @@ def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_
         if on_record is not None:
             on_record(r)
             return
-        mem = f"memory {str(r['memory_id'])[:8]} sim {r['similarity']:.2f}" if r.get("memory_id") else "no memory"
+        mem = _memory_used(r)
         mark = "✓" if r["correct"] else "✗"
         typer.echo(
             f"[{r['index'] + 1}/{len(problems)}] {r['method']:<14} {r['question_id']:<12} {r['answer']!s:>10} "
@@ -201,6 +201,20 @@ def _run_stream(problems, methods, cfg, out, dataset, seed, quiet, plots, batch_
         batch_size=batch_size,
         paired=paired,
     )
+
+
+def _memory_used(record: dict[str, Any]) -> str:
+    """What a record's answer had of a memory, for its progress line: a retrieved one, the stream memory's version
+    and gate (amortized serving), or none."""
+    if record.get("memory_id"):
+        return f"memory {str(record['memory_id'])[:8]} sim {record['similarity']:.2f}"
+    extra = record.get("extra") or {}
+    turn = (extra.get("amortized") or {}).get("turn")
+    if turn:
+        version = turn.get("version")
+        held = "untrained" if version is None else f"v{version}"
+        return f"stream memory {held}, gate {turn.get('gate')}, {turn.get('tokens')} tokens"
+    return "stream memory" if "stream" in extra else "no memory"
 
 
 def _print_run(result, json_out: bool, files: str = "records.jsonl, summary.json, results.md") -> None:
