@@ -448,6 +448,17 @@ def test_stream_progress_lines_come_by_the_clock_not_by_phase(capsys, monkeypatc
     assert err[1].endswith("about 10.6 h left")  # 147 steps at 780 s / 3
 
 
+def test_time_left_takes_the_median_gap_so_a_stop_between_records_does_not_count():
+    from elm_memory.eval.progress import duration_text, time_left
+
+    records = [{"finished_at": t} for t in (0.0, 85.0, 170.0, 255.0, 5255.0, 5340.0)]  # stopped for 5000 s once
+    assert time_left(records, 100) == 8500.0
+    assert duration_text(8500.0) == "2.4 h" and duration_text(120.0) == "2.0 min"
+    assert time_left(records[-20:], 0) == 0.0
+    assert time_left(records[:1], 10) is None  # one timed record: no pace yet
+    assert time_left([{"finished_at": None}, {}], 10) is None  # records written before they kept their time
+
+
 def test_compare_pools_the_sign_test_over_seeds_by_distinct_question(tmp_path):
     """Two seeds that share q1: elm_input wins it in both, so it counts once; q2 is lost in one seed."""
     from elm_memory.eval.records import RecordLog

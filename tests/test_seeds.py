@@ -118,6 +118,12 @@ def test_report_prints_a_partial_runs_table_and_refuses_a_directory_that_is_no_r
     bad = CliRunner().invoke(app, ["report", str(tmp_path)])
     assert bad.exit_code != 0 and "not an online run directory" in bad.output
     assert "code version" not in result.output  # one clean version (here: none recorded) is not worth a line
+    assert "pace" not in result.output  # records without their times give none
+    records = (a / "records.jsonl").read_text().splitlines()
+    timed = [{**json.loads(r), "finished_at": 1000.0 + 60 * i} for i, r in enumerate(records)]
+    (a / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in timed))
+    again = CliRunner().invoke(app, ["report", str(a), "--no-plots"])
+    assert "elm_input 1/3 questions answered; about 2.0 min more at the pace of its last records" in again.output
     one = {"version": "0.1.0", "commit": "aaaaaaa1", "dirty": False}
     shown = {}
     for name, codes in (

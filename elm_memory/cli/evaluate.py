@@ -275,6 +275,7 @@ def report(
     stopped part-way: how many questions each method has answered so far is the table's n (loads no model)."""
     from elm_memory.errors import ConfigError
     from elm_memory.eval.online import finish
+    from elm_memory.eval.progress import duration_text, time_left
     from elm_memory.eval.records import RecordLog
 
     manifest_path = run / "run.json"
@@ -289,7 +290,9 @@ def report(
     answered = {m: result.summary.get(m, {}).get("n", 0) for m in methods}
     short = [f"{m} {n}/{total}" for m, n in answered.items() if n < total]
     if short and not json_out:
-        typer.echo(f"partial run: {', '.join(short)} questions answered")
+        left = time_left(RecordLog(run / "records.jsonl").read(), sum(total - n for n in answered.values()))
+        pace = "" if left is None else f"; about {duration_text(left)} more at the pace of its last records"
+        typer.echo(f"partial run: {', '.join(short)} questions answered{pace}")
     _print_run(result, json_out)
     from elm_memory.environment import mixed_code_warning
 

@@ -6,8 +6,10 @@ and CI (stderr not a terminal) it stays silent, so records and tables are what a
 
 from __future__ import annotations
 
+import statistics
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any
 
 #: seconds between two plain progress lines (``lines`` mode)
@@ -94,8 +96,8 @@ class ProgressBar:
     def _line(self) -> None:
         self._last_line = time.monotonic()
         eta = self.eta_seconds()
-        left = "unknown" if eta is None else _duration(eta)
-        elapsed = _duration(self._last_line - self._started)
+        left = "unknown" if eta is None else duration_text(eta)
+        elapsed = duration_text(self._last_line - self._started)
         print(
             f"[progress] {self._description} · {self.completed}/{self.total} steps · {elapsed} elapsed "
             f"· about {left} left",
@@ -108,6 +110,16 @@ class ProgressBar:
             self._bar.stop()
 
 
-def _duration(seconds: float) -> str:
+def time_left(records: Sequence[dict[str, Any]], remaining: int, recent: int = 20) -> float | None:
+    """Seconds a run's ``remaining`` records would take at the pace of its last ``recent`` ones: the median gap
+    between their ``finished_at`` times, so that one stop and resume between them does not count as a record's
+    time. None with fewer than two timed records."""
+    times = sorted(r["finished_at"] for r in records if isinstance(r.get("finished_at"), int | float))[-recent:]
+    if len(times) < 2:
+        return None
+    return statistics.median(b - a for a, b in zip(times, times[1:], strict=False)) * max(0, remaining)
+
+
+def duration_text(seconds: float) -> str:
     """Minutes up to 90 of them, hours beyond (a stream of a 1.5B model runs for hours)."""
     return f"{seconds / 60:.1f} min" if seconds < 5400 else f"{seconds / 3600:.1f} h"
