@@ -1,7 +1,9 @@
 """The progress display of an evaluation run (online and offline protocols alike).
 
 A run takes minutes to hours on a CPU, so on a terminal it shows a bar with the ETA; in logs
-and CI (stderr not a terminal) it stays silent, so records and tables are what a reader sees.
+and CI (stderr not a terminal) a bar would be noise, so a run that asks for them gets a plain
+line now and then with the time left, and the rest stays silent. ``time_left`` reads the same
+from a run's records, for ``elm report`` on a run that is still going.
 """
 
 from __future__ import annotations
