@@ -290,7 +290,7 @@ def report(
     answered = {m: result.summary.get(m, {}).get("n", 0) for m in methods}
     short = [f"{m} {n}/{total}" for m, n in answered.items() if n < total]
     if short and not json_out:
-        left = time_left(RecordLog(run / "records.jsonl").read(), sum(total - n for n in answered.values()))
+        left = time_left(result.records, sum(total - n for n in answered.values()))
         pace = "" if left is None else f"; about {duration_text(left)} more at the pace of its last records"
         typer.echo(f"partial run: {', '.join(short)} questions answered{pace}")
     _print_run(result, json_out)
