@@ -1,12 +1,14 @@
 """``elm env``: what a bug or performance report needs, in one object.
 
 In the manner of ``transformers env`` and vLLM's ``collect_env``: the platform, the CPU and
-the capability flags that decide the dtype, the GPUs, the decision :mod:`elm_memory.hardware`
-takes for the given config, and the versions of the libraries elm-memory runs on.
+the capability flags that decide the dtype, its load now (a timing on busy cores is slowed), the
+GPUs, the decision :mod:`elm_memory.hardware` takes for the given config, and the versions of the
+libraries elm-memory runs on.
 """
 
 from __future__ import annotations
 
+import os
 import platform
 import subprocess
 import sys
@@ -63,6 +65,7 @@ def collect_env(config: Any, hardware: Hardware | None = None, llama_missing: st
             "python": sys.version.split()[0],
         },
         "cpu": hw.cpu.to_dict(),
+        "load": cpu_load(hw.cpu.usable_cores),
         "gpus": [g.to_dict() for g in hw.gpus],
         "resolved": {
             "model": config.model.name_or_path,
@@ -84,6 +87,31 @@ def collect_env(config: Any, hardware: Hardware | None = None, llama_missing: st
         "packages": package_versions(),
         "code": code_version(),
     }
+
+
+#: Above this 1-minute load per usable core, other work holds the cores: a timing taken now is slowed (two decoders on
+#: two cores slow each other several times over).
+BUSY_LOAD_PER_CORE = 0.5
+
+
+def cpu_load(usable_cores: int) -> dict[str, Any] | None:
+    """The load averages (1, 5, 15 minutes) and whether other work holds the cores now (``busy``); None where the
+    system has no load average."""
+    try:
+        one, five, fifteen = os.getloadavg()
+    except (AttributeError, OSError):  # Windows
+        return None
+    busy = one >= BUSY_LOAD_PER_CORE * max(1, usable_cores)
+    return {"load_1min": round(one, 2), "load_5min": round(five, 2), "load_15min": round(fifteen, 2), "busy": busy}
+
+
+def format_load(load: dict[str, Any] | None, usable_cores: int) -> str:
+    """``0.12 0.30 0.41 (1, 5, 15 min) on 2 usable cores: quiet``, or ``busy`` with what it means for timings."""
+    if load is None:
+        return "not reported by this system"
+    one, five, fifteen = (load[f"load_{m}min"] for m in (1, 5, 15))
+    text = f"{one:.2f} {five:.2f} {fifteen:.2f} (1, 5, 15 min) on {usable_cores} usable cores"
+    return text + (": busy (other work holds the cores: timings now are slowed)" if load["busy"] else ": quiet")
 
 
 def code_version() -> dict[str, Any]:
@@ -139,6 +167,8 @@ def format_env(report: dict[str, Any]) -> str:
         f"cpu flags       {flags}",
         f"torch cpu path  {cpu['torch_capability']}; native bf16: {'yes' if cpu['fast_bf16'] else 'no'}",
     ]
+    if "load" in report:
+        lines.append(f"load            {format_load(report['load'], cpu['usable_cores'])}")
     if report["gpus"]:
         for g in report["gpus"]:
             lines.append(

@@ -264,3 +264,34 @@ def test_code_version_names_the_commit_of_the_running_source(monkeypatch):
 
     monkeypatch.setattr(environment.subprocess, "run", no_git)
     assert environment.code_version()["commit"] is None  # no git: the version alone, no error
+
+
+def test_elm_env_says_when_other_work_holds_the_cores(monkeypatch):
+    from elm_memory import environment
+
+    monkeypatch.setattr(environment.os, "getloadavg", lambda: (2.04, 1.5, 0.75))
+    busy = environment.cpu_load(2)
+    assert busy == {"load_1min": 2.04, "load_5min": 1.5, "load_15min": 0.75, "busy": True}
+    assert environment.format_load(busy, 2) == (
+        "2.04 1.50 0.75 (1, 5, 15 min) on 2 usable cores: busy (other work holds the cores: timings now are slowed)"
+    )
+    monkeypatch.setattr(environment.os, "getloadavg", lambda: (0.9, 0.4, 0.2))
+    assert environment.cpu_load(2)["busy"] is False  # under half the cores: quiet enough to time
+    assert environment.cpu_load(1)["busy"] is True
+    assert environment.format_load(environment.cpu_load(2), 2).endswith("on 2 usable cores: quiet")
+
+    def no_load_average():
+        raise OSError("no load average here")
+
+    monkeypatch.setattr(environment.os, "getloadavg", no_load_average)
+    assert environment.cpu_load(2) is None
+    assert environment.format_load(None, 2) == "not reported by this system"
+
+
+def test_elm_env_text_has_the_load_line(monkeypatch):
+    from elm_memory import environment
+    from elm_memory.config import ELMConfig
+
+    monkeypatch.setattr(environment.os, "getloadavg", lambda: (0.1, 0.2, 0.3))
+    text = environment.format_env(environment.collect_env(ELMConfig()))
+    assert "\nload            0.10 0.20 0.30 (1, 5, 15 min) on " in text and text.count("usable cores: quiet") == 1
