@@ -668,6 +668,36 @@ def test_a_resumed_evaluation_reads_a_question_stopped_mid_update_once(smol, tmp
     assert "gate_restored" not in again.stream.history[-1]
 
 
+def test_a_resumed_evaluation_puts_the_guard_back_where_its_last_record_left_it(smol, tmp_path, monkeypatch):
+    # stopped after question 2 learned (the guard read it, and its readings were saved for a restarted process) but
+    # before its record: the resumed run answers it again, so the guard must be back at question 1's record
+    from elm_memory.training.stream import StreamMemory
+
+    cfg, script = _amortized(tmp_path), Script(smol)
+    first = _evaluation(smol, cfg, script, tmp_path)
+    records = [_record(first, "What is 2 + 3?", 0)]
+    recorded = records[0]["extra"]["amortized"]["pending_state"]
+    assert len(recorded["guard"]["pending"]) == 1 and recorded["pooled"] == []
+
+    def stopped(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    with monkeypatch.context() as m:
+        m.setattr(StreamMemory, "pending_state", stopped)  # learn's last step, after the turn learned
+        with pytest.raises(KeyboardInterrupt):
+            _record(first, "What is 4 + 1?", 1)
+    held = first.stream.files.read_pending()
+    assert len(held["guard"]["pending"]) == 2  # read and kept, not recorded
+
+    again = _evaluation(smol, cfg, script, tmp_path)
+    assert again.stream.guard.state() == held["guard"]  # a restarted process continues from what was kept
+    again.resume(records)
+    assert again.stream.guard.state() == recorded["guard"]
+    assert again.stream.files.read_pending()["guard"] == recorded["guard"]
+    records.append(_record(again, "What is 4 + 1?", 1))
+    assert len(again.stream.guard.pending) == 2  # question 2 read once
+
+
 def test_a_graph_resumed_from_its_checkpoint_learns_a_turn_it_stopped_in_once(smol, tmp_path, monkeypatch):
     # a graph with a checkpointer stopped inside learn_memory; resuming its thread re-runs that node, which must not
     # read the gate twice (stopped mid-update: the gate had read the turn) nor learn twice (stopped after the update)

@@ -118,6 +118,20 @@ def test_guard_state_round_trips():
     assert other.pending == guard.pending
 
 
+def test_guard_reads_a_turn_once_and_its_state_remembers_the_turns_it_read():
+    guard = CollapseGuard(window=3)
+    assert guard.observe(Observation(0, ["1"], "1", "1", turn="t1")) is None
+    assert guard.observe(Observation(0, ["2"], "1", "2", turn="t1")) is None  # its turn re-run after a stop
+    assert len(guard.pending) == 1 and guard.read_turns == ["t1"]
+    other = CollapseGuard(window=3)
+    other.restore(guard.state())
+    other.observe(Observation(0, ["2"], "1", "2", turn="t1"))
+    assert other.pending == guard.pending and other.read_turns == ["t1"]
+    other.restore({"pending": [], "baseline_agreement": None})  # a state written before turns were kept
+    assert other.read_turns == [] and other.observe(Observation(0, ["2"], "1", "2", turn="t1")) is None
+    assert len(other.pending) == 1
+
+
 def test_answer_entropy_counts_equivalent_answers_as_one():
     assert answer_entropy(["2", "2.0", "2"]) == 0.0
     assert answer_entropy(["1", "2"]) == pytest.approx(0.6931, abs=1e-3)
@@ -531,6 +545,33 @@ def test_a_rollback_empties_the_pool(smol, tmp_path):
     assert len(stream.pooled) == 1
     stream.restore_version(0, reason="by hand")
     assert stream.pooled == []
+
+
+def test_a_restarted_process_keeps_the_pool_and_the_guards_readings_and_shares_them(smol, tmp_path):
+    cfg = _config(update_every=3, guard_window=1000)
+    stream = StreamMemory(cfg, smol, tmp_path, namespace="ns")
+    ids, at = _prompt(smol)
+    gens = _gens(smol.tokenizer, ["\\boxed{5}", "\\boxed{5}", "\\boxed{6}", "\\boxed{5}", "\\boxed{7}"])
+
+    def learn(memory, question, label="5", version_used=0, turn=None):
+        return memory.learn(
+            question, ids, at, gens, label=label, version_used=version_used, zero_shot_answer="5", turn=turn
+        )
+
+    assert learn(stream, "q1", turn="t1").skipped == "pooled (1 of 3)"
+    assert learn(stream, "q2", label="7", turn="t2").skipped == "weak_label"  # read by the guard, not pooled
+    restarted = StreamMemory(cfg, smol, tmp_path, namespace="ns")
+    assert [(p.question, p.turn) for p in restarted.pooled] == [("q1", "t1")]
+    assert restarted.guard.state() == stream.guard.state() and len(restarted.guard.pending) == 2
+    # a graph re-runs the learn node its turn stopped in: neither pooled nor read again
+    assert learn(restarted, "q1", turn="t1").skipped == "learned_already"
+    assert learn(restarted, "q2", label="7", turn="t2").skipped == "weak_label"
+    assert len(restarted.guard.pending) == 2
+    assert learn(restarted, "q3").skipped == "pooled (2 of 3)"
+    assert learn(stream, "q4").applied  # the first process pools with the second: one pool per namespace
+    assert [b["question"] for b in stream.history[-1]["batch"]] == ["q1", "q3", "q4"]
+    assert learn(restarted, "q5", version_used=1).skipped == "pooled (1 of 3)"  # the new version's pool
+    assert [p.question for p in restarted.pooled] == ["q5"] and len(restarted.guard.pending) == 5
 
 
 # -- a lora stream memory ------------------------------------------------------------------

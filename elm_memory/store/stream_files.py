@@ -9,6 +9,8 @@
         CURRENT                    the version that serves ("7"), replaced atomically
         history.jsonl              every update, rollback and gate decision, one JSON line each, appended
         gate.json                  the amortization gate's state (stream.serving: amortized)
+        pending.json               what learning holds since the serving version: the guard's readings and the
+                                   questions pooled for the next update, so a restarted process loses neither
         .lock                      held by whoever writes a version
 
 Every update writes a new version and only then moves ``CURRENT``: until the new file is durable the previous
@@ -45,6 +47,7 @@ from elm_memory.memory.ids import validate_namespace
 _VERSION = re.compile(r"^v(\d{6})\.safetensors$")
 HISTORY_FILE = "history.jsonl"
 GATE_FILE = "gate.json"
+PENDING_FILE = "pending.json"
 #: Versions whose optimizer moments are kept: a resumed evaluation restores at most the version before the newest
 #: (its last record's), and a rollback starts a fresh optimizer; a LoRA's moments are twice its own size.
 MOMENTS_KEPT = 2
@@ -176,19 +179,33 @@ class StreamFiles:
             self.append_history(entries[logged:])
         return entries
 
-    def read_gate(self) -> dict[str, Any] | None:
-        """The gate's stored state (None: never written)."""
+    def _read_json(self, name: str) -> dict[str, Any] | None:
         try:
-            return dict(json.loads((self.dir / GATE_FILE).read_text(encoding="utf-8")))
+            return dict(json.loads((self.dir / name).read_text(encoding="utf-8")))
         except FileNotFoundError:
             return None
         except json.JSONDecodeError as exc:
-            raise MemoryFormatError(f"stream memory {self.dir}: {GATE_FILE} is not JSON ({exc})") from None
+            raise MemoryFormatError(f"stream memory {self.dir}: {name} is not JSON ({exc})") from None
+
+    def _write_json(self, name: str, state: dict[str, Any], indent: int | None = None) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_bytes_atomic(self.dir / name, json.dumps(state, indent=indent).encode())
+
+    def read_gate(self) -> dict[str, Any] | None:
+        """The gate's stored state (None: never written)."""
+        return self._read_json(GATE_FILE)
 
     def write_gate(self, state: dict[str, Any]) -> None:
         """Replace the gate's state atomically. Call under :meth:`lock`."""
-        self.dir.mkdir(parents=True, exist_ok=True)
-        write_bytes_atomic(self.dir / GATE_FILE, json.dumps(state, indent=1).encode())
+        self._write_json(GATE_FILE, state, indent=1)
+
+    def read_pending(self) -> dict[str, Any] | None:
+        """What learning held since a version (``{"version": V, ...}``; None: never written)."""
+        return self._read_json(PENDING_FILE)
+
+    def write_pending(self, state: dict[str, Any]) -> None:
+        """Replace what learning holds since ``state["version"]``, atomically. Call under :meth:`lock`."""
+        self._write_json(PENDING_FILE, state)
 
     def restore_gate(self, state: dict[str, Any], *, reason: str, at_version: int) -> dict[str, Any] | None:
         """Write ``state`` as the gate's and log why in the history (call under :meth:`lock`); the history entry, or
@@ -209,12 +226,12 @@ class StreamFiles:
         return entry
 
     def delete(self) -> list[int]:
-        """Delete the pointer, then every version, the log and the gate (the lock file stays). Call under
-        :meth:`lock`."""
+        """Delete the pointer, then every version, the log, the gate and what learning held (the lock file stays).
+        Call under :meth:`lock`."""
         removed = self.versions()
         (self.dir / "CURRENT").unlink(missing_ok=True)  # first: from here on no version serves
-        (self.dir / HISTORY_FILE).unlink(missing_ok=True)
-        (self.dir / GATE_FILE).unlink(missing_ok=True)
+        for name in (HISTORY_FILE, GATE_FILE, PENDING_FILE):
+            (self.dir / name).unlink(missing_ok=True)
         for version in removed:
             path = self.path(version)
             path.with_suffix(".optim.safetensors").unlink(missing_ok=True)

@@ -15,11 +15,10 @@ lock after re-reading the newest, so two learners of one namespace serialise. Th
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -33,13 +32,13 @@ from elm_memory.errors import ConfigError, MemoryKindError, NonFiniteError
 from elm_memory.memory import LatentMemory
 from elm_memory.memory.ids import question_hash
 from elm_memory.memory.kinds import LORA, SOFT_PROMPT
-from elm_memory.memory.lora import LoraAdapter
 from elm_memory.models.loading import LoadedModel
 from elm_memory.store.stream_files import StreamFiles, gate_summary, updates_and_rollbacks
 from elm_memory.training.stream_gate import PROBATION, AmortizationGate, GateReading
 from elm_memory.training.stream_guard import CollapseGuard, Observation, Verdict
 from elm_memory.training.stream_replay import PooledQuestion, ReplayBuffer, resample_kept, turn_learned, update_entry
-from elm_memory.training.stream_samples import Generated, learnable_rows, own_vote, under_soft_prompt
+from elm_memory.training.stream_samples import Generated, learnable_rows, own_vote
+from elm_memory.training.stream_serving import StreamServing
 from elm_memory.training.stream_step import (
     StreamUpdate,
     _parameters,
@@ -56,10 +55,9 @@ __all__ = ["STREAM_QUESTION", "StreamMemory", "StreamUpdate"]
 STREAM_QUESTION = "stream memory of namespace {namespace}"
 
 
-class StreamMemory:
-    """One namespace's stream memory: serves its current version, learns from each answered question."""
-
-    _served: LoraAdapter | None = None  # the serving version's copy (adapter())
+class StreamMemory(StreamServing):
+    """One namespace's stream memory: serves its current version (:class:`StreamServing`), learns from each answered
+    question."""
 
     def __init__(
         self,
@@ -85,7 +83,7 @@ class StreamMemory:
         self.files = StreamFiles(root, self.namespace)
         self.guard = CollapseGuard.from_settings(self.cfg.tuning)
         self.temperature = config.verifier.consistency_temperature  # what the answer path's samples used
-        self.pooled: list[PooledQuestion] = []  # waiting for a batch (tuning.update_every > 1), this process only
+        self.pooled: list[PooledQuestion] = []  # waiting for a batch (tuning.update_every > 1): see _load_pending
         # rebuilt, not stored: the same text (or seed) gives the same tensors
         self.init = initial_stream_tensors(config, loaded, self.kind)
         with self.files.lock():
@@ -112,55 +110,6 @@ class StreamMemory:
         stored = self.files.read_gate()
         return str(stored.get("state", self.gate.state)) if stored else self.gate.state
 
-    # -- state -----------------------------------------------------------------------
-    @property
-    def init_is_base_model(self) -> bool:
-        """Whether the untrained memory answers exactly as the base model (a LoRA from B = 0)."""
-        return self.kind == LORA
-
-    @property
-    def soft(self) -> torch.Tensor:
-        """The trained soft prompt itself (a soft-prompt stream memory only)."""
-        if self.kind != SOFT_PROMPT:
-            raise MemoryKindError(f"the stream memory of {self.namespace!r} is a lora memory, not a soft prompt")
-        return self.params["soft_prompt"]
-
-    @property
-    def soft_prompt(self) -> torch.Tensor:
-        """The serving version's soft prompt (a copy: later updates do not change it)."""
-        return self.soft.detach().clone()
-
-    def adapter(self, *, trainable: bool = False) -> LoraAdapter:
-        """The serving LoRA (a copy, unless ``trainable``: then the tensors the optimizer updates)."""
-        if self.kind != LORA:
-            raise MemoryKindError(f"the stream memory of {self.namespace!r} is a soft prompt, not a lora memory")
-        lora = LoraAdapter.over(dict(self.params), self.config.memory.lora_alpha)
-        if trainable:
-            return lora
-        # one copy per version: backends key what they build from it by its digest, which a copy computes once
-        if self._served is None:
-            self._served = lora.detached()
-        return self._served
-
-    def serve(self, rows: Sequence[Any], at: int) -> list[PromptInput]:
-        """The rows (seeds kept) conditioned on the serving version: on-policy greedy answers and samples."""
-        return self.server()(rows, at)
-
-    def server(self) -> Callable[[Sequence[Any], int], list[PromptInput]]:
-        """:meth:`serve` over one copy of the serving version, for rows of many questions: one LoRA object for
-        all of them, so the backend decodes them as one batch."""
-        if self.kind == SOFT_PROMPT:
-            soft = self.soft_prompt
-            return lambda rows, at: under_soft_prompt(rows, soft, at)
-        adapter = self.adapter()
-        return lambda rows, at: [dataclasses.replace(p, memory=adapter) for p in rows]
-
-    def serve_init(self, rows: Sequence[Any], at: int) -> list[PromptInput]:
-        """The rows under the untrained memory (for a LoRA: the rows themselves, the base model)."""
-        if self.kind == SOFT_PROMPT:
-            return under_soft_prompt(rows, self.init["soft_prompt"], at)
-        return list(rows)
-
     def _load_current(self) -> None:
         memory, optim = self.files.read()
         if memory.kind != self.kind:
@@ -179,6 +128,43 @@ class StreamMemory:
         guard_state = meta.get("guard")
         if guard_state is not None:
             self.guard.restore(guard_state)
+        self._load_pending()
+
+    # -- what learning holds between versions ---------------------------------------------
+    def _load_pending(self) -> None:
+        """The guard's readings and the pooled questions since the serving version, as the namespace's last learner
+        left them (this process before a restart, or another; call under the lock). A version is written only when
+        the pool is empty (an update used it, a rollback dropped it), so a pending file of an older version holds
+        nothing that is still pending."""
+        held = self.files.read_pending()
+        if held is None or held.get("version") != self.version:
+            self.pooled = []
+            return
+        self.guard.restore(held["guard"])
+        self.pooled = [PooledQuestion.from_json(p) for p in held["pooled"]]
+
+    def _save_pending(self) -> None:
+        pooled = [p.to_json() for p in self.pooled]
+        self.files.write_pending({"version": self.version, "guard": self.guard.state(), "pooled": pooled})
+
+    def pending_state(self) -> dict[str, Any]:
+        """What a record keeps of it after its question: the guard's state and the pooled questions' hashes."""
+        return {"guard": self.guard.state(), "pooled": [question_hash(p.question) for p in self.pooled]}
+
+    def restore_pending(self, state: dict[str, Any]) -> None:
+        """Put the guard and the pool back as :meth:`pending_state` saw them: a resumed evaluation answers again the
+        question after its last record, which the guard may have read and the pool held already. (A pool that
+        update consumed after the last record went into a version that the resume restores away.)"""
+        with self.files.lock():
+            self.guard.restore(state["guard"])
+            recorded = list(state["pooled"])
+            kept = []
+            for p in self.pooled:
+                if question_hash(p.question) in recorded:
+                    recorded.remove(question_hash(p.question))
+                    kept.append(p)
+            self.pooled = kept
+            self._save_pending()
 
     def _replay_of(self, memory: LatentMemory) -> ReplayBuffer:
         """The replay buffer a version's file holds (empty when replay was off)."""
@@ -216,13 +202,11 @@ class StreamMemory:
         if current is None:
             self._start()
             self._load_current()
-            self.pooled = []
             return True
         if current != self.version:
-            served = self.version
             self._load_current()
-            if any(v > served for v in self._rollback_versions()):
-                self.pooled = []  # drawn with versions that have since been rolled back
+        else:
+            self._load_pending()  # another learner may have read or pooled a question since
         return False
 
     def pinned_versions(self) -> set[int]:
@@ -298,7 +282,7 @@ class StreamMemory:
             if gate_reading is not None:
                 closed = self._read_gate(update, gate_reading, version_used, question, turn)
             served = list(served_answers) if served_answers is not None else [g.answer for g in generations]
-            verdict = self.guard.observe(Observation(version_used, served, zero_shot_answer, own_vote(served)))
+            verdict = self.guard.observe(Observation(version_used, served, zero_shot_answer, own_vote(served), turn))
             if verdict is not None:
                 update.guard = verdict.to_dict()
             if closed:  # drawn with the version the gate just stopped: the approved one serves again
@@ -311,6 +295,7 @@ class StreamMemory:
                 update.skipped = "drawn_before_rollback"
             else:
                 self._update(update, question, prompt_ids, at, generations, margin, turn)
+            self._save_pending()
         update.seconds = round(time.perf_counter() - t0, 3)
         return update
 

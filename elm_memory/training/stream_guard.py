@@ -28,6 +28,7 @@ from typing import Any
 
 from elm_memory.answers import equivalent, majority_vote
 from elm_memory.config import StreamTuning
+from elm_memory.training.stream_gate import RECENT_TURNS
 
 
 @dataclass(frozen=True)
@@ -38,6 +39,7 @@ class Observation:
     memory_answers: list[str | None]  # the memory's greedy answer, then its samples where it drew any
     zero_shot_answer: str | None
     label: str | None  # the memory's own vote over memory_answers (what the repeated-answer rule counts)
+    turn: str | None = None  # the graph turn's id: a turn re-run after a stop is not read twice
 
 
 @dataclass
@@ -97,6 +99,7 @@ class CollapseGuard:
         self.max_agreement_rise = max_agreement_rise
         self.pending: list[Observation] = []
         self.baseline_agreement: float | None = None
+        self.read_turns: list[str] = []  # the newest RECENT_TURNS turns read
 
     @classmethod
     def from_settings(cls, settings: StreamTuning) -> CollapseGuard:
@@ -114,6 +117,10 @@ class CollapseGuard:
         which the memory drew no answer (amortized, one the gate does not read) adds nothing."""
         if not observation.memory_answers:
             return None
+        if observation.turn is not None:
+            if observation.turn in self.read_turns:  # read before its turn stopped, then re-run
+                return None
+            self.read_turns = [*self.read_turns, observation.turn][-RECENT_TURNS:]
         self.pending.append(observation)
         if len(self.pending) < self.window:
             return None
@@ -148,11 +155,16 @@ class CollapseGuard:
 
     def state(self) -> dict[str, Any]:
         """What a process continuing this stream needs (JSON)."""
-        return {"pending": [asdict(o) for o in self.pending], "baseline_agreement": self.baseline_agreement}
+        return {
+            "pending": [asdict(o) for o in self.pending],
+            "baseline_agreement": self.baseline_agreement,
+            "read_turns": list(self.read_turns),
+        }
 
     def restore(self, state: dict[str, Any]) -> None:
         self.pending = [Observation(**o) for o in state.get("pending", [])]
         self.baseline_agreement = state.get("baseline_agreement")
+        self.read_turns = list(state.get("read_turns", []))
 
 
 def window_stats(observations: Sequence[Observation]) -> WindowStats:

@@ -74,6 +74,7 @@ class PooledQuestion:
             "label": self.label,
             "share": self.share,
             "margin": self.margin,
+            **({"turn": self.turn} if self.turn is not None else {}),
         }
 
     def history_entry(self) -> dict[str, Any]:
@@ -98,6 +99,7 @@ class PooledQuestion:
             label=str(data["label"]),
             share=float(data["share"]),
             margin=float(data.get("margin", 1.0)),
+            turn=data.get("turn"),
         )
 
 

@@ -119,11 +119,13 @@ class AmortizedEval:
         extra["update"] = update.to_dict() if update is not None else {"skipped": "not_probed", "version": turn.version}
         extra["gate_after"] = self.stream.read_gate_state()
         extra["gate_state"] = self.stream.files.read_gate()  # what a resume puts back (resume below)
+        extra["pending_state"] = self.stream.pending_state()  # the guard's readings and the pool, likewise
 
     def resume(self, records: list[dict[str, Any]]) -> None:
         """A resumed run continues from its last record: the version it ended with (an update written after the last
-        record, the process stopped between the two, is undone by a new version holding the recorded one) and the
-        gate's state then (a question the gate read before the stop is answered again, and would be read twice)."""
+        record, the process stopped between the two, is undone by a new version holding the recorded one), the
+        guard's readings and pooled questions then, and the gate's state then (a question the gate or the guard read
+        before the stop is answered again, and would be read twice)."""
         if not records:
             return
         last = max(records, key=lambda r: r["index"])
@@ -132,6 +134,8 @@ class AmortizedEval:
         stream = self.stream
         if recorded is not None and recorded != stream.version:
             stream.restore_version(int(recorded), reason="resume: the update after the last record was not recorded")
+        if extra.get("pending_state") is not None:
+            stream.restore_pending(extra["pending_state"])
         if extra.get("gate_state") is not None:
             stream.restore_gate(extra["gate_state"], reason="resume: a reading after the last record was not recorded")
             return

@@ -329,22 +329,27 @@ class StreamEval:
             updates[obj] = update.to_dict()
         extra = output.extra.setdefault("stream", {})
         extra["updates"] = updates
+        extra["pending_states"] = {obj: arm.pending_state() for obj, arm in self.arms.items()}  # resume puts back
         extra["label_sources"] = {spec.name: spec.label for spec in self.specs}
 
     def resume(self, records: list[dict[str, Any]]) -> None:
-        """A resumed run: each arm serves the version its last record ended with. An update written after the
-        last record (the process stopped between the two) is undone by a new version holding the recorded one."""
+        """A resumed run: each arm serves the version its last record ended with (an update written after the last
+        record, the process stopped between the two, is undone by a new version holding the recorded one), with
+        the guard's readings and the pooled questions as that record saw them."""
         if not records:
             return
         last = max(records, key=lambda r: r["index"])
-        updates = ((last.get("extra") or {}).get("stream") or {}).get("updates") or {}
+        recorded_extra = (last.get("extra") or {}).get("stream") or {}
+        updates = recorded_extra.get("updates") or {}
+        pending_states = recorded_extra.get("pending_states") or {}
         for obj, arm in self.arms.items():
             recorded = (updates.get(obj) or {}).get("version")
             newest = arm.history[-1] if arm.history else {}
-            if newest.get("rollback_to") == recorded:
-                continue  # an earlier resume already serves a copy of it (with its moments, now pruned there)
-            if recorded is not None and recorded != arm.version:
+            # newest rollback_to == recorded: an earlier resume already serves a copy of it (its moments pruned there)
+            if recorded is not None and recorded != arm.version and newest.get("rollback_to") != recorded:
                 arm.restore_version(int(recorded), reason="resume: the update after the last record was not recorded")
+            if obj in pending_states:
+                arm.restore_pending(pending_states[obj])
 
     def pool_stats(self) -> tuple[int, int]:
         from elm_memory.eval.methods.base import dir_bytes
