@@ -548,6 +548,9 @@ def test_a_rollback_empties_the_pool(smol, tmp_path):
 
 
 def test_a_restarted_process_keeps_the_pool_and_the_guards_readings_and_shares_them(smol, tmp_path):
+    from elm_memory.cli.memory_views import stream_lines
+    from elm_memory.store.stream_files import list_streams
+
     cfg = _config(update_every=3, guard_window=1000)
     stream = StreamMemory(cfg, smol, tmp_path, namespace="ns")
     ids, at = _prompt(smol)
@@ -560,6 +563,11 @@ def test_a_restarted_process_keeps_the_pool_and_the_guards_readings_and_shares_t
 
     assert learn(stream, "q1", turn="t1").skipped == "pooled (1 of 3)"
     assert learn(stream, "q2", label="7", turn="t2").skipped == "weak_label"  # read by the guard, not pooled
+    [row] = list_streams(tmp_path)  # what `elm memories streams` shows of it
+    assert row["pending"] == {"pooled": 1, "update_every": 3, "guard_readings": 2, "guard_window": 1000}
+    assert "    since v0: 1 of 3 questions pooled for the next update, 2 of 1000 readings in the guard's window" in (
+        stream_lines([row])
+    )
     restarted = StreamMemory(cfg, smol, tmp_path, namespace="ns")
     assert [(p.question, p.turn) for p in restarted.pooled] == [("q1", "t1")]
     assert restarted.guard.state() == stream.guard.state() and len(restarted.guard.pending) == 2
@@ -572,6 +580,8 @@ def test_a_restarted_process_keeps_the_pool_and_the_guards_readings_and_shares_t
     assert [b["question"] for b in stream.history[-1]["batch"]] == ["q1", "q3", "q4"]
     assert learn(restarted, "q5", version_used=1).skipped == "pooled (1 of 3)"  # the new version's pool
     assert [p.question for p in restarted.pooled] == ["q5"] and len(restarted.guard.pending) == 5
+    [row] = list_streams(tmp_path)
+    assert (row["version"], row["pending"]["pooled"], row["pending"]["guard_readings"]) == (1, 1, 5)
 
 
 # -- a lora stream memory ------------------------------------------------------------------

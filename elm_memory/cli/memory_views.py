@@ -171,8 +171,8 @@ def _shorten(field: str, item: object) -> str:
 
 
 def stream_lines(found: list[dict[str, Any]]) -> list[str]:
-    """``elm memories streams``' table: a header, a row per stream memory, and under an amortized one's row each
-    gate decision with why and each time a resumed evaluation put the gate back."""
+    """``elm memories streams``' table: a header, a row per stream memory, and under its row each gate
+    decision with why, each time a resumed evaluation put the gate back, and what learning holds since its version."""
     lines = [
         f"{'namespace':<16} {'version':>7}  {'kind':<11} {'objective':<9} {'updates':>7}  {'kept':>9}  "
         f"{'gate':<10} {'rollbacks':<16}  path"
@@ -194,4 +194,10 @@ def stream_lines(found: list[dict[str, Any]]) -> list[str]:
         for r in gate.get("restored", []):
             (was, now), (read, kept) = r["state"], r["readings"]
             lines.append(f"    gate put back: {was} -> {now}, {read} -> {kept} readings ({'; '.join(r['reasons'])})")
+        held = s.get("pending") or {}
+        if held.get("pooled") or held.get("guard_readings"):
+            lines.append(
+                f"    since v{s['version']}: {held['pooled']} of {held['update_every']} questions pooled for the next "
+                f"update, {held['guard_readings']} of {held['guard_window']} readings in the guard's window"
+            )
     return lines

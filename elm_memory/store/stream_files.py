@@ -286,8 +286,9 @@ def stream_root(store_path: str | Path | None) -> Path:
 
 
 def list_streams(root: str | Path) -> list[dict[str, Any]]:
-    """Every stream memory under ``root``: namespace, serving version, versions written, updates, rollbacks and
-    the serving file (read from the files alone, no model)."""
+    """Every stream memory under ``root``: namespace, serving version, versions written, updates, rollbacks, the gate,
+    what learning holds since the version (questions pooled, the guard's readings) and the serving file (read from
+    the files alone, no model)."""
     out = []
     base = Path(root).expanduser()
     for current in sorted(base.glob("*/CURRENT")):
@@ -299,6 +300,10 @@ def list_streams(root: str | Path) -> list[dict[str, Any]]:
         files = StreamFiles(base, meta.namespace)
         history = files.read_history(memory)
         gate = files.read_gate()
+        held = files.read_pending()
+        if held is None or held.get("version") != version:  # nothing learned since the version was written
+            held = {"guard": stream.get("guard") or {}, "pooled": []}
+        tuning = stream.get("recipe", {}).get("tuning", {})
         out.append(
             {
                 "namespace": meta.namespace,
@@ -310,6 +315,12 @@ def list_streams(root: str | Path) -> list[dict[str, Any]]:
                 **updates_and_rollbacks(history),
                 "serving": stream.get("recipe", {}).get("serving", "vote"),
                 "gate": gate_summary(gate, history),
+                "pending": {
+                    "pooled": len(held["pooled"]),
+                    "update_every": tuning.get("update_every", 1),
+                    "guard_readings": len(held["guard"].get("pending", [])),
+                    "guard_window": tuning.get("guard_window"),
+                },
                 "created_at": meta.created_at,
                 "path": str(path),
             }
