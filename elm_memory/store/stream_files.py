@@ -181,11 +181,14 @@ class StreamFiles:
 
     def _read_json(self, name: str) -> dict[str, Any] | None:
         try:
-            return dict(json.loads((self.dir / name).read_text(encoding="utf-8")))
+            data = json.loads((self.dir / name).read_text(encoding="utf-8"))
         except FileNotFoundError:
             return None
         except json.JSONDecodeError as exc:
             raise MemoryFormatError(f"stream memory {self.dir}: {name} is not JSON ({exc})") from None
+        if not isinstance(data, dict):
+            raise MemoryFormatError(f"stream memory {self.dir}: {name} is not a JSON object")
+        return data
 
     def _write_json(self, name: str, state: dict[str, Any], indent: int | None = None) -> None:
         self.dir.mkdir(parents=True, exist_ok=True)
@@ -200,8 +203,19 @@ class StreamFiles:
         self._write_json(GATE_FILE, state, indent=1)
 
     def read_pending(self) -> dict[str, Any] | None:
-        """What learning held since a version (``{"version": V, ...}``; None: never written)."""
-        return self._read_json(PENDING_FILE)
+        """What learning held since a version (``{"version": V, "guard": {...}, "pooled": [...]}``; None: never
+        written)."""
+        held = self._read_json(PENDING_FILE)
+        if held is not None and not (
+            isinstance(held.get("version"), int)
+            and isinstance(held.get("guard"), dict)
+            and isinstance(held.get("pooled"), list)
+        ):
+            raise MemoryFormatError(
+                f"stream memory {self.dir}: {PENDING_FILE} lacks its version, guard or pooled questions; delete it to "
+                "continue from the serving version without what it held"
+            )
+        return held
 
     def write_pending(self, state: dict[str, Any]) -> None:
         """Replace what learning holds since ``state["version"]``, atomically. Call under :meth:`lock`."""
