@@ -153,8 +153,8 @@ class StreamMemory(StreamServing):
 
     def restore_pending(self, state: dict[str, Any]) -> None:
         """Put the guard and the pool back as :meth:`pending_state` saw them: a resumed evaluation answers again the
-        question after its last record, which the guard may have read and the pool held already. (A pool that
-        update consumed after the last record went into a version that the resume restores away.)"""
+        question after its last record, which the guard may have read and the pool held already. (A pool that an
+        update used after the last record is lost with the version the resume undoes.)"""
         with self.files.lock():
             self.guard.restore(state["guard"])
             recorded = list(state["pooled"])
