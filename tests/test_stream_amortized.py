@@ -686,14 +686,14 @@ def test_a_resumed_evaluation_puts_the_guard_back_where_its_last_record_left_it(
         m.setattr(StreamMemory, "pending_state", stopped)  # learn's last step, after the turn learned
         with pytest.raises(KeyboardInterrupt):
             _record(first, "What is 4 + 1?", 1)
-    held = first.stream.files.read_pending()
+    held = first.stream.files.read_pending(first.stream.version)
     assert len(held["guard"]["pending"]) == 2  # read and kept, not recorded
 
     again = _evaluation(smol, cfg, script, tmp_path)
     assert again.stream.guard.state() == held["guard"]  # a restarted process continues from what was kept
     again.resume(records)
     assert again.stream.guard.state() == recorded["guard"]
-    assert again.stream.files.read_pending()["guard"] == recorded["guard"]
+    assert again.stream.files.read_pending(again.stream.version)["guard"] == recorded["guard"]
     records.append(_record(again, "What is 4 + 1?", 1))
     assert len(again.stream.guard.pending) == 2  # question 2 read once
 

@@ -146,15 +146,16 @@ def test_namespace_folders_are_safe_and_distinct(tmp_path):
 
 def test_a_damaged_pending_file_is_a_typed_error_that_says_what_to_do(tmp_path):
     files = StreamFiles(tmp_path, "ns")
-    assert files.read_pending() is None
+    assert files.read_pending(3) is None
     files.write_pending({"version": 3, "guard": {"pending": []}, "pooled": []})
-    assert files.read_pending() == {"version": 3, "guard": {"pending": []}, "pooled": []}
+    assert files.read_pending(3) == {"version": 3, "guard": {"pending": []}, "pooled": []}
+    assert files.read_pending(4) is None  # of another version: nothing pending since version 4
     for damaged in ('{"version": 3, "guard": {}}', '{"version": 3', "[]", "3"):
         (files.dir / "pending.json").write_text(damaged)
         with pytest.raises(MemoryFormatError, match="pending.json"):
-            files.read_pending()
+            files.read_pending(3)
     files.delete()
-    assert files.read_pending() is None
+    assert files.read_pending(3) is None
 
 
 def test_a_version_serves_only_once_written_and_never_goes_back(tmp_path):

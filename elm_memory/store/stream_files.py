@@ -202,9 +202,9 @@ class StreamFiles:
         """Replace the gate's state atomically. Call under :meth:`lock`."""
         self._write_json(GATE_FILE, state, indent=1)
 
-    def read_pending(self) -> dict[str, Any] | None:
-        """What learning held since a version (``{"version": V, "guard": {...}, "pooled": [...]}``; None: never
-        written)."""
+    def read_pending(self, version: int) -> dict[str, Any] | None:
+        """What learning held since ``version`` (``{"version": V, "guard": {...}, "pooled": [...]}``; None: nothing
+        since it, since a version is written only with an empty pool and the guard's state in its own header)."""
         held = self._read_json(PENDING_FILE)
         if held is not None and not (
             isinstance(held.get("version"), int)
@@ -215,7 +215,7 @@ class StreamFiles:
                 f"stream memory {self.dir}: {PENDING_FILE} lacks its version, guard or pooled questions; delete it to "
                 "continue from the serving version without what it held"
             )
-        return held
+        return held if held is not None and held["version"] == version else None
 
     def write_pending(self, state: dict[str, Any]) -> None:
         """Replace what learning holds since ``state["version"]``, atomically. Call under :meth:`lock`."""
@@ -314,9 +314,7 @@ def list_streams(root: str | Path) -> list[dict[str, Any]]:
         files = StreamFiles(base, meta.namespace)
         history = files.read_history(memory)
         gate = files.read_gate()
-        held = files.read_pending()
-        if held is None or held.get("version") != version:  # nothing learned since the version was written
-            held = {"guard": stream.get("guard") or {}, "pooled": []}
+        held = files.read_pending(version) or {"guard": stream.get("guard") or {}, "pooled": []}
         tuning = stream.get("recipe", {}).get("tuning", {})
         out.append(
             {

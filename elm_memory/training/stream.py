@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import time
 import uuid
+from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -133,11 +134,9 @@ class StreamMemory(StreamServing):
     # -- what learning holds between versions ---------------------------------------------
     def _load_pending(self) -> None:
         """The guard's readings and the pooled questions since the serving version, as the namespace's last learner
-        left them (this process before a restart, or another; call under the lock). A version is written only when
-        the pool is empty (an update used it, a rollback dropped it), so a pending file of an older version holds
-        nothing that is still pending."""
-        held = self.files.read_pending()
-        if held is None or held.get("version") != self.version:
+        left them (this process before a restart, or another; call under the lock)."""
+        held = self.files.read_pending(self.version)
+        if held is None:
             self.pooled = []
             return
         self.guard.restore(held["guard"])
@@ -157,11 +156,11 @@ class StreamMemory(StreamServing):
         update used after the last record is lost with the version the resume undoes.)"""
         with self.files.lock():
             self.guard.restore(state["guard"])
-            recorded = list(state["pooled"])
+            recorded = Counter(state["pooled"])
             kept = []
             for p in self.pooled:
-                if question_hash(p.question) in recorded:
-                    recorded.remove(question_hash(p.question))
+                if recorded[h := question_hash(p.question)] > 0:
+                    recorded[h] -= 1
                     kept.append(p)
             self.pooled = kept
             self._save_pending()
